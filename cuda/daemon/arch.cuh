@@ -1,0 +1,192 @@
+// The thin architecture layer under the daemon: the only place that knows
+// whether the scheduler runs as a GPU block or as a simulator host thread.
+// Everything above it (submit, schedule, transfer, complete) is written once.
+//
+// GPU:       a block of blockDim.x threads; flags are read/written with
+//            system-scope acquire/release (peers are other GPUs or the host).
+// Simulator: a block is one host thread (thread index 0 of 1); the same
+//            operations map onto C++ atomics, the clock onto CLOCK_MONOTONIC,
+//            and a spin yields the CPU so that many simulated GPUs share a few
+//            cores.
+#pragma once
+
+#include "dfccl/abi.h"
+
+#if defined(__CUDACC__)
+#define DFCCL_GPU 1
+#define DFCCL_DEV __device__ __forceinline__
+#define DFCCL_NOINLINE __device__ __noinline__
+#else
+#define DFCCL_GPU 0
+#define DFCCL_DEV inline
+#define DFCCL_NOINLINE
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+#include <stdint.h>
+#endif
+
+namespace dfccl {
+
+// ---- identity -----------------------------------------------------------------
+// A GPU block is one control warp (warp 0: scheduler, protocol, waits) and
+// mover warps (all others: bulk copies and reductions).  Lane 0 of the control
+// warp is the leader that polls flags and publishes decisions; the control warp
+// keeps in step with __syncwarp.  Movers and control meet only at two named
+// barriers around each data move (execute_move in schedule.cuh).
+// In the simulator a block is one thread that plays every role.
+#if DFCCL_GPU
+constexpr int kControlThreads = 32;
+DFCCL_DEV bool is_leader() { return threadIdx.x == 0; }
+DFCCL_DEV void control_sync() { __syncwarp(); }
+DFCCL_DEV int mover_index() { return (int)threadIdx.x - kControlThreads; }
+DFCCL_DEV int mover_count() { return (int)blockDim.x - kControlThreads; }
+#else
+DFCCL_DEV bool is_leader() { return true; }
+DFCCL_DEV void control_sync() {}
+DFCCL_DEV int mover_index() { return 0; }
+DFCCL_DEV int mover_count() { return 1; }
+#endif
+
+// ---- clock -----------------------------------------------------------------
+#if DFCCL_GPU
+DFCCL_DEV uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#else
+DFCCL_DEV uint64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+#endif
+
+// Called in every spin iteration.  On the GPU a short sleep keeps a polling
+// thread from hammering NVLink/PCIe; in the simulator the CPU is handed over.
+#if DFCCL_GPU
+DFCCL_DEV void spin_pause() { __nanosleep(64); }
+DFCCL_DEV void idle_pause() { __nanosleep(2000); }
+#else
+DFCCL_DEV void spin_pause() { sched_yield(); }
+DFCCL_DEV void idle_pause() {
+  struct timespec ts = {0, 20000};
+  nanosleep(&ts, nullptr);
+}
+#endif
+
+// ---- flags: loads and stores that order memory across devices ---------------
+#if DFCCL_GPU
+DFCCL_DEV uint64_t load_acquire(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV uint32_t load_acquire(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV uint64_t load_relaxed(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV uint32_t load_relaxed(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV void store_release(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DFCCL_DEV void store_release(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+DFCCL_DEV void store_relaxed(uint64_t *p, uint64_t v) {
+  asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DFCCL_DEV void store_relaxed(uint32_t *p, uint32_t v) {
+  asm volatile("st.relaxed.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+DFCCL_DEV uint64_t atomic_add(uint64_t *p, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.add.release.sys.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
+  return atomicCAS(p, expect, v);
+}
+DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
+  atomicMax((unsigned long long *)p, (unsigned long long)v);
+}
+// Orders this block's earlier writes (made visible to thread 0 by a barrier)
+// before thread 0's next flag store, for every observer in the system.
+DFCCL_DEV void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+DFCCL_DEV void fence_seq_cst() { asm volatile("fence.sc.sys;" ::: "memory"); }
+#else
+DFCCL_DEV uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+DFCCL_DEV uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+DFCCL_DEV uint64_t load_relaxed(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+DFCCL_DEV uint32_t load_relaxed(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+DFCCL_DEV void store_release(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+DFCCL_DEV void store_release(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+DFCCL_DEV void store_relaxed(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+DFCCL_DEV void store_relaxed(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+DFCCL_DEV uint64_t atomic_add(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
+  __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return expect;
+}
+DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
+  uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+  }
+}
+DFCCL_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+DFCCL_DEV void fence_seq_cst() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+#endif
+
+// ---- bulk data: 16-byte packs ----------------------------------------------
+// Data that another device or kernel may have written while the daemon runs is
+// read past the (non-coherent) L1: ld.global.cg keeps it in L2 only.
+struct alignas(16) pack16 {
+  uint64_t lo, hi;
+};
+
+#if DFCCL_GPU
+DFCCL_DEV pack16 load_pack(const void *p) {
+  pack16 v;
+  asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(v.lo), "=l"(v.hi) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV void store_pack(void *p, pack16 v) {
+  asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(v.lo), "l"(v.hi) : "memory");
+}
+template <typename T>
+DFCCL_DEV T load_elem(const T *p) {
+  // volatile: same reason as .cg above, for the unaligned tails.
+  return *(const volatile T *)p;
+}
+#else
+DFCCL_DEV pack16 load_pack(const void *p) {
+  pack16 v;
+  memcpy(&v, p, 16);
+  return v;
+}
+DFCCL_DEV void store_pack(void *p, pack16 v) { memcpy(p, &v, 16); }
+template <typename T>
+DFCCL_DEV T load_elem(const T *p) { return *p; }
+#endif
+
+template <typename T>
+DFCCL_DEV T *ptr(uint64_t addr) { return reinterpret_cast<T *>(addr); }
+
+}  // namespace dfccl

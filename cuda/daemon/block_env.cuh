@@ -1,0 +1,121 @@
+// What one daemon block carries while it runs: its arguments, its shared
+// memory, and the state of the task run in progress.
+#pragma once
+
+#include "arch.cuh"
+
+namespace dfccl {
+
+// One data move, described by the control warp for the movers (move.cuh).
+struct MoveDesc {
+  uint64_t nelem;
+  uint32_t nsrcs, ndsts, postdiv;
+  uint8_t dtype, op, quit, pad;
+};
+
+// Shared by the threads of one block (GPU shared memory; a local in the
+// simulator).  The leader decides, control_sync() publishes to the control
+// warp, the move barriers publish to the movers.
+struct BlockShared {
+  uint32_t pick;           // scheduler decision for this pass
+  uint32_t quit;
+  int32_t wait_result[2];  // double-buffered result of block_wait()
+  MoveDesc move;
+  uint64_t srcs[DFCCL_MAX_RANKS + 1];
+  uint64_t dsts[2];
+  uint32_t active_len;
+  uint32_t cursor;
+};
+
+// Outcome of one wait, one step, one run.
+enum WaitResult { WAIT_OK = 0, WAIT_EXPIRED = 1, WAIT_ABORT = 2 };
+enum RunResult { RUN_DONE = 0, RUN_PREEMPTED = 1, RUN_FAILED = 2 };
+
+struct BlockEnv {
+  const dfccl_daemon_args *args;
+  BlockShared *sm;
+  uint32_t block;    // = channel index
+  uint32_t wparity;  // which wait_result slot the next wait uses
+};
+
+// State of one run of one task on one block.  Every lane of the control warp
+// holds an identical copy: the algorithms are deterministic and every wait's
+// result is broadcast, so all lanes walk the same steps.  Fields marked
+// "leader" are meaningful in the leader only; it saves the run into the context.
+struct TaskRun {
+  dfccl_task_ctx *ctx;
+  const dfccl_task_desc *d;   // = &ctx->desc
+  const dfccl_endpoint *ep;
+  dfccl_chan_state *mine;     // this rank's record, this channel
+  uint64_t token;             // token(key, instance)
+  uint64_t deadline_ns;       // leader: preempt when a wait passes it
+  uint64_t window_ns;         // leader
+  uint64_t max_wait_ns;       // leader: longest successful wait of this run
+  uint32_t step;
+  uint64_t pos[4];
+  uint32_t waiting_on;        // leader
+  uint32_t status;            // leader
+  int32_t detail;             // leader
+  bool progressed;
+};
+
+// ---- tags, tokens, signatures -----------------------------------------------
+DFCCL_DEV uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+// Names one instance of one tag in flags that peers compare for equality;
+// never zero, so a zeroed record matches nothing.
+DFCCL_DEV uint64_t instance_token(uint64_t key, uint64_t instance) {
+  return mix64(key + instance * 0x9e3779b97f4a7c15ull) | 1ull;
+}
+
+DFCCL_DEV uint64_t task_signature(const dfccl_task_desc &d, uint32_t nranks) {
+  return (uint64_t)d.kind | ((uint64_t)d.dtype << 4) | ((uint64_t)d.op << 8) | ((uint64_t)d.path << 12) |
+         ((uint64_t)d.root << 16) | ((uint64_t)d.nchannels << 32) | ((uint64_t)nranks << 40) |
+         ((uint64_t)(d.flags & DFCCL_TASK_ONE_SHOT) << 48);
+}
+
+// Counters of the ring protocol carry the instance in their high half so that
+// values left from an earlier instance never satisfy a wait.
+DFCCL_DEV uint64_t tagged_count(uint64_t instance, uint64_t n) { return (instance << 32) | (n & 0xffffffffull); }
+DFCCL_DEV uint64_t count_for(uint64_t word, uint64_t instance) {
+  return (word >> 32) == (instance & 0xffffffffull) ? (word & 0xffffffffull) : 0;
+}
+
+// ---- tag records ---------------------------------------------------------------
+DFCCL_DEV uint32_t home_bucket(uint64_t key, uint32_t capacity) { return (uint32_t)(mix64(key) % capacity); }
+
+DFCCL_DEV dfccl_chan_state *record_chan(uint64_t record, uint32_t channel) {
+  return ptr<dfccl_chan_state>(record + DFCCL_RECORD_HEADER_BYTES + (uint64_t)channel * sizeof(dfccl_chan_state));
+}
+
+DFCCL_DEV uint64_t record_at(const dfccl_endpoint *ep, uint32_t rank, uint32_t bucket) {
+  return ep->peer_table[rank] + (uint64_t)bucket * ep->record_stride;
+}
+
+// Finds rank's record of `key` by linear probing from the home bucket, the
+// same sequence the owner's host used to place it.  0: not there (yet).
+DFCCL_DEV uint64_t probe_record(const dfccl_endpoint *ep, uint32_t rank, uint64_t key) {
+  const uint32_t cap = ep->table_capacity;
+  uint32_t b = home_bucket(key, cap);
+  for (uint32_t i = 0; i < cap; ++i) {
+    uint64_t rec = record_at(ep, rank, b);
+    uint64_t k = load_acquire(&ptr<dfccl_record_header>(rec)->key);
+    if (k == key) return rec;
+    if (k == 0) return 0;
+    b = (b + 1 == cap) ? 0 : b + 1;
+  }
+  return 0;
+}
+
+DFCCL_DEV dfccl_task_ctx *ctx_at(const dfccl_daemon_args *a, uint32_t slot, uint32_t block) {
+  return a->ctx + (uint64_t)slot * a->nblocks + block;
+}
+
+}  // namespace dfccl

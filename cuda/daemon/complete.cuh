@@ -1,0 +1,74 @@
+// Complete: a block finishes its channel part of a task; the last part to
+// finish writes the slot's result and then its completion word, which the host
+// polls (Work.synchronize) and streams wait on (cuStreamWaitValue32).
+#pragma once
+
+#include "block_env.cuh"
+
+namespace dfccl {
+
+// Records the first failure of a task so that its other channels stop too.
+DFCCL_DEV void record_failure(const BlockEnv &env, const TaskRun &run) {
+  const uint32_t word = (run.status << 16) | ((uint32_t)(run.detail + 1) & 0xffffu);
+  atomic_cas_local(&env.args->slot_error[run.d->slot], 0u, word);
+}
+
+// The leader.  The other blocks' contexts are read with strong loads: this block
+// may hold stale L1 lines of them from an earlier use of the slot.
+DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_t now) {
+  const dfccl_daemon_args *a = env.args;
+  const dfccl_task_desc *d = run.d;
+  dfccl_task_ctx *ctx = run.ctx;
+  ctx->status = run.status;
+  ctx->detail = run.detail;
+  ctx->state = DFCCL_CTX_DONE;
+  ctx->finish_ns = now;
+  // Later instances of the tag on this channel may start now.
+  store_release(&run.mine->local_done, d->instance);
+  fence_system();
+  const uint32_t slot = d->slot;
+  const uint32_t finished = atomic_add_local(&a->slot_counter[slot], 1u) + 1u;
+  if (finished != d->nchannels) return;
+
+  dfccl_result res;
+  res.status = DFCCL_STATUS_OK;
+  res.detail = -1;
+  res.preemptions = 0;
+  res.resumes = 0;
+  res.queued_ns = 0;
+  res.running_ns = 0;
+  res.wall_ns = 0;
+  res.waiting_on = 0;
+  res.nchannels = d->nchannels;
+  res.max_wait_ns = 0;
+  res.reserved = 0;
+  for (uint32_t b = 0; b < d->nchannels; ++b) {
+    dfccl_task_ctx *cb = ctx_at(a, slot, b);
+    const uint64_t pulled = load_relaxed(&cb->pulled_ns);
+    const uint64_t first = load_relaxed(&cb->first_run_ns);
+    const uint64_t finish = load_relaxed(&cb->finish_ns);
+    const uint64_t waited = load_relaxed(&cb->max_wait_ns);
+    if (waited > res.max_wait_ns) res.max_wait_ns = waited;
+    const uint64_t running = load_relaxed(&cb->running_ns);
+    res.preemptions += load_relaxed(&cb->preemptions);
+    res.resumes += load_relaxed(&cb->resumes);
+    if (first > pulled && first - pulled > res.queued_ns) res.queued_ns = first - pulled;
+    if (running > res.running_ns) res.running_ns = running;
+    if (finish > first && finish - first > res.wall_ns) res.wall_ns = finish - first;
+    const uint32_t w = load_relaxed(&cb->waiting_on);
+    if (w != 0) res.waiting_on = w;
+  }
+  const uint32_t err = load_relaxed(&a->slot_error[slot]);
+  if (err != 0) {
+    res.status = err >> 16;
+    res.detail = (int32_t)(err & 0xffffu) - 1;
+  }
+  // Reset the slot's device words before the host may reuse the slot.
+  store_relaxed(&a->slot_counter[slot], 0u);
+  store_relaxed(&a->slot_error[slot], 0u);
+  a->results[slot] = res;
+  fence_system();
+  store_release(&a->done[slot], d->gen);
+}
+
+}  // namespace dfccl

@@ -1,0 +1,226 @@
+// Schedule: the loop every daemon block runs, on the GPU and in the simulator.
+//
+//   for (;;) {
+//     pull new submissions into this block's active list      (submit.cuh)
+//     leave if the daemon is quitting (idle, or the host asks)
+//     pick the next runnable task, round robin over the list (oldest first)
+//     run it from its saved step until done / failed / preempted (transfer.cuh)
+//     save its context; on completion publish the result       (complete.cuh)
+//   }
+//
+// Preemption policy (the one place it lives): see preemption_window().
+#pragma once
+
+#include "complete.cuh"
+#include "submit.cuh"
+#include "transfer.cuh"
+
+namespace dfccl {
+
+constexpr uint32_t kNoTask = 0xffffffffu;
+constexpr uint32_t kPolicyRefreshPasses = 64;
+
+// Per-block copy of the host-published policy words (refreshed periodically:
+// they live in host memory, a PCIe round trip away).
+struct PolicyCache {
+  uint64_t base_window_ns, max_window_ns, idle_quit_ns;
+  uint32_t passes;
+};
+
+// How long a run may go without progress before it is preempted.
+//  - base: adapted by the host to the peer skew it observes (policy.py);
+//  - the oldest task in the list gets twice the window, doubled again per
+//    consecutive fruitless run (bounded): ranks converge on their oldest
+//    collectives, and a peer's short visit finds them waiting;
+//  - once data has moved (the gang has formed) the run is sticky: 16 x base;
+//  - every other task gets the base window: a collective whose peers are
+//    absent costs one short window per pass, however many are pending;
+//  - never more than max_window_ns, so the daemon stays responsive.
+// Deadlock freedom does not rest on these numbers: every step a run completes
+// (publishing, sending a slice, signalling a phase) persists across
+// preemptions, so any collective all ranks keep visiting completes.
+DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx *ctx, bool oldest) {
+  const uint64_t cap = p.max_window_ns;
+  const uint64_t base = p.base_window_ns;
+  if (base >= cap) return cap;
+  // Saturating: no product below exceeds cap, so nothing overflows.
+  uint64_t w = base;
+  if (oldest) {
+    w = w > cap / 2 ? cap : 2 * w;
+    for (uint32_t i = 0; i < ctx->fails && i < 6 && w < cap; ++i) w = w > cap / 2 ? cap : 2 * w;
+  }
+  if (ctx->sticky && w < cap) w = base > cap / 16 ? cap : (w > 16 * base ? w : 16 * base);
+  return w < cap ? w : cap;
+}
+
+// The leader: may this task run now?  It must be armed (a stream-ordered
+// submission is armed when its stream gets there) and the previous instance
+// of its tag on this rank must be done with this channel.
+DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
+  const dfccl_daemon_args *a = env.args;
+  const dfccl_task_desc *d = &ctx->desc;
+  if (ctx->state == DFCCL_CTX_PULLED) {
+    if (load_acquire(&a->armed[d->slot]) != d->gen) return false;
+    ctx->state = DFCCL_CTX_ARMED;
+  }
+  if (d->prev_instance != 0 && env.block < d->prev_nchannels) {
+    const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
+    dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), env.block);
+    if (load_acquire(&mine->local_done) < d->prev_instance) return false;
+  }
+  return true;
+}
+
+DFCCL_DEV uint32_t pick_task(const BlockEnv &env, const uint32_t *active, uint32_t len, uint32_t cursor) {
+  for (uint32_t i = 0; i < len; ++i) {
+    uint32_t idx = (cursor + i) % len;
+    if (runnable(env, ctx_at(env.args, active[idx], env.block))) return idx;
+  }
+  return kNoTask;
+}
+
+// The leader.  Block 0 decides when the whole daemon leaves: on the host's
+// request, or when no block has made progress for idle_quit_ns.  Before it
+// commits to an idle quit it announces QUITTING and re-reads the submission
+// tail; the host publishes the tail and then reads the state (the two halves
+// of Dekker's protocol), so a submission is never stranded: either the daemon
+// sees it and stays, or the host sees QUITTING and launches again.
+DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now) {
+  const dfccl_daemon_args *a = env.args;
+  dfccl_daemon_state *st = a->state;
+  if (load_relaxed(&st->quit_epoch) == a->epoch) return true;
+  if (env.block != 0) return false;
+  dfccl_control *ctrl = a->control;
+  const uint64_t running = ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_RUNNING;
+  bool quit = load_relaxed(&ctrl->quit_request) != 0;
+  if (!quit) {
+    const uint64_t last = load_relaxed(&st->last_progress_ns);
+    if (now < last || now - last < p.idle_quit_ns) return false;
+    store_release(&ctrl->daemon_state, ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_QUITTING);
+    fence_seq_cst();
+    if (load_acquire(&ctrl->sq_tail) != st->sq_head[0]) {
+      store_release(&ctrl->daemon_state, running);
+      return false;
+    }
+  }
+  store_release(&st->quit_epoch, (uint64_t)a->epoch);
+  return true;
+}
+
+// Runs active[pick] once; the leader saves its context and, when it is over,
+// completes it and takes it off the active list.
+DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *active, uint32_t pick) {
+  const dfccl_daemon_args *a = env.args;
+  BlockShared *sm = env.sm;
+  dfccl_task_ctx *ctx = ctx_at(a, active[pick], env.block);
+  TaskRun run;
+  run.ctx = ctx;
+  run.d = &ctx->desc;
+  run.ep = &a->endpoints[run.d->endpoint];
+  run.mine = record_chan(record_at(run.ep, run.ep->rank, run.d->bucket), env.block);
+  run.token = instance_token(run.d->tag_key, run.d->instance);
+  run.step = ctx->step;
+  for (int i = 0; i < 4; ++i) run.pos[i] = ctx->pos[i];
+  run.waiting_on = 0;
+  run.status = DFCCL_STATUS_OK;
+  run.detail = -1;
+  run.progressed = false;
+  run.window_ns = 0;
+  run.deadline_ns = 0;
+  run.max_wait_ns = 0;
+  uint64_t start = 0;
+  if (is_leader()) {
+    start = now_ns();
+    run.window_ns = preemption_window(policy, ctx, pick == 0);
+    run.deadline_ns = start + run.window_ns;
+    if (ctx->first_run_ns == 0) ctx->first_run_ns = start;
+    else ctx->resumes += 1;  // every later run follows a preemption
+  }
+
+  int rc = run_transfer(env, run);
+  if (rc == RUN_FAILED) {
+    push_abort(env, run, run.d->path == DFCCL_PATH_DIRECT);
+    if (is_leader()) record_failure(env, run);
+  }
+
+  if (is_leader()) {
+    const uint64_t end = now_ns();
+    ctx->step = run.step;
+    for (int i = 0; i < 4; ++i) ctx->pos[i] = run.pos[i];
+    ctx->running_ns += end - start;
+    if (run.max_wait_ns > ctx->max_wait_ns) ctx->max_wait_ns = run.max_wait_ns;
+    if (run.progressed) atomic_max_local(&a->state->last_progress_ns, end);
+    if (rc == RUN_PREEMPTED) {
+      ctx->preemptions += 1;
+      ctx->fails = run.progressed ? 0 : ctx->fails + 1;
+      ctx->sticky = run.progressed ? 1 : 0;
+      ctx->waiting_on = run.waiting_on;
+      store_relaxed(&a->results[run.d->slot].waiting_on, run.waiting_on);  // live, for timeouts
+      sm->cursor = pick + 1;
+    } else {
+      complete_channel(env, run, end);
+      for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
+      sm->active_len -= 1;
+      // Round robin goes on with the task after it (now at `pick`).  Going
+      // back to the oldest after every completion would re-walk every stalled
+      // task per completion: quadratic with many pending.  The oldest keeps
+      // its priority through its longer window.
+      sm->cursor = pick;
+    }
+  }
+  control_sync();
+}
+
+// The control warp of one block (the whole block in the simulator).
+DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm, uint32_t block) {
+  BlockEnv env;
+  env.args = args;
+  env.sm = sm;
+  env.block = block;
+  env.wparity = 0;
+  dfccl_daemon_state *st = args->state;
+  dfccl_control *ctrl = args->control;
+  uint32_t *active = args->active + (uint64_t)block * args->nslots;
+  PolicyCache policy;
+  policy.passes = kPolicyRefreshPasses;
+  if (is_leader()) {
+    sm->active_len = st->active_len[block];
+    sm->cursor = st->cursor[block];
+    if (block == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_RUNNING);
+    atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress
+  }
+  for (;;) {
+    if (is_leader()) {
+      if (++policy.passes >= kPolicyRefreshPasses) {
+        policy.passes = 0;
+        policy.base_window_ns = load_relaxed(&ctrl->base_window_ns);
+        policy.max_window_ns = load_relaxed(&ctrl->max_window_ns);
+        policy.idle_quit_ns = load_relaxed(&ctrl->idle_quit_ns);
+      }
+      const uint32_t pulled = pull_submissions(env, active, sm->active_len);
+      const uint64_t now = now_ns();
+      if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
+      sm->quit = should_quit(env, policy, now) ? 1u : 0u;
+      sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
+    }
+    control_sync();
+    if (sm->quit) break;
+    const uint32_t pick = sm->pick;
+    if (pick == kNoTask) {
+      if (is_leader()) idle_pause();
+      control_sync();
+      continue;
+    }
+    run_one(env, policy, active, pick);
+  }
+  dismiss_movers(sm);
+  if (is_leader()) {
+    st->active_len[block] = sm->active_len;
+    st->cursor[block] = sm->cursor;
+    fence_system();
+    const uint64_t left = atomic_add(&st->blocks_exited, 1) + 1;
+    if (left % args->nblocks == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_EXITED);
+  }
+}
+
+}  // namespace dfccl

@@ -1,0 +1,32 @@
+// Transfer: runs one task on one channel from its saved step until it is done,
+// fails, or a wait passes its deadline.  The data path was chosen by the host
+// (dfccl_task_desc.path); a communicator of one rank only copies.
+#pragma once
+
+#include "transfer_direct.cuh"
+#include "transfer_ring.cuh"
+
+namespace dfccl {
+
+DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
+  const dfccl_task_desc *d = run.d;
+  if (d->send_addr != d->recv_addr) {
+    const uint32_t esize = dtype_size(d->dtype);
+    Range part = split(d->count, d->nchannels, env.block, pack_elems(esize));
+    if (is_leader()) {
+      env.sm->srcs[0] = d->send_addr + part.off * esize;
+      env.sm->dsts[0] = d->recv_addr + part.off * esize;
+    }
+    move_data(env, run, 1, 1, part.len, 1);
+  }
+  run.progressed = true;
+  return RUN_DONE;
+}
+
+DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
+  if (run.ep->nranks == 1) return run_single_rank(env, run);
+  if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);
+  return run_ring(env, run);
+}
+
+}  // namespace dfccl

@@ -1,0 +1,135 @@
+// Pieces every data path uses: publishing this rank's instance of a tag,
+// meeting a peer's published instance, geometry, and giving up loudly.
+#pragma once
+
+#include "move.cuh"
+#include "wait.cuh"
+
+namespace dfccl {
+
+DFCCL_DEV uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+DFCCL_DEV uint64_t ceil_div(uint64_t x, uint64_t a) { return (x + a - 1) / a; }
+
+// Elements per 16-byte pack: partitions are cut on pack boundaries so that
+// every part but the last of a buffer keeps 16-byte alignment.
+DFCCL_DEV uint64_t pack_elems(uint32_t esize) { return esize >= 16 ? 1 : 16 / esize; }
+
+struct Range {
+  uint64_t off, len;
+};
+
+// Part `i` of `parts` equal, pack-aligned pieces of [0, total).
+DFCCL_DEV Range split(uint64_t total, uint32_t parts, uint32_t i, uint64_t align) {
+  uint64_t per = round_up(ceil_div(total, parts), align);
+  uint64_t b = per * i < total ? per * i : total;
+  uint64_t e = b + per < total ? b + per : total;
+  return Range{b, e - b};
+}
+
+// One data move from the address lists the leader wrote into sm->srcs/dsts.
+// The movers' writes are published by a later flag, after release_fence().
+DFCCL_DEV void move_data(BlockEnv &env, const TaskRun &run, uint32_t nsrcs, uint32_t ndsts, uint64_t nelem,
+                         uint32_t postdiv) {
+  if (is_leader()) {
+    MoveDesc &m = env.sm->move;
+    m.nelem = nelem;
+    m.nsrcs = nsrcs;
+    m.ndsts = ndsts;
+    m.postdiv = postdiv;
+    m.dtype = run.d->dtype;
+    m.op = run.d->op;
+    m.quit = 0;
+  }
+  control_sync();
+  execute_move(env.sm);
+}
+
+// The peer's record address in the per-task cache, or found again by probing.
+DFCCL_DEV uint64_t peer_record(const TaskRun &run, uint32_t index, uint32_t rank) {
+  if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0) return run.ctx->peer_rec[index];
+  return probe_record(run.ep, rank, run.d->tag_key);
+}
+
+// Step 0 of every collective: make this rank's instance visible on this
+// channel.  Counters peers write into are zeroed first; peers write them only
+// after they have seen `ready`, which is released last.
+DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
+  if (is_leader()) {
+    dfccl_chan_state *m = run.mine;
+    const dfccl_task_desc *d = run.d;
+    store_relaxed(&m->recv_posted, 0);
+    store_relaxed(&m->send_credit, 0);
+    store_relaxed(&m->phase1, 0);
+    store_relaxed(&m->phase2, 0);
+    store_relaxed(&m->signature, task_signature(*d, run.ep->nranks));
+    store_relaxed(&m->count, d->count);
+    store_relaxed(&m->slice_bytes, d->slice_bytes);
+    store_relaxed(&m->send_addr, d->send_addr);
+    store_relaxed(&m->recv_addr, d->recv_addr);
+    store_relaxed(&m->fifo, fifo_word);
+    uint64_t own = record_at(run.ep, run.ep->rank, d->bucket);
+    store_release(&ptr<dfccl_record_header>(own)->key, d->tag_key);
+    store_release(&m->ready, run.token);
+  }
+}
+
+// Waits until `peer` has published this instance on this channel and checks
+// that it names the same collective.  Until then the peer's table is probed
+// afresh on every poll: a bucket that held this tag earlier may still carry
+// its key, and the live record appears only when the peer publishes.  The
+// leader caches the record it met.
+DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index) {
+  uint64_t met = 0;
+  const uint32_t c = env.block;
+  int r = block_wait(env, run, peer, [&]() -> int {
+    const uint64_t rec = probe_record(run.ep, peer, run.d->tag_key);
+    if (rec == 0) return 0;
+    dfccl_chan_state *pc = record_chan(rec, c);
+    if (load_relaxed(&pc->abort_token) == run.token) {
+      run.status = DFCCL_STATUS_PEER_ABORTED;
+      run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+      return -1;
+    }
+    if (load_acquire(&pc->ready) != run.token) return 0;
+    met = rec;
+    if (load_relaxed(&pc->signature) != task_signature(*run.d, run.ep->nranks) ||
+        load_relaxed(&pc->count) != run.d->count || load_relaxed(&pc->slice_bytes) != run.d->slice_bytes) {
+      run.status = DFCCL_STATUS_MISMATCH;
+      run.detail = (int32_t)peer;
+      return -1;
+    }
+    return 1;
+  });
+  if (is_leader() && met != 0 && cache_index < DFCCL_PEER_CACHE) run.ctx->peer_rec[cache_index] = met;
+  return r;
+}
+
+// Marks this instance failed where the peers will look: in this rank's own
+// record (peers that have not met us yet find it there) and in the records of
+// the peers we talk to (so that their waits stop).  A failure thereby travels
+// along the ring or across the star instead of leaving peers to time out.  The
+// rank where it started travels with it.
+DFCCL_DEV void mark_abort(uint64_t rec, uint32_t channel, uint64_t token, uint64_t info) {
+  dfccl_chan_state *pc = record_chan(rec, channel);
+  store_relaxed(&pc->abort_info, info);
+  store_release(&pc->abort_token, token);
+}
+
+DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
+  if (!is_leader()) return;
+  const uint32_t origin = run.status == DFCCL_STATUS_PEER_ABORTED && run.detail >= 0 ? (uint32_t)run.detail : run.ep->rank;
+  const uint64_t info = ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | origin;
+  mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), env.block, run.token, info);
+  if (all_peers) {
+    for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
+      uint32_t p = (run.ep->rank + 1 + i) % run.ep->nranks;
+      uint64_t rec = peer_record(run, i, p);
+      if (rec != 0) mark_abort(rec, env.block, run.token, info);
+    }
+  } else {
+    for (uint32_t i = 0; i < 2; ++i)
+      if (run.ctx->peer_rec[i] != 0) mark_abort(run.ctx->peer_rec[i], env.block, run.token, info);
+  }
+}
+
+}  // namespace dfccl

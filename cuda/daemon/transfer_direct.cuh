@@ -1,0 +1,194 @@
+// The direct path: peers' buffers are addressable, so every rank reads its
+// peers' inputs (and, for a two-shot all-reduce, their reduced segments) in
+// place.  The only waits are per-tag flags, which is where preemption happens:
+//
+//   PUBLISH  this rank's buffers and signature            (no wait)
+//   MEET     every peer's published instance              (wait per peer)
+//   WORK1    reduce / copy what this rank owns
+//   WAIT1    all peers finished WORK1   (two-shot all-reduce only)
+//   WORK2    gather the peers' reduced segments (two-shot all-reduce only)
+//   WAIT2    all peers finished reading this rank's buffers
+//
+// A rank completes only after WAIT2, so no peer touches its buffers or its
+// record afterwards: the record can be reused and the buffers handed back.
+#pragma once
+
+#include "transfer_common.cuh"
+
+namespace dfccl {
+
+enum DirectStep { D_PUBLISH = 0, D_MEET = 1, D_WORK1 = 2, D_WAIT1 = 3, D_WORK2 = 4, D_WAIT2 = 5, D_DONE = 6 };
+
+constexpr uint32_t kAnyPeer = 0xfffeu;
+
+struct DirectGeometry {
+  uint32_t n, r, c, nch, esize;
+  uint64_t align;
+};
+
+DFCCL_DEV DirectGeometry direct_geometry(const BlockEnv &env, const TaskRun &run) {
+  DirectGeometry g;
+  g.n = run.ep->nranks;
+  g.r = run.ep->rank;
+  g.c = env.block;
+  g.nch = run.d->nchannels;
+  g.esize = dtype_size(run.d->dtype);
+  g.align = pack_elems(g.esize);
+  return g;
+}
+
+DFCCL_DEV bool two_shot(const dfccl_task_desc *d) {
+  return d->kind == DFCCL_ALL_REDUCE && (d->flags & DFCCL_TASK_ONE_SHOT) == 0;
+}
+
+// The leader: input / output address of rank p (this rank's from its descriptor,
+// a peer's from the record it published).
+DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint32_t p, bool output) {
+  if (p == g.r) return output ? run.d->recv_addr : run.d->send_addr;
+  uint32_t index = (p + g.n - g.r - 1) % g.n;
+  dfccl_chan_state *pc = record_chan(peer_record(run, index, p), g.c);
+  return load_relaxed(output ? &pc->recv_addr : &pc->send_addr);
+}
+
+// Our output at dst_off = op over all ranks of their input at src_off.
+DFCCL_DEV void reduce_all_inputs(BlockEnv &env, const TaskRun &run, const DirectGeometry &g, uint64_t src_off,
+                                 uint64_t dst_off, uint64_t nelem) {
+  if (is_leader()) {
+    for (uint32_t p = 0; p < g.n; ++p) env.sm->srcs[p] = rank_buffer(run, g, p, false) + src_off * g.esize;
+    env.sm->dsts[0] = run.d->recv_addr + dst_off * g.esize;
+  }
+  move_data(env, run, g.n, 1, nelem, run.d->op == DFCCL_AVG ? g.n : 1);
+}
+
+DFCCL_DEV void copy_from(BlockEnv &env, const TaskRun &run, const DirectGeometry &g, uint32_t p, bool from_output,
+                         uint64_t src_off, uint64_t dst_off, uint64_t nelem) {
+  if (is_leader()) {
+    env.sm->srcs[0] = rank_buffer(run, g, p, from_output) + src_off * g.esize;
+    env.sm->dsts[0] = run.d->recv_addr + dst_off * g.esize;
+  }
+  move_data(env, run, 1, 1, nelem, 1);
+}
+
+// WORK1: what this rank produces from the peers' inputs.
+DFCCL_DEV void direct_work1(BlockEnv &env, const TaskRun &run, const DirectGeometry &g) {
+  const dfccl_task_desc *d = run.d;
+  switch (d->kind) {
+    case DFCCL_ALL_REDUCE: {
+      if (two_shot(d)) {
+        Range seg = split(d->count, g.n, g.r, g.align);
+        Range part = split(seg.len, g.nch, g.c, g.align);
+        reduce_all_inputs(env, run, g, seg.off + part.off, seg.off + part.off, part.len);
+      } else {
+        Range part = split(d->count, g.nch, g.c, g.align);
+        reduce_all_inputs(env, run, g, part.off, part.off, part.len);
+      }
+      break;
+    }
+    case DFCCL_REDUCE_SCATTER: {
+      Range part = split(d->count, g.nch, g.c, g.align);
+      reduce_all_inputs(env, run, g, (uint64_t)g.r * d->count + part.off, part.off, part.len);
+      break;
+    }
+    case DFCCL_ALL_GATHER: {
+      Range part = split(d->count, g.nch, g.c, g.align);
+      const bool in_place = d->send_addr == d->recv_addr + (uint64_t)g.r * d->count * g.esize;
+      for (uint32_t i = 0; i < g.n; ++i) {
+        uint32_t p = (g.r + i) % g.n;
+        if (p == g.r && in_place) continue;
+        copy_from(env, run, g, p, false, part.off, (uint64_t)p * d->count + part.off, part.len);
+      }
+      break;
+    }
+    case DFCCL_BROADCAST: {
+      Range part = split(d->count, g.nch, g.c, g.align);
+      if (g.r != d->root || d->send_addr != d->recv_addr) copy_from(env, run, g, d->root, false, part.off, part.off, part.len);
+      break;
+    }
+    default: {  // DFCCL_REDUCE
+      Range part = split(d->count, g.nch, g.c, g.align);
+      if (g.r == d->root) reduce_all_inputs(env, run, g, part.off, part.off, part.len);
+      break;
+    }
+  }
+}
+
+// WORK2 (two-shot all-reduce): copy every peer's reduced segment.
+DFCCL_DEV void direct_work2(BlockEnv &env, const TaskRun &run, const DirectGeometry &g) {
+  for (uint32_t i = 1; i < g.n; ++i) {
+    uint32_t p = (g.r + i) % g.n;
+    Range seg = split(run.d->count, g.n, p, g.align);
+    Range part = split(seg.len, g.nch, g.c, g.align);
+    copy_from(env, run, g, p, true, seg.off + part.off, seg.off + part.off, part.len);
+  }
+}
+
+// Leader, after release_fence(): tell every peer this phase is done.
+DFCCL_DEV void signal_peers(const TaskRun &run, const DirectGeometry &g, bool phase1) {
+  if (!is_leader()) return;
+  for (uint32_t i = 0; i + 1 < g.n; ++i) {
+    uint32_t p = (g.r + 1 + i) % g.n;
+    dfccl_chan_state *pc = record_chan(peer_record(run, i, p), g.c);
+    atomic_add(phase1 ? &pc->phase1 : &pc->phase2, 1);
+  }
+}
+
+DFCCL_DEV int wait_phase(BlockEnv &env, TaskRun &run, const DirectGeometry &g, bool phase1) {
+  uint64_t *counter = phase1 ? &run.mine->phase1 : &run.mine->phase2;
+  const uint64_t need = g.n - 1;
+  return block_wait(env, run, kAnyPeer, [&]() -> int { return load_acquire(counter) >= need ? 1 : 0; });
+}
+
+DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
+  const DirectGeometry g = direct_geometry(env, run);
+  for (;;) {
+    switch (run.step) {
+      case D_PUBLISH:
+        publish_instance(run, 0);
+        run.pos[0] = 0;
+        run.step = D_MEET;
+        run.progressed = true;
+        break;
+      case D_MEET:
+        while (run.pos[0] + 1 < g.n) {
+          uint32_t i = (uint32_t)run.pos[0];
+          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i);
+          if (w != WAIT_OK) return stop_run(w);
+          run.pos[0] += 1;
+          run.progressed = true;
+        }
+        run.step = D_WORK1;
+        break;
+      case D_WORK1:
+        direct_work1(env, run, g);
+        release_fence();
+        signal_peers(run, g, two_shot(run.d));
+        run.step = two_shot(run.d) ? D_WAIT1 : D_WAIT2;
+        run.progressed = true;
+        break;
+      case D_WAIT1: {
+        int w = wait_phase(env, run, g, true);
+        if (w != WAIT_OK) return stop_run(w);
+        run.step = D_WORK2;
+        break;
+      }
+      case D_WORK2:
+        direct_work2(env, run, g);
+        release_fence();
+        signal_peers(run, g, false);
+        run.step = D_WAIT2;
+        run.progressed = true;
+        break;
+      case D_WAIT2: {
+        int w = wait_phase(env, run, g, false);
+        if (w != WAIT_OK) return stop_run(w);
+        run.step = D_DONE;
+        run.progressed = true;
+        break;
+      }
+      default:
+        return RUN_DONE;
+    }
+  }
+}
+
+}  // namespace dfccl

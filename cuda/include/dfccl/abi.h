@@ -1,0 +1,241 @@
+/*
+ * dfccl ABI: the memory layouts shared by the host runtime (Cython), the daemon
+ * kernel (nvcc) and the simulator (host C++).  Plain C so that all three read
+ * the same definitions; every structure has a fixed size checked below.
+ *
+ * Where things live (see docs/architecture.md):
+ *   host-mapped memory (pinned, device-visible): dfccl_control, the submission
+ *     ring of dfccl_task_desc, and the per-slot words armed/done/result.
+ *   device memory (private to one context): dfccl_daemon_state, the per
+ *     (slot, block) dfccl_task_ctx, per-block active lists, endpoint table.
+ *   arena (device memory that peers may map): tag tables of dfccl_chan_state
+ *     records and the staging FIFOs of the ring path.
+ */
+#ifndef DFCCL_ABI_H
+#define DFCCL_ABI_H
+
+#if defined(__CUDACC_RTC__)
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+#else
+#include <stdint.h>
+#endif
+
+#define DFCCL_ABI_VERSION 1
+
+#define DFCCL_MAX_CHANNELS 32   /* blocks of one daemon, channels of one collective */
+#define DFCCL_MAX_RANKS 64      /* ranks of one communicator */
+#define DFCCL_PEER_CACHE 8      /* peer record locations cached per (task, block) */
+
+/* ---- what a collective is ---------------------------------------------- */
+enum dfccl_kind {
+  DFCCL_ALL_REDUCE = 0,
+  DFCCL_ALL_GATHER = 1,
+  DFCCL_REDUCE_SCATTER = 2,
+  DFCCL_BROADCAST = 3,
+  DFCCL_REDUCE = 4,
+  DFCCL_NUM_KINDS = 5
+};
+
+enum dfccl_dtype {
+  DFCCL_INT8 = 0, DFCCL_UINT8 = 1, DFCCL_INT32 = 2, DFCCL_UINT32 = 3,
+  DFCCL_INT64 = 4, DFCCL_UINT64 = 5, DFCCL_FLOAT16 = 6, DFCCL_FLOAT32 = 7,
+  DFCCL_FLOAT64 = 8, DFCCL_BFLOAT16 = 9, DFCCL_NUM_DTYPES = 10
+};
+
+enum dfccl_op {
+  DFCCL_SUM = 0, DFCCL_PROD = 1, DFCCL_MIN = 2, DFCCL_MAX = 3, DFCCL_AVG = 4,
+  DFCCL_NUM_OPS = 5
+};
+
+/* Data path of one collective (DESIGN.md, "Two data paths"). */
+enum dfccl_path {
+  DFCCL_PATH_DIRECT = 0,  /* peers read each other's buffers in place */
+  DFCCL_PATH_RING = 1     /* chunks move through per-tag FIFOs, credit flow control */
+};
+
+/* Completion status written into dfccl_result.status. */
+enum dfccl_status {
+  DFCCL_STATUS_OK = 0,
+  DFCCL_STATUS_MISMATCH = 1,      /* a peer submitted this tag with another signature */
+  DFCCL_STATUS_PEER_ABORTED = 2,  /* a peer gave up this instance; detail = that rank */
+  DFCCL_STATUS_ABORTED = 3,       /* the host aborted the communicator */
+  DFCCL_STATUS_BAD_TASK = 4       /* the descriptor failed a device-side sanity check */
+};
+
+/* dfccl_task_desc.flags */
+#define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce in one phase (small, out of place) */
+
+/* ---- submission --------------------------------------------------------- */
+/* One submission-queue entry.  The host fills it in the ring, then publishes it
+ * by advancing dfccl_control.sq_tail with release semantics. */
+typedef struct dfccl_task_desc {
+  uint64_t send_addr;     /* input buffer, this process's address space */
+  uint64_t recv_addr;     /* output buffer (== send_addr when in place) */
+  uint64_t count;         /* elements: see docs/architecture.md, "Counts" */
+  uint64_t tag_key;       /* 64-bit hash of (communicator, tag) */
+  uint64_t instance;      /* this rank's k-th use of the tag, from 1 */
+  uint64_t prev_instance; /* >0: wait until this instance of the tag is done here
+                             (on the channels it used: prev_nchannels) */
+  uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena */
+  uint32_t endpoint;      /* index into the endpoint table */
+  uint32_t bucket;        /* this rank's tag record index */
+  uint32_t slot;          /* completion slot */
+  uint32_t gen;           /* slot generation: done[slot] == gen on completion */
+  uint32_t slice_bytes;   /* ring path: bytes per FIFO slot */
+  uint32_t fifo_slots;    /* ring path: slots per channel in this rank's FIFO */
+  uint32_t flags;         /* DFCCL_TASK_* */
+  uint16_t root;
+  uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
+  uint8_t kind, dtype, op, path;
+  uint32_t prev_nchannels; /* channels the awaited earlier instance used */
+} dfccl_task_desc;  /* 96 bytes */
+
+/* Host <-> daemon control words, in host-mapped memory.  Host-written and
+ * device-written words sit on separate 128-byte lines. */
+typedef struct dfccl_control {
+  /* host -> device */
+  uint64_t sq_tail;          /* SQEs published */
+  uint64_t base_window_ns;   /* adaptive base of the preemption window */
+  uint64_t max_window_ns;    /* cap of any window */
+  uint64_t idle_quit_ns;     /* quit after this long without progress */
+  uint64_t quit_request;     /* nonzero: daemon exits at its next scheduler pass */
+  uint64_t host_pad[11];
+  /* device -> host */
+  uint64_t daemon_state;     /* (epoch << 2) | DFCCL_DAEMON_* */
+  uint64_t dev_pad[15];
+  uint64_t sq_head[DFCCL_MAX_CHANNELS]; /* per block: SQEs consumed */
+} dfccl_control;
+
+#define DFCCL_DAEMON_RUNNING 1u
+#define DFCCL_DAEMON_QUITTING 2u
+#define DFCCL_DAEMON_EXITED 3u
+
+/* Per-slot result, written by the device before done[slot] = gen. */
+typedef struct dfccl_result {
+  uint32_t status;        /* dfccl_status */
+  int32_t detail;         /* peer rank for MISMATCH / PEER_ABORTED, else -1 */
+  uint32_t preemptions;   /* summed over channels */
+  uint32_t resumes;
+  uint64_t queued_ns;     /* max over channels: pulled -> first run */
+  uint64_t running_ns;    /* max over channels: time inside runs */
+  uint64_t wall_ns;       /* max over channels: first run -> done */
+  uint32_t waiting_on;    /* last peer a preempted run waited for (+1; 0 = none);
+                             also written live at each preemption */
+  uint32_t nchannels;
+  uint64_t max_wait_ns;   /* longest wait that ended with the peer arriving */
+  uint64_t reserved;
+} dfccl_result;  /* 64 bytes */
+
+/* ---- device-private state ----------------------------------------------- */
+/* Per-(slot, block) saved context: descriptor copy + exact resume point. */
+typedef struct dfccl_task_ctx {
+  dfccl_task_desc desc;
+  uint32_t state;         /* DFCCL_CTX_* */
+  uint32_t step;          /* algorithm step to resume at */
+  uint32_t fails;         /* consecutive runs with no progress */
+  uint32_t sticky;        /* last run made progress: the gang has formed */
+  uint64_t pos[4];        /* algorithm counters (loop, peer index, sent, received) */
+  uint64_t pulled_ns, first_run_ns, running_ns, finish_ns;
+  uint64_t max_wait_ns;   /* longest successful wait (peer skew) */
+  uint32_t preemptions, resumes;
+  uint32_t waiting_on;    /* +1 rank of the peer the last wait was for */
+  uint32_t status;
+  int32_t detail;
+  uint32_t nbr_slots;     /* ring: FIFO slots of the next rank */
+  uint64_t nbr_fifo;      /* ring: address of the next rank's FIFO for this channel */
+  uint64_t peer_rec[DFCCL_PEER_CACHE]; /* cached addresses of peers' records */
+} dfccl_task_ctx;
+
+#define DFCCL_CTX_FREE 0u
+#define DFCCL_CTX_PULLED 1u   /* in the active list, not yet armed */
+#define DFCCL_CTX_ARMED 2u    /* may run */
+#define DFCCL_CTX_DONE 3u
+
+/* Daemon-wide state in device memory. */
+typedef struct dfccl_daemon_state {
+  uint64_t quit_epoch;       /* set by block 0: all blocks leave */
+  uint64_t last_progress_ns; /* any block, on progress */
+  uint64_t blocks_exited;    /* counts blocks leaving one launch */
+  uint64_t pad[13];
+  uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
+  uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
+  uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
+} dfccl_daemon_state;
+
+/* One rank of one communicator hosted on this context. */
+typedef struct dfccl_endpoint {
+  uint32_t rank, nranks;
+  uint32_t table_capacity;  /* tag records in each rank's table */
+  uint32_t record_stride;   /* bytes per record */
+  uint64_t comm_key;
+  uint64_t pad[5];
+  uint64_t peer_table[DFCCL_MAX_RANKS]; /* each rank's tag table, as mapped here */
+  uint64_t peer_arena[DFCCL_MAX_RANKS]; /* each rank's arena base, as mapped here */
+} dfccl_endpoint;
+
+/* Everything the daemon needs, passed by pointer at launch. */
+typedef struct dfccl_daemon_args {
+  dfccl_control *control;          /* host-mapped */
+  dfccl_task_desc *ring;           /* host-mapped, ring_size entries */
+  uint32_t *armed;                 /* host-mapped, per slot */
+  uint32_t *done;                  /* host-mapped, per slot */
+  dfccl_result *results;           /* host-mapped, per slot */
+  dfccl_daemon_state *state;       /* device */
+  dfccl_task_ctx *ctx;             /* device, [slot][block] */
+  uint32_t *active;                /* device, [block][nslots] */
+  uint32_t *slot_counter;          /* device, per slot: channel parts finished */
+  uint32_t *slot_error;            /* device, per slot: first error status */
+  dfccl_endpoint *endpoints;       /* device */
+  uint32_t *endpoint_abort;        /* host-mapped, per endpoint: nonzero = aborted */
+  uint32_t ring_size;              /* power of two */
+  uint32_t nslots;
+  uint32_t nblocks;
+  uint32_t epoch;                  /* launch epoch */
+} dfccl_daemon_args;
+
+/* ---- arena: tag records ------------------------------------------------- */
+/* A tag record is a 128-byte header followed by one dfccl_chan_state per
+ * channel.  Every field a peer reads is written by the owner; every field the
+ * owner waits on is written by a peer (flags live at the waiter). */
+typedef struct dfccl_record_header {
+  uint64_t key;           /* tag key; 0 = never used */
+  uint64_t pad[15];
+} dfccl_record_header;
+
+typedef struct dfccl_chan_state {
+  /* owner-written, peers read (published for one instance) */
+  uint64_t ready;         /* token(key, instance) once the fields below are valid */
+  uint64_t signature;     /* kind|dtype|op|root|nchannels|nranks */
+  uint64_t count;
+  uint64_t send_addr;     /* direct path */
+  uint64_t recv_addr;     /* direct path */
+  uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO */
+  uint64_t local_done;    /* last instance whose part on this channel completed */
+  uint64_t slice_bytes;   /* ring path: FIFO slot size, must match the peers' */
+  /* peer-written, owner waits on */
+  uint64_t recv_posted;   /* ring: (instance << 32) | slices posted into our FIFO */
+  uint64_t send_credit;   /* ring: (instance << 32) | slices the next rank consumed */
+  uint64_t phase1;        /* direct: peers done with phase 1 (atomic add) */
+  uint64_t phase2;        /* direct: peers done with phase 2 (atomic add) */
+  uint64_t abort_token;   /* token of an instance a neighbour aborted */
+  uint64_t abort_info;    /* (status << 32) | reporting rank */
+  uint64_t pad1[2];
+} dfccl_chan_state;  /* 128 bytes */
+
+#define DFCCL_RECORD_HEADER_BYTES 128u
+#define DFCCL_FIFO_OFFSET_MASK ((1ull << 48) - 1ull)
+
+#if !defined(__CUDACC_RTC__)
+#ifdef __cplusplus
+static_assert(sizeof(dfccl_task_desc) == 96, "dfccl_task_desc layout");
+static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
+static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
+static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
+#endif
+#endif
+
+#endif /* DFCCL_ABI_H */

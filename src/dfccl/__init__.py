@@ -1,0 +1,44 @@
+"""dfccl: GPU collective communication that cannot deadlock on collective order.
+
+A persistent daemon kernel per GPU runs every collective, preempts one whose
+peers have not arrived, runs another, and resumes the first exactly where it
+stopped.  See README.md and docs/.
+"""
+
+from dfccl._native.context import Work
+from dfccl.buffers import Buffer
+from dfccl.communicator import Communicator, Plan
+from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
+                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError)
+from dfccl.options import CommOptions, ContextOptions
+from dfccl.runtime import default_backend, device_count, device_synchronize, shutdown
+from dfccl.types import DataType, ReduceOp
+from dfccl.unique_id import UniqueId
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "Plan",
+    "Work",
+    "Buffer",
+    "UniqueId",
+    "CommOptions",
+    "ContextOptions",
+    "DataType",
+    "ReduceOp",
+    "default_backend",
+    "device_count",
+    "device_synchronize",
+    "shutdown",
+    "DfcclError",
+    "ErrorCode",
+    "InvalidArgumentError",
+    "MismatchError",
+    "PeerAbortedError",
+    "AbortedError",
+    "CollectiveTimeoutError",
+    "ResourceError",
+    "BackendError",
+    "ClosedError",
+]

@@ -1,0 +1,107 @@
+# Cython view of cuda/include/dfccl/abi.h: the layouts shared by the host
+# runtime, the daemon kernel and the simulator.
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+
+cdef extern from "dfccl/abi.h":
+    int DFCCL_ABI_VERSION
+    int DFCCL_MAX_CHANNELS
+    int DFCCL_MAX_RANKS
+    int DFCCL_PEER_CACHE
+
+    int DFCCL_ALL_REDUCE, DFCCL_ALL_GATHER, DFCCL_REDUCE_SCATTER, DFCCL_BROADCAST, DFCCL_REDUCE
+    int DFCCL_PATH_DIRECT, DFCCL_PATH_RING
+    int DFCCL_STATUS_OK, DFCCL_STATUS_MISMATCH, DFCCL_STATUS_PEER_ABORTED, DFCCL_STATUS_ABORTED, DFCCL_STATUS_BAD_TASK
+    unsigned int DFCCL_TASK_ONE_SHOT
+    unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
+    unsigned int DFCCL_RECORD_HEADER_BYTES
+
+    ctypedef struct dfccl_task_desc:
+        uint64_t send_addr
+        uint64_t recv_addr
+        uint64_t count
+        uint64_t tag_key
+        uint64_t instance
+        uint64_t prev_instance
+        uint64_t fifo_offset
+        uint32_t endpoint
+        uint32_t bucket
+        uint32_t slot
+        uint32_t gen
+        uint32_t slice_bytes
+        uint32_t fifo_slots
+        uint32_t flags
+        uint16_t root
+        uint16_t nchannels
+        uint8_t kind
+        uint8_t dtype
+        uint8_t op
+        uint8_t path
+        uint32_t prev_nchannels
+
+    ctypedef struct dfccl_control:
+        uint64_t sq_tail
+        uint64_t base_window_ns
+        uint64_t max_window_ns
+        uint64_t idle_quit_ns
+        uint64_t quit_request
+        uint64_t daemon_state
+        uint64_t sq_head[32]
+
+    ctypedef struct dfccl_result:
+        uint32_t status
+        int32_t detail
+        uint32_t preemptions
+        uint32_t resumes
+        uint64_t queued_ns
+        uint64_t running_ns
+        uint64_t wall_ns
+        uint32_t waiting_on
+        uint32_t nchannels
+        uint64_t max_wait_ns
+
+    ctypedef struct dfccl_task_ctx:
+        pass
+
+    ctypedef struct dfccl_daemon_state:
+        pass
+
+    ctypedef struct dfccl_chan_state:
+        pass
+
+    ctypedef struct dfccl_endpoint:
+        uint32_t rank
+        uint32_t nranks
+        uint32_t table_capacity
+        uint32_t record_stride
+        uint64_t comm_key
+        uint64_t peer_table[64]
+        uint64_t peer_arena[64]
+
+    ctypedef struct dfccl_daemon_args:
+        dfccl_control *control
+        dfccl_task_desc *ring
+        uint32_t *armed
+        uint32_t *done
+        dfccl_result *results
+        dfccl_daemon_state *state
+        dfccl_task_ctx *ctx
+        uint32_t *active
+        uint32_t *slot_counter
+        uint32_t *slot_error
+        dfccl_endpoint *endpoints
+        uint32_t *endpoint_abort
+        uint32_t ring_size
+        uint32_t nslots
+        uint32_t nblocks
+        uint32_t epoch
+
+
+cdef extern from "dfccl/host_atomics.h":
+    uint64_t dfccl_load_acquire_u64(const uint64_t *p) nogil
+    uint32_t dfccl_load_acquire_u32(const uint32_t *p) nogil
+    void dfccl_store_release_u64(uint64_t *p, uint64_t v) nogil
+    void dfccl_store_release_u32(uint32_t *p, uint32_t v) nogil
+    void dfccl_fence_seq_cst() nogil
+    void dfccl_cpu_relax() nogil
+    void dfccl_sleep_ns(uint64_t ns) nogil
+    uint64_t dfccl_now_ns() nogil

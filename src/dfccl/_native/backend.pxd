@@ -1,0 +1,13 @@
+from libc.stdint cimport uint32_t, uint64_t
+from dfccl._native.abi cimport dfccl_daemon_args
+
+
+cdef class Backend:
+    cdef readonly str name
+    cdef readonly int device
+    cdef readonly int default_blocks
+    cdef readonly int block_threads
+
+    cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil
+    cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1
+    cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1

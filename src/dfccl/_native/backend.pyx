@@ -1,0 +1,76 @@
+# cython: language_level=3
+"""What a context needs from the machine it runs on: memory the daemon and the
+host both see, device memory, daemon launches, and stream operations.  Two
+implementations: the CUDA driver (cuda_backend) and the simulator
+(sim_backend)."""
+
+from libc.stdint cimport uint32_t, uint64_t
+from dfccl._native.abi cimport dfccl_daemon_args
+
+
+cdef class Backend:
+    """Abstract base; see SimBackend and CudaBackend."""
+
+    cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
+        return -1
+
+    cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        raise NotImplementedError
+
+    cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        raise NotImplementedError
+
+    # -- memory ------------------------------------------------------------
+    def alloc_mapped(self, size_t nbytes):
+        """Zeroed memory that the host and the daemon both address: returns
+        (host pointer, daemon-side pointer)."""
+        raise NotImplementedError
+
+    def free_mapped(self, uint64_t host_ptr):
+        raise NotImplementedError
+
+    def alloc_device(self, size_t nbytes, bint shareable=False):
+        """Zeroed memory of the daemon's device; ``shareable``: other
+        processes may map it (export_memory / import_memory)."""
+        raise NotImplementedError
+
+    def free_device(self, uint64_t ptr):
+        raise NotImplementedError
+
+    def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
+        raise NotImplementedError
+
+    def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
+        raise NotImplementedError
+
+    def export_memory(self, uint64_t ptr):
+        """A JSON-able description that import_memory() turns into a local
+        pointer in another process."""
+        raise NotImplementedError
+
+    def import_memory(self, desc):
+        raise NotImplementedError
+
+    def release_import(self, uint64_t ptr):
+        raise NotImplementedError
+
+    # -- peers -------------------------------------------------------------
+    def can_access(self, Backend other):
+        """Can this device's daemon address ``other``'s memory in place?"""
+        raise NotImplementedError
+
+    def enable_access(self, Backend other):
+        raise NotImplementedError
+
+    # -- daemon ------------------------------------------------------------
+    def launch_error(self, int code):
+        """The exception for a failed launch() return code."""
+        from dfccl.errors import BackendError
+        return BackendError(f"{self.name} backend: daemon launch failed ({code})")
+
+    def synchronize(self):
+        """Waits until every queued daemon launch has finished."""
+        raise NotImplementedError
+
+    def close(self):
+        pass

@@ -1,0 +1,682 @@
+# cython: language_level=3
+"""Host runtime of one daemon: the submission ring, completion slots, daemon
+launches (and relaunches after an idle quit), and the work objects the
+collectives return.
+
+Data path, host side: Context.submit() writes an SQE and publishes it
+(submit); the daemon schedules and transfers; the daemon writes done[slot]
+(complete), which Work.synchronize() / the progress thread observe and retire.
+"""
+
+import threading
+import time
+import weakref
+
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
+                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
+from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+
+from dfccl._native.abi cimport *
+from dfccl._native.backend cimport Backend
+
+from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError,
+                          MismatchError, PeerAbortedError, ResourceError)
+
+cdef enum:
+    NO_SLOT = 0xffffffff
+
+# Status codes of dfccl_result (abi.h), for Python.
+STATUS_OK = DFCCL_STATUS_OK
+STATUS_MISMATCH = DFCCL_STATUS_MISMATCH
+STATUS_PEER_ABORTED = DFCCL_STATUS_PEER_ABORTED
+STATUS_ABORTED = DFCCL_STATUS_ABORTED
+
+KIND_ALL_REDUCE = DFCCL_ALL_REDUCE
+KIND_ALL_GATHER = DFCCL_ALL_GATHER
+KIND_REDUCE_SCATTER = DFCCL_REDUCE_SCATTER
+KIND_BROADCAST = DFCCL_BROADCAST
+KIND_REDUCE = DFCCL_REDUCE
+PATH_DIRECT = DFCCL_PATH_DIRECT
+PATH_RING = DFCCL_PATH_RING
+TASK_ONE_SHOT = DFCCL_TASK_ONE_SHOT
+MAX_CHANNELS = DFCCL_MAX_CHANNELS
+MAX_RANKS = DFCCL_MAX_RANKS
+RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
+CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
+ENDPOINT_BYTES = sizeof(dfccl_endpoint)
+
+
+cdef inline uint64_t _align(uint64_t x, uint64_t a):
+    return (x + a - 1) // a * a
+
+
+# ---------------------------------------------------------------------------
+# Work
+# ---------------------------------------------------------------------------
+cdef class Work:
+    """A submitted collective.  ``synchronize()`` waits on the host,
+    ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
+    function on completion (on the progress thread)."""
+
+    cdef Context _ctx
+    cdef uint32_t _slot
+    cdef uint32_t _gen
+    cdef bint _retired
+    cdef uint32_t _status
+    cdef int32_t _detail
+    cdef dict _stats
+    cdef list _callbacks
+    cdef object _keepalive
+    cdef object _on_retire
+    cdef readonly str kind
+    cdef readonly object tag
+    cdef readonly int rank
+    cdef readonly int instance
+    cdef uint64_t _submitted_ns
+    cdef object _error
+
+    def __cinit__(self):
+        self._slot = NO_SLOT
+        self._status = DFCCL_STATUS_OK
+        self._detail = -1
+        self._callbacks = []
+        self.rank = -1
+
+    @staticmethod
+    def completed(str kind, object tag, int rank):
+        """A collective that had nothing to move (zero elements)."""
+        cdef Work w = Work()
+        w.kind = kind
+        w.tag = tag
+        w.rank = rank
+        w._retired = True
+        w._stats = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
+                    "max_wait_ns": 0, "host_ns": 0, "channels": 0}
+        return w
+
+    def _describe(self, str kind, object tag, int rank, int instance, object keepalive, object on_retire):
+        self.kind = kind
+        self.tag = tag
+        self.rank = rank
+        self.instance = instance
+        self._keepalive = keepalive
+        self._on_retire = on_retire
+
+    cdef bint _device_done(self):
+        return dfccl_load_acquire_u32(&self._ctx.done[self._slot]) == self._gen
+
+    def done(self):
+        """True once the collective has completed (successfully or not)."""
+        if self._retired:
+            return True
+        if self._device_done():
+            self._ctx._retire(self._slot, self)
+            return True
+        return False
+
+    def synchronize(self, timeout=None):
+        """Blocks (without the GIL) until the collective completes.  Raises its
+        error, or CollectiveTimeoutError after ``timeout`` seconds (the
+        collective then stays pending)."""
+        cdef uint64_t deadline = 0
+        cdef uint64_t start
+        cdef uint32_t *word
+        cdef uint32_t gen
+        cdef bint ok = True
+        cdef uint32_t spins = 0
+        if not self._retired:
+            word = &self._ctx.done[self._slot]
+            gen = self._gen
+            start = dfccl_now_ns()
+            if timeout is not None:
+                deadline = start + <uint64_t>(max(0.0, float(timeout)) * 1e9)
+            with nogil:
+                while dfccl_load_acquire_u32(word) != gen:
+                    spins += 1
+                    if spins < 2000:
+                        dfccl_cpu_relax()
+                    else:
+                        dfccl_sleep_ns(20000)
+                    if deadline != 0 and (spins & 63) == 0 and dfccl_now_ns() >= deadline:
+                        ok = dfccl_load_acquire_u32(word) == gen
+                        break
+            if not ok:
+                raise self._timeout_error(timeout)
+            self._ctx._retire(self._slot, self)
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, stream):
+        """Makes ``stream`` wait for this collective (cuStreamWaitValue32 on its
+        completion word); the host does not block.  CUDA backend only."""
+        from dfccl.streams import stream_handle
+        if self._retired:
+            if self._error is not None:
+                raise self._error
+            return
+        self._ctx._stream_wait(stream_handle(stream), self._slot, self._gen)
+
+    def add_done_callback(self, fn):
+        """Calls ``fn(work)`` once the collective is complete: at once if it
+        already is, else on the progress thread."""
+        if self._retired:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def exception(self):
+        """The error of a completed collective, or None."""
+        return self._error if self._retired else None
+
+    @property
+    def stats(self):
+        """Per-collective counters once complete: preemptions, resumes,
+        queued_ns (pulled -> first run), running_ns (inside runs), wall_ns
+        (first run -> done), max_wait_ns (longest wait that ended with the
+        peer arriving), host_ns (submit -> retired), channels."""
+        return None if self._stats is None else dict(self._stats)
+
+    @property
+    def status(self):
+        return self._status
+
+    cdef object _timeout_error(self, timeout):
+        cdef dfccl_result *res = &self._ctx.results[self._slot]
+        waiting = <int>res.waiting_on - 1
+        what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
+        if waiting >= 0 and waiting < 0xfff0:
+            what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
+        else:
+            what += "; every peer has joined, the transfer is still in progress"
+        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag,
+                                      waiting_on=waiting if 0 <= waiting < 0xfff0 else None)
+
+    cdef void _finish(self, dfccl_result *res, uint64_t now):
+        self._status = res.status
+        self._detail = res.detail
+        self._stats = {"preemptions": res.preemptions, "resumes": res.resumes, "queued_ns": res.queued_ns,
+                       "running_ns": res.running_ns, "wall_ns": res.wall_ns, "max_wait_ns": res.max_wait_ns,
+                       "host_ns": now - self._submitted_ns, "channels": res.nchannels}
+        self._retired = True
+        self._keepalive = None
+        if res.status == DFCCL_STATUS_MISMATCH:
+            self._error = MismatchError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
+                f"{res.detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
+                rank=self.rank, tag=self.tag, peer=res.detail)
+        elif res.status == DFCCL_STATUS_PEER_ABORTED:
+            self._error = PeerAbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"{res.detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=res.detail)
+        elif res.status == DFCCL_STATUS_ABORTED:
+            self._error = AbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was aborted",
+                rank=self.rank, tag=self.tag)
+        elif res.status != DFCCL_STATUS_OK:
+            self._error = DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {res.status}",
+                                     rank=self.rank, tag=self.tag)
+
+    def __repr__(self):
+        state = "done" if self._retired else "pending"
+        return f"<dfccl.Work {self.kind} tag={self.tag!r} rank={self.rank} {state}>"
+
+
+# ---------------------------------------------------------------------------
+# Context
+# ---------------------------------------------------------------------------
+cdef class Context:
+    """The daemon of one device in this process, shared by every communicator
+    (and every rank) this process runs on that device."""
+
+    cdef readonly Backend backend
+    cdef readonly uint32_t nblocks
+    cdef readonly uint32_t nslots
+    cdef readonly uint32_t max_endpoints
+    cdef dfccl_control *ctrl
+    cdef dfccl_task_desc *ring
+    cdef uint32_t *armed
+    cdef uint32_t *done
+    cdef dfccl_result *results
+    cdef uint32_t *ep_abort
+    cdef uint64_t mapped_host
+    cdef readonly uint64_t mapped_dev
+    cdef readonly uint64_t done_dev
+    cdef uint64_t armed_dev
+    cdef uint64_t device_mem
+    cdef uint64_t endpoints_dev
+    cdef dfccl_daemon_args args
+    cdef uint64_t tail
+    cdef readonly uint64_t epoch
+    cdef uint32_t *gens
+    cdef uint32_t *outstanding
+    cdef uint32_t *position
+    cdef uint32_t n_outstanding
+    cdef list free_slots
+    cdef list slot_work
+    cdef list free_endpoints
+    cdef PyThread_type_lock lock
+    cdef readonly object policy
+    cdef readonly bint closed
+    cdef uint64_t exit_seen_ns
+    cdef readonly uint64_t relaunch_backoff_ns
+    cdef readonly uint64_t launches
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self.lock = PyThread_allocate_lock()
+
+    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy):
+        cdef uint64_t off, size
+        if slots & (slots - 1) or slots < 8:
+            raise ValueError("slots must be a power of two >= 8")
+        if blocks < 1 or blocks > DFCCL_MAX_CHANNELS:
+            raise ValueError(f"blocks must be in 1..{DFCCL_MAX_CHANNELS}")
+        self.backend = backend
+        self.nblocks = blocks
+        self.nslots = slots
+        self.max_endpoints = max_endpoints
+        self.policy = policy
+
+        # Host-mapped words: control | ring | armed | done | results | endpoint_abort
+        off = _align(sizeof(dfccl_control), 256)
+        ring_off = off
+        off = _align(off + slots * sizeof(dfccl_task_desc), 256)
+        armed_off = off
+        off = _align(off + slots * 4, 256)
+        done_off = off
+        off = _align(off + slots * 4, 256)
+        results_off = off
+        off = _align(off + slots * sizeof(dfccl_result), 256)
+        abort_off = off
+        size = _align(off + max_endpoints * 4, 4096)
+        host, dev = backend.alloc_mapped(size)
+        self.mapped_host = host
+        self.mapped_dev = dev
+        self.ctrl = <dfccl_control *><uintptr_t>host
+        self.ring = <dfccl_task_desc *><uintptr_t>(host + ring_off)
+        self.armed = <uint32_t *><uintptr_t>(host + armed_off)
+        self.done = <uint32_t *><uintptr_t>(host + done_off)
+        self.results = <dfccl_result *><uintptr_t>(host + results_off)
+        self.ep_abort = <uint32_t *><uintptr_t>(host + abort_off)
+        self.done_dev = dev + done_off
+        self.armed_dev = dev + armed_off
+
+        # Device memory: state | ctx[slot][block] | active[block][slot] | counters | errors | endpoints
+        off = _align(sizeof(dfccl_daemon_state), 256)
+        ctx_off = off
+        off = _align(off + <uint64_t>slots * blocks * sizeof(dfccl_task_ctx), 256)
+        active_off = off
+        off = _align(off + <uint64_t>blocks * slots * 4, 256)
+        counter_off = off
+        off = _align(off + slots * 4, 256)
+        error_off = off
+        off = _align(off + slots * 4, 256)
+        ep_off = off
+        size = _align(off + <uint64_t>max_endpoints * sizeof(dfccl_endpoint), 4096)
+        self.device_mem = backend.alloc_device(size)
+        base = self.device_mem
+        self.endpoints_dev = base + ep_off
+
+        self.args.control = <dfccl_control *><uintptr_t>dev
+        self.args.ring = <dfccl_task_desc *><uintptr_t>(dev + ring_off)
+        self.args.armed = <uint32_t *><uintptr_t>(dev + armed_off)
+        self.args.done = <uint32_t *><uintptr_t>(dev + done_off)
+        self.args.results = <dfccl_result *><uintptr_t>(dev + results_off)
+        self.args.endpoint_abort = <uint32_t *><uintptr_t>(dev + abort_off)
+        self.args.state = <dfccl_daemon_state *><uintptr_t>base
+        self.args.ctx = <dfccl_task_ctx *><uintptr_t>(base + ctx_off)
+        self.args.active = <uint32_t *><uintptr_t>(base + active_off)
+        self.args.slot_counter = <uint32_t *><uintptr_t>(base + counter_off)
+        self.args.slot_error = <uint32_t *><uintptr_t>(base + error_off)
+        self.args.endpoints = <dfccl_endpoint *><uintptr_t>(base + ep_off)
+        self.args.ring_size = slots
+        self.args.nslots = slots
+        self.args.nblocks = blocks
+        self.args.epoch = 0
+
+        self.ctrl.base_window_ns = policy.base_window_ns
+        self.ctrl.max_window_ns = policy.max_window_ns
+        self.ctrl.idle_quit_ns = policy.idle_quit_ns
+        self.relaunch_backoff_ns = policy.relaunch_backoff_ns
+
+        self.gens = <uint32_t *>calloc(slots, sizeof(uint32_t))
+        self.outstanding = <uint32_t *>calloc(slots, sizeof(uint32_t))
+        self.position = <uint32_t *>calloc(slots, sizeof(uint32_t))
+        if self.gens == NULL or self.outstanding == NULL or self.position == NULL:
+            raise MemoryError
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.slot_work = [None] * slots
+        self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
+        _progress.register(self)
+
+    def __dealloc__(self):
+        free(self.gens)
+        free(self.outstanding)
+        free(self.position)
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    # -- endpoints -----------------------------------------------------------
+    def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
+                     peer_tables, peer_arenas):
+        """Registers one rank of a communicator with the daemon; returns its id."""
+        cdef dfccl_endpoint ep
+        if not self.free_endpoints:
+            raise ResourceError(f"too many communicators on {self.backend.name}:{self.backend.device} "
+                                f"(max_endpoints={self.max_endpoints})")
+        if nranks > DFCCL_MAX_RANKS:
+            raise ResourceError(f"communicators are limited to {DFCCL_MAX_RANKS} ranks")
+        idx = self.free_endpoints.pop()
+        memset(&ep, 0, sizeof(dfccl_endpoint))
+        ep.rank = rank
+        ep.nranks = nranks
+        ep.table_capacity = table_capacity
+        ep.record_stride = record_stride
+        ep.comm_key = comm_key
+        for i in range(nranks):
+            ep.peer_table[i] = peer_tables[i]
+            ep.peer_arena[i] = peer_arenas[i]
+        self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                    <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
+        self.ep_abort[idx] = 0
+        return idx
+
+    def remove_endpoint(self, int idx):
+        self.free_endpoints.append(idx)
+
+    def abort_endpoint(self, int idx):
+        """Every pending and future collective of this endpoint fails with
+        AbortedError; peers see PeerAbortedError."""
+        dfccl_store_release_u32(&self.ep_abort[idx], 1)
+        dfccl_fence_seq_cst()
+        # Unarmed stream-ordered tasks would never run: arm them so they fail.
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        try:
+            for i in range(self.n_outstanding):
+                s = self.outstanding[i]
+                dfccl_store_release_u32(&self.armed[s], self.gens[s])
+        finally:
+            PyThread_release_lock(self.lock)
+        self._ensure_running()
+
+    # -- submit --------------------------------------------------------------
+    def submit(self, Work work, uint32_t endpoint, uint32_t bucket, uint64_t tag_key, uint64_t instance,
+               uint64_t prev_instance, uint32_t prev_nchannels, int kind, int dtype, int op, int path, int root,
+               int nchannels, uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint64_t fifo_offset,
+               uint32_t slice_bytes, uint32_t fifo_slots, uint32_t flags, stream=None):
+        """Publishes one collective to the daemon (the host half of submit)."""
+        cdef uint32_t slot, gen
+        cdef dfccl_task_desc *d
+        if self.closed:
+            raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
+        if not self.free_slots:
+            raise ResourceError(
+                f"{self.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
+                "raise Options.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
+        if nchannels < 1 or nchannels > <int>self.nblocks:
+            raise ValueError(f"nchannels {nchannels} outside 1..{self.nblocks}")
+        slot = self.free_slots.pop()
+        gen = self.gens[slot] + 1
+        if gen == 0:
+            gen = 1
+        self.gens[slot] = gen
+        d = &self.ring[self.tail & (self.nslots - 1)]
+        d.send_addr = send_addr
+        d.recv_addr = recv_addr
+        d.count = count
+        d.tag_key = tag_key
+        d.instance = instance
+        d.prev_instance = prev_instance
+        d.fifo_offset = fifo_offset
+        d.endpoint = endpoint
+        d.bucket = bucket
+        d.slot = slot
+        d.gen = gen
+        d.slice_bytes = slice_bytes
+        d.fifo_slots = fifo_slots
+        d.flags = flags
+        d.root = root
+        d.nchannels = nchannels
+        d.kind = kind
+        d.dtype = dtype
+        d.op = op
+        d.path = path
+        d.prev_nchannels = prev_nchannels
+        work._ctx = self
+        work._slot = slot
+        work._gen = gen
+        work._submitted_ns = dfccl_now_ns()
+        try:
+            if stream is None:
+                dfccl_store_release_u32(&self.armed[slot], gen)
+            else:
+                self.backend.stream_write32(stream, self.armed_dev + 4 * slot, gen)
+        except BaseException:
+            self.free_slots.append(slot)
+            raise
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        self.slot_work[slot] = work
+        self.position[slot] = self.n_outstanding
+        self.outstanding[self.n_outstanding] = slot
+        self.n_outstanding += 1
+        PyThread_release_lock(self.lock)
+        self.tail += 1
+        dfccl_store_release_u64(&self.ctrl.sq_tail, self.tail)
+        # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
+        dfccl_fence_seq_cst()
+        self._ensure_running()
+        _progress.wake()
+        return work
+
+    cdef int _ensure_running(self) except -1:
+        """Launches the daemon if it has not been launched or is leaving."""
+        cdef uint64_t state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+        cdef uint64_t st = state & 3
+        if self.epoch == 0 or ((state >> 2) == self.epoch and (st == DFCCL_DAEMON_QUITTING or st == DFCCL_DAEMON_EXITED)):
+            self._launch()
+        return 0
+
+    cdef int _launch(self) except -1:
+        cdef int rc
+        self.epoch += 1
+        self.args.epoch = <uint32_t>self.epoch
+        self.exit_seen_ns = 0
+        with nogil:
+            rc = self.backend.launch(&self.args)
+        if rc != 0:
+            raise self.backend.launch_error(rc)
+        self.launches += 1
+        return 0
+
+    def _stream_wait(self, uint64_t stream, uint32_t slot, uint32_t gen):
+        self.backend.stream_wait32(stream, self.done_dev + 4 * slot, gen)
+
+    # -- complete ------------------------------------------------------------
+    def _retire(self, uint32_t slot, Work expected=None):
+        """Moves a completed slot's result into its Work and frees the slot.
+        Idempotent: whoever sees the completion first retires it."""
+        cdef Work work
+        cdef uint32_t last
+        cdef uint64_t now = dfccl_now_ns()
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        try:
+            obj = self.slot_work[slot]
+            if obj is None or (expected is not None and obj is not expected):
+                return
+            work = <Work>obj
+            if dfccl_load_acquire_u32(&self.done[slot]) != work._gen:
+                return
+            self.slot_work[slot] = None
+            last = self.outstanding[self.n_outstanding - 1]
+            self.outstanding[self.position[slot]] = last
+            self.position[last] = self.position[slot]
+            self.n_outstanding -= 1
+            work._finish(&self.results[slot], now)
+            self.free_slots.append(slot)
+        finally:
+            PyThread_release_lock(self.lock)
+        self.policy.observe(work._stats["preemptions"], work._stats["max_wait_ns"])
+        if work._on_retire is not None:
+            hook = work._on_retire
+            work._on_retire = None
+            hook(work)
+        if work._callbacks:
+            _progress.run_callbacks(work, work._callbacks)
+            work._callbacks = []
+
+    def _progress_step(self, uint64_t now):
+        """Called by the progress thread: retires completed slots, relaunches an
+        exited daemon that still has work, and adapts the policy.  Returns True
+        while work is outstanding."""
+        cdef uint32_t i, s, n
+        cdef list finished
+        cdef uint64_t state, st
+        if self.n_outstanding == 0:
+            return False
+        finished = []
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        n = self.n_outstanding
+        for i in range(n):
+            s = self.outstanding[i]
+            if dfccl_load_acquire_u32(&self.done[s]) == self.gens[s]:
+                finished.append(s)
+        PyThread_release_lock(self.lock)
+        for s in finished:
+            self._retire(s)
+        if self.n_outstanding != 0 and not self.closed:
+            state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+            st = state & 3
+            if (state >> 2) == self.epoch and st == DFCCL_DAEMON_EXITED:
+                # Work is left but the daemon quit (idle: peers absent, or
+                # tasks not armed yet).  Stay off for a backoff so that device
+                # syncs can return, then come back.
+                if self.exit_seen_ns == 0:
+                    self.exit_seen_ns = now
+                elif now - self.exit_seen_ns >= self.relaunch_backoff_ns:
+                    self._launch()
+        base = self.policy.update(now)
+        if base is not None:
+            self.ctrl.base_window_ns = base
+        return self.n_outstanding != 0
+
+    @property
+    def outstanding_count(self):
+        return self.n_outstanding
+
+    @property
+    def daemon_state(self):
+        """(epoch, state) as the daemon last published it; state is one of
+        'running', 'quitting', 'exited' ('idle' before the first launch)."""
+        cdef uint64_t v = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+        names = {0: "idle", 1: "running", 2: "quitting", 3: "exited"}
+        return (v >> 2, names[v & 3])
+
+    def set_policy_words(self, uint64_t base_window_ns, uint64_t max_window_ns, uint64_t idle_quit_ns):
+        self.ctrl.base_window_ns = base_window_ns
+        self.ctrl.max_window_ns = max_window_ns
+        self.ctrl.idle_quit_ns = idle_quit_ns
+
+    def close(self, timeout=10.0):
+        """Stops the daemon (aborting whatever is still pending) and frees the
+        context's memory."""
+        if self.closed:
+            return
+        self.closed = True
+        _progress.unregister(self)
+        for idx in range(self.max_endpoints):
+            self.ep_abort[idx] = 1
+        dfccl_store_release_u64(&self.ctrl.quit_request, 1)
+        dfccl_fence_seq_cst()
+        deadline = time.monotonic() + timeout
+        if self.epoch != 0:
+            while True:
+                state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+                if (state >> 2) == self.epoch and (state & 3) == DFCCL_DAEMON_EXITED:
+                    break
+                if time.monotonic() > deadline:
+                    # The daemon did not leave: keep its memory mapped rather
+                    # than free it under a running kernel.
+                    return
+                time.sleep(1e-4)
+        self.backend.synchronize()
+        self.backend.free_device(self.device_mem)
+        self.backend.free_mapped(self.mapped_host)
+        self.device_mem = 0
+        self.mapped_host = 0
+
+
+# ---------------------------------------------------------------------------
+# The progress thread: one per process, serving every context.
+# ---------------------------------------------------------------------------
+class _ProgressThread:
+    """Retires completions, runs callbacks, relaunches exited daemons that
+    still have work, and adapts the preemption policy."""
+
+    def __init__(self):
+        self._contexts = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+        self._callbacks = []
+        self.poll_interval = 50e-6
+
+    def register(self, ctx):
+        with self._lock:
+            self._contexts.append(weakref.ref(ctx))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dfccl-progress", daemon=True)
+                self._thread.start()
+
+    def unregister(self, ctx):
+        with self._lock:
+            self._contexts = [r for r in self._contexts if r() is not None and r() is not ctx]
+
+    def wake(self):
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def run_callbacks(self, work, callbacks):
+        if threading.current_thread() is self._thread:
+            _call_all(work, callbacks)
+        else:
+            with self._lock:
+                self._callbacks.append((work, list(callbacks)))
+            self.wake()
+
+    def _run(self):
+        while True:
+            with self._lock:
+                contexts = [r() for r in self._contexts]
+                pending_callbacks, self._callbacks = self._callbacks, []
+            for work, cbs in pending_callbacks:
+                _call_all(work, cbs)
+            busy = False
+            now = time.monotonic_ns()
+            for ctx in contexts:
+                if ctx is None:
+                    continue
+                try:
+                    busy |= ctx._progress_step(now)
+                except Exception as exc:  # never let the progress thread die
+                    import warnings
+                    warnings.warn(f"dfccl progress thread: {exc!r}", RuntimeWarning)
+            del contexts
+            if busy:
+                time.sleep(self.poll_interval)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+
+def _call_all(work, callbacks):
+    for fn in callbacks:
+        try:
+            fn(work)
+        except Exception as exc:
+            import warnings
+            warnings.warn(f"dfccl: a done-callback raised {exc!r}", RuntimeWarning)
+
+
+_progress = _ProgressThread()

@@ -1,0 +1,364 @@
+# cython: language_level=3
+"""The CUDA backend: the daemon kernel on a real GPU through the CUDA driver
+API.  Entry points come from cuda-python (cuda.bindings.driver.cuGetProcAddress)
+into a C table (cuda/include/dfccl/cuda_driver.h) that the hot paths call
+without the GIL.  Every call is checked; a failure raises BackendError naming
+the call and the CUresult."""
+
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy, memset
+from dfccl._native.abi cimport dfccl_daemon_args
+from dfccl._native.backend cimport Backend
+
+from dfccl.errors import BackendError, InvalidArgumentError
+
+
+cdef extern from "dfccl/cuda_driver.h":
+    ctypedef int CUresult
+    ctypedef int CUdevice
+    ctypedef struct CUctx_st
+    ctypedef struct CUmod_st
+    ctypedef struct CUfunc_st
+    ctypedef struct CUstream_st
+    ctypedef CUctx_st *CUcontext
+    ctypedef CUmod_st *CUmodule
+    ctypedef CUfunc_st *CUfunction
+    ctypedef CUstream_st *CUstream
+    ctypedef unsigned long long CUdeviceptr
+    ctypedef struct CUipcMemHandle:
+        char reserved[64]
+    ctypedef struct CUuuid:
+        char bytes[16]
+
+    int DFCCL_CUDA_SUCCESS, DFCCL_CUDA_ERROR_NOT_READY, DFCCL_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    int DFCCL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    int DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+    int DFCCL_CU_MEMHOSTALLOC_PORTABLE, DFCCL_CU_MEMHOSTALLOC_DEVICEMAP
+    int DFCCL_CU_STREAM_NON_BLOCKING, DFCCL_CU_STREAM_WAIT_VALUE_GEQ, DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT
+    int DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    int DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, DFCCL_CU_MEMORYTYPE_DEVICE
+    int DFCCL_CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+    int DFCCL_CUDA_API_VERSION
+
+    ctypedef struct dfccl_cuda_api:
+        CUresult (*cuGetErrorName)(CUresult, const char **) nogil
+        CUresult (*cuInit)(unsigned int) nogil
+        CUresult (*cuDeviceGet)(CUdevice *, int) nogil
+        CUresult (*cuDeviceGetCount)(int *) nogil
+        CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice) nogil
+        CUresult (*cuDeviceGetPCIBusId)(char *, int, CUdevice) nogil
+        CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice) nogil
+        CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice) nogil
+        CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) nogil
+        CUresult (*cuCtxSetCurrent)(CUcontext) nogil
+        CUresult (*cuCtxSynchronize)() nogil
+        CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int) nogil
+        CUresult (*cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice) nogil
+        CUresult (*cuDeviceGetP2PAttribute)(int *, int, CUdevice, CUdevice) nogil
+        CUresult (*cuModuleLoadData)(CUmodule *, const void *) nogil
+        CUresult (*cuModuleUnload)(CUmodule) nogil
+        CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *) nogil
+        CUresult (*cuStreamCreate)(CUstream *, unsigned int) nogil
+        CUresult (*cuStreamDestroy)(CUstream) nogil
+        CUresult (*cuStreamQuery)(CUstream) nogil
+        CUresult (*cuStreamSynchronize)(CUstream) nogil
+        CUresult (*cuStreamWriteValue32)(CUstream, CUdeviceptr, unsigned int, unsigned int) nogil
+        CUresult (*cuStreamWaitValue32)(CUstream, CUdeviceptr, unsigned int, unsigned int) nogil
+        CUresult (*cuMemAlloc)(CUdeviceptr *, size_t) nogil
+        CUresult (*cuMemFree)(CUdeviceptr) nogil
+        CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) nogil
+        CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t) nogil
+        CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t) nogil
+        CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int) nogil
+        CUresult (*cuMemFreeHost)(void *) nogil
+        CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int) nogil
+        CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr) nogil
+        CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr) nogil
+        CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int) nogil
+        CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) nogil
+        CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
+                                   unsigned int, unsigned int, unsigned int, CUstream, void **, void **) nogil
+
+    int dfccl_cuda_api_count()
+    const char *dfccl_cuda_api_name(int i)
+    void dfccl_cuda_api_set(dfccl_cuda_api *api, int i, void *fn)
+    int dfccl_cuda_api_complete(const dfccl_cuda_api *api)
+
+
+cdef enum:
+    BLOCK_THREADS = 512  # threads of a daemon block (cuda/daemon/daemon_kernel.cu)
+
+cdef dfccl_cuda_api API
+cdef bint _api_loaded = False
+
+
+def load_driver():
+    """Resolves the driver entry points; returns False where there is no
+    driver (no GPU machine)."""
+    global _api_loaded
+    if _api_loaded:
+        return True
+    try:
+        from cuda.bindings import driver
+        err, = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        for i in range(dfccl_cuda_api_count()):
+            name = dfccl_cuda_api_name(i)
+            err, pfn, status = driver.cuGetProcAddress(name, DFCCL_CUDA_API_VERSION, flags)
+            if err != driver.CUresult.CUDA_SUCCESS or not pfn:
+                raise BackendError(f"the CUDA driver has no {name.decode()} ({err}, {status})")
+            dfccl_cuda_api_set(&API, i, <void *><uintptr_t>int(pfn))
+    except BackendError:
+        raise
+    except Exception:
+        return False  # no driver library on this machine
+    if not dfccl_cuda_api_complete(&API):
+        raise BackendError("could not resolve every CUDA driver entry point")
+    _api_loaded = True
+    return True
+
+
+cdef str _error_name(CUresult rc):
+    cdef const char *name = NULL
+    if _api_loaded and API.cuGetErrorName(rc, &name) == DFCCL_CUDA_SUCCESS and name != NULL:
+        return name.decode()
+    return f"CUresult {rc}"
+
+
+cdef int check(CUresult rc, str what) except -1:
+    if rc != DFCCL_CUDA_SUCCESS:
+        raise BackendError(f"{what} failed: {_error_name(rc)}", driver_code=rc)
+    return 0
+
+
+def device_count():
+    """CUDA devices visible to this process (0 when there is no driver)."""
+    cdef int n = 0
+    if not load_driver():
+        return 0
+    if API.cuDeviceGetCount(&n) != DFCCL_CUDA_SUCCESS:
+        return 0
+    return n
+
+
+def pointer_device(uint64_t ptr):
+    """CUDA ordinal owning the device memory at ``ptr``; None for host memory or
+    an unknown pointer."""
+    cdef unsigned int memtype = 0
+    cdef int ordinal = -1
+    if not _api_loaded:
+        return None
+    if API.cuPointerGetAttribute(&memtype, DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
+        return None
+    if memtype != <unsigned int>DFCCL_CU_MEMORYTYPE_DEVICE:
+        return None
+    if API.cuPointerGetAttribute(&ordinal, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
+        return None
+    return ordinal
+
+
+cdef class CudaBackend(Backend):
+    """One GPU: its primary context, the daemon module and a private stream."""
+
+    cdef CUdevice cu_device
+    cdef CUcontext cu_ctx
+    cdef CUmodule module
+    cdef CUfunction daemon_fn
+    cdef CUstream stream
+    cdef CUstream setup_stream
+    cdef readonly int sm_count
+    cdef readonly int compute_capability
+    cdef readonly str pci_bus_id
+    cdef readonly bytes uuid
+    cdef dict _imported
+
+    def __cinit__(self, int device, bytes image, int blocks=0):
+        cdef int value = 0
+        cdef char bus[32]
+        cdef CUuuid uu
+        self.name = "cuda"
+        self.device = device
+        self.block_threads = BLOCK_THREADS
+        self._imported = {}
+        if not load_driver():
+            raise BackendError("no CUDA driver on this machine")
+        check(API.cuDeviceGet(&self.cu_device, device), f"cuDeviceGet({device})")
+        check(API.cuDevicePrimaryCtxRetain(&self.cu_ctx, self.cu_device), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+        check(API.cuDeviceGetAttribute(&value, DFCCL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device),
+              "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")
+        self.sm_count = value
+        check(API.cuDeviceGetAttribute(&value, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device),
+              "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)")
+        self.compute_capability = value * 10
+        check(API.cuDeviceGetAttribute(&value, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device),
+              "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)")
+        self.compute_capability += value
+        check(API.cuDeviceGetPCIBusId(bus, 32, self.cu_device), "cuDeviceGetPCIBusId")
+        self.pci_bus_id = bus.decode()
+        check(API.cuDeviceGetUuid(&uu, self.cu_device), "cuDeviceGetUuid")
+        self.uuid = uu.bytes[:16]
+        # Channels: a quarter of the SMs, at most 32 (the daemon's limit).
+        self.default_blocks = blocks if blocks > 0 else max(1, min(32, self.sm_count // 4))
+        check(API.cuModuleLoadData(&self.module, <const char *>image), "cuModuleLoadData(daemon image)")
+        check(API.cuModuleGetFunction(&self.daemon_fn, self.module, b"dfccl_daemon"), "cuModuleGetFunction(dfccl_daemon)")
+        check(API.cuStreamCreate(&self.stream, DFCCL_CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        check(API.cuStreamCreate(&self.setup_stream, DFCCL_CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    cpdef make_current(self):
+        check(API.cuCtxSetCurrent(self.cu_ctx), "cuCtxSetCurrent")
+
+    cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
+        cdef void *params[1]
+        cdef CUresult rc
+        params[0] = <void *>args
+        rc = API.cuCtxSetCurrent(self.cu_ctx)
+        if rc != DFCCL_CUDA_SUCCESS:
+            return rc
+        return API.cuLaunchKernel(self.daemon_fn, args.nblocks, 1, 1, BLOCK_THREADS, 1, 1, 0, self.stream, params, NULL)
+
+    def launch_error(self, int code):
+        return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.device} failed: {_error_name(code)}",
+                            driver_code=code)
+
+    cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        self.make_current()
+        check(API.cuStreamWriteValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, value,
+                                       DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+        return 0
+
+    cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        self.make_current()
+        check(API.cuStreamWaitValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, value,
+                                      DFCCL_CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+        return 0
+
+    # -- memory ------------------------------------------------------------
+    def alloc_mapped(self, size_t nbytes):
+        cdef void *host = NULL
+        cdef CUdeviceptr dev = 0
+        self.make_current()
+        check(API.cuMemHostAlloc(&host, nbytes, DFCCL_CU_MEMHOSTALLOC_PORTABLE | DFCCL_CU_MEMHOSTALLOC_DEVICEMAP),
+              f"cuMemHostAlloc({nbytes})")
+        memset(host, 0, nbytes)
+        check(API.cuMemHostGetDevicePointer(&dev, host, 0), "cuMemHostGetDevicePointer")
+        return (<uint64_t><uintptr_t>host, <uint64_t>dev)
+
+    def free_mapped(self, uint64_t host_ptr):
+        self.make_current()
+        check(API.cuMemFreeHost(<void *><uintptr_t>host_ptr), "cuMemFreeHost")
+
+    def alloc_device(self, size_t nbytes, bint shareable=False):
+        cdef CUdeviceptr p = 0
+        self.make_current()
+        check(API.cuMemAlloc(&p, nbytes), f"cuMemAlloc({nbytes})")
+        # Zeroed on a private stream and waited for alone: a context
+        # synchronise would wait for the running daemon, the legacy stream for
+        # whatever the application queued there.
+        check(API.cuMemsetD8Async(p, 0, nbytes, self.setup_stream), "cuMemsetD8Async")
+        check(API.cuStreamSynchronize(self.setup_stream), "cuStreamSynchronize(setup stream)")
+        return <uint64_t>p
+
+    def free_device(self, uint64_t ptr):
+        self.make_current()
+        check(API.cuMemFree(<CUdeviceptr>ptr), "cuMemFree")
+
+    def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
+        self.make_current()
+        check(API.cuMemcpyHtoD(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes), "cuMemcpyHtoD")
+
+    def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
+        self.make_current()
+        check(API.cuMemcpyDtoH(<void *><uintptr_t>dst_host, <CUdeviceptr>src, nbytes), "cuMemcpyDtoH")
+
+    def export_memory(self, uint64_t ptr):
+        cdef CUipcMemHandle h
+        self.make_current()
+        check(API.cuIpcGetMemHandle(&h, <CUdeviceptr>ptr), "cuIpcGetMemHandle")
+        return {"kind": "cuda-ipc", "handle": (<bytes>h.reserved[:64]).hex(), "uuid": self.uuid.hex()}
+
+    def import_memory(self, desc):
+        cdef CUipcMemHandle h
+        cdef CUdeviceptr p = 0
+        if desc.get("kind") != "cuda-ipc":
+            raise InvalidArgumentError(f"cuda backend cannot map memory of kind {desc.get('kind')!r}")
+        raw = bytes.fromhex(desc["handle"])
+        memcpy(h.reserved, <const char *>raw, 64)
+        self.make_current()
+        check(API.cuIpcOpenMemHandle(&p, h, DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        self._imported[<uint64_t>p] = True
+        return <uint64_t>p
+
+    def release_import(self, uint64_t ptr):
+        if self._imported.pop(ptr, None):
+            self.make_current()
+            check(API.cuIpcCloseMemHandle(<CUdeviceptr>ptr), "cuIpcCloseMemHandle")
+
+    # -- peers -------------------------------------------------------------
+    def can_access(self, Backend other):
+        cdef int ok = 0, atomics = 0
+        cdef CudaBackend o
+        if not isinstance(other, CudaBackend):
+            return False
+        o = <CudaBackend>other
+        if o.cu_device == self.cu_device:
+            return True
+        check(API.cuDeviceCanAccessPeer(&ok, self.cu_device, o.cu_device), "cuDeviceCanAccessPeer")
+        if not ok:
+            return False
+        # The direct path adds into peers' counters: it needs native P2P atomics.
+        check(API.cuDeviceGetP2PAttribute(&atomics, DFCCL_CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                                          self.cu_device, o.cu_device), "cuDeviceGetP2PAttribute")
+        return atomics != 0
+
+    def enable_access(self, Backend other):
+        cdef CudaBackend o = <CudaBackend>other
+        cdef CUresult rc
+        if o.cu_device == self.cu_device:
+            return
+        self.make_current()
+        rc = API.cuCtxEnablePeerAccess(o.cu_ctx, 0)
+        if rc != DFCCL_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            check(rc, f"cuCtxEnablePeerAccess({self.device} -> {o.device})")
+
+    # -- daemon ------------------------------------------------------------
+    def synchronize(self):
+        cdef CUresult rc
+        self.make_current()
+        with nogil:
+            rc = API.cuStreamSynchronize(self.stream)
+        check(rc, "cuStreamSynchronize(daemon stream)")
+
+    def busy(self):
+        cdef CUresult rc = API.cuStreamQuery(self.stream)
+        if rc == DFCCL_CUDA_ERROR_NOT_READY:
+            return True
+        check(rc, "cuStreamQuery(daemon stream)")
+        return False
+
+    def context_synchronize(self):
+        """cuCtxSynchronize on this device (waits for every stream)."""
+        cdef CUresult rc
+        self.make_current()
+        with nogil:
+            rc = API.cuCtxSynchronize()
+        check(rc, "cuCtxSynchronize")
+
+    @property
+    def daemon_stream(self):
+        return <uint64_t><uintptr_t>self.stream
+
+    def close(self):
+        if self.stream != NULL:
+            self.make_current()
+            API.cuStreamDestroy(self.stream)
+            API.cuStreamDestroy(self.setup_stream)
+            self.stream = NULL
+        if self.module != NULL:
+            API.cuModuleUnload(self.module)
+            self.module = NULL
+        if self.cu_ctx != NULL:
+            API.cuDevicePrimaryCtxRelease(self.cu_device)
+            self.cu_ctx = NULL

@@ -1,0 +1,160 @@
+# cython: language_level=3
+"""The simulator backend: every simulated GPU is a set of host threads running
+the daemon's scheduler (compiled from cuda/daemon with the host compiler), and
+its memory is host memory.  Memory that other processes must map lives in a
+shared-memory file."""
+
+import mmap
+import os
+import tempfile
+import uuid
+
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy
+from dfccl._native.abi cimport dfccl_daemon_args
+from dfccl._native.backend cimport Backend
+
+from dfccl.errors import BackendError, InvalidArgumentError
+
+
+cdef extern from "sim_device.h":
+    ctypedef struct dfccl_sim_device:
+        pass
+    dfccl_sim_device *dfccl_sim_device_create() nogil
+    int dfccl_sim_device_launch(dfccl_sim_device *dev, const dfccl_daemon_args *args) nogil
+    void dfccl_sim_device_synchronize(dfccl_sim_device *dev) nogil
+    int dfccl_sim_device_busy(dfccl_sim_device *dev) nogil
+    void dfccl_sim_device_destroy(dfccl_sim_device *dev) nogil
+
+
+cdef uint64_t _buffer_address(object mm) except? 0:
+    cdef const unsigned char[:] view = memoryview(mm).cast("B")
+    return <uint64_t><uintptr_t>&view[0]
+
+
+def _shm_dir():
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+cdef class SimBackend(Backend):
+    """One simulated GPU."""
+
+    cdef dfccl_sim_device *dev
+    cdef dict _shared      # address -> (mmap, path) for memory we created
+    cdef dict _imported    # address -> mmap for memory other processes created
+
+    def __cinit__(self, int device, int blocks=2):
+        self.name = "sim"
+        self.device = device
+        self.default_blocks = blocks
+        self.block_threads = 1
+        self._shared = {}
+        self._imported = {}
+        self.dev = dfccl_sim_device_create()
+        if self.dev == NULL:
+            raise BackendError("sim backend: cannot create the simulated device")
+
+    cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
+        return dfccl_sim_device_launch(self.dev, args)
+
+    cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        raise InvalidArgumentError("stream-ordered submission needs the cuda backend (the simulator has no streams)")
+
+    cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
+        raise InvalidArgumentError("stream-ordered waits need the cuda backend (the simulator has no streams)")
+
+    def alloc_mapped(self, size_t nbytes):
+        cdef void *p = calloc(1, nbytes if nbytes else 1)
+        if p == NULL:
+            raise MemoryError(f"sim backend: cannot allocate {nbytes} bytes")
+        return (<uint64_t><uintptr_t>p, <uint64_t><uintptr_t>p)
+
+    def free_mapped(self, uint64_t host_ptr):
+        free(<void *><uintptr_t>host_ptr)
+
+    def alloc_device(self, size_t nbytes, bint shareable=False):
+        if not shareable:
+            return self.alloc_mapped(nbytes)[0]
+        path = os.path.join(_shm_dir(), f"dfccl-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        addr = _buffer_address(mm)
+        self._shared[addr] = (mm, path, nbytes)
+        return addr
+
+    def free_device(self, uint64_t ptr):
+        entry = self._shared.pop(ptr, None)
+        if entry is None:
+            free(<void *><uintptr_t>ptr)
+            return
+        mm, path, _ = entry
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+
+    def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
+        memcpy(<void *><uintptr_t>dst, <const void *><uintptr_t>src_host, nbytes)
+
+    def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
+        memcpy(<void *><uintptr_t>dst_host, <const void *><uintptr_t>src, nbytes)
+
+    def export_memory(self, uint64_t ptr):
+        entry = self._shared.get(ptr)
+        if entry is None:
+            raise InvalidArgumentError("sim backend: only memory allocated with shareable=True can be exported")
+        return {"kind": "sim-shm", "path": entry[1], "size": entry[2]}
+
+    def import_memory(self, desc):
+        if desc.get("kind") != "sim-shm":
+            raise InvalidArgumentError(f"sim backend cannot map memory of kind {desc.get('kind')!r}")
+        fd = os.open(desc["path"], os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, int(desc["size"]))
+        finally:
+            os.close(fd)
+        addr = _buffer_address(mm)
+        self._imported[addr] = mm
+        return addr
+
+    def release_import(self, uint64_t ptr):
+        mm = self._imported.pop(ptr, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+    def can_access(self, Backend other):
+        return isinstance(other, SimBackend)
+
+    def enable_access(self, Backend other):
+        pass
+
+    def synchronize(self):
+        with nogil:
+            dfccl_sim_device_synchronize(self.dev)
+
+    def busy(self):
+        return dfccl_sim_device_busy(self.dev) != 0
+
+    def close(self):
+        if self.dev != NULL:
+            with nogil:
+                dfccl_sim_device_destroy(self.dev)
+            self.dev = NULL
+
+    def __dealloc__(self):
+        if self.dev != NULL:
+            with nogil:
+                dfccl_sim_device_destroy(self.dev)
+            self.dev = NULL

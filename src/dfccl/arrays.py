@@ -1,0 +1,97 @@
+"""Arrays in a backend's memory, for the demo, the tests and the benchmarks:
+numpy arrays in the simulator, DeviceArray (device memory with
+``__cuda_array_interface__``) on a GPU.  Not a general array library: it
+allocates, fills from numpy and reads back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dfccl import runtime
+from dfccl.types import as_data_type
+
+__all__ = ["DeviceArray", "empty", "from_numpy", "to_numpy"]
+
+
+class DeviceArray:
+    """Contiguous device memory holding ``count`` elements of ``dtype``."""
+
+    def __init__(self, device: int, count: int, dtype):
+        self.device = device
+        self.dtype = np.dtype(dtype)
+        self.count = int(count)
+        self._backend = runtime.get_backend("cuda", device)
+        self.ptr = self._backend.alloc_device(max(1, self.nbytes))
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.count,), "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
+                "strides": None}
+
+    def view(self, start: int, stop: int) -> "DeviceArray":
+        v = DeviceArray.__new__(DeviceArray)
+        v.device, v.dtype, v.count, v._backend = self.device, self.dtype, stop - start, self._backend
+        v.ptr = self.ptr + start * self.dtype.itemsize
+        v._base = self
+        return v
+
+    def __getitem__(self, s: slice) -> "DeviceArray":
+        start, stop, step = s.indices(self.count)
+        if step != 1:
+            raise ValueError("DeviceArray supports contiguous slices only")
+        return self.view(start, stop)
+
+    def upload(self, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        assert host.size == self.count
+        if self.nbytes:
+            self._backend.copy_to_device(self.ptr, host.ctypes.data, self.nbytes)
+
+    def download(self) -> np.ndarray:
+        out = np.empty(self.count, dtype=self.dtype)
+        if self.nbytes:
+            self._backend.copy_from_device(out.ctypes.data, self.ptr, self.nbytes)
+        return out
+
+    def __del__(self):
+        if getattr(self, "_base", None) is None and getattr(self, "ptr", 0):
+            try:
+                self._backend.free_device(self.ptr)
+            except Exception:
+                pass
+            self.ptr = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def empty(backend: str, device: int, count: int, dtype, fill=None):
+    """An array of ``count`` elements, filled with ``fill`` when given."""
+    dtype = np.dtype(dtype)
+    if backend == "sim":
+        a = np.empty(count, dtype=dtype)
+        if fill is not None:
+            a.fill(fill)
+        return a
+    a = DeviceArray(device, count, dtype)
+    if fill is not None:
+        a.upload(np.full(count, fill, dtype=dtype))
+    return a
+
+
+def from_numpy(backend: str, device: int, host: np.ndarray):
+    if backend == "sim":
+        return np.array(host, copy=True)
+    a = DeviceArray(device, host.size, host.dtype)
+    a.upload(host)
+    return a
+
+
+def to_numpy(arr) -> np.ndarray:
+    if isinstance(arr, np.ndarray):
+        return arr.copy()
+    return arr.download()

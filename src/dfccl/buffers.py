@@ -1,0 +1,154 @@
+"""Reading the memory behind user arrays: numpy (``__array_interface__``), GPU
+arrays (``__cuda_array_interface__``: CuPy, PyTorch, Numba) and DLPack."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from dfccl.errors import InvalidArgumentError
+from dfccl.types import DataType, dtype_from_dlpack, dtype_from_typestr
+
+__all__ = ["Buffer", "as_buffer"]
+
+CPU = "cpu"
+CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A contiguous range of memory holding ``count`` elements of ``dtype``."""
+
+    ptr: int
+    count: int
+    dtype: DataType
+    kind: str        # "cpu" or "cuda"
+    device: int      # CUDA ordinal; -1 for host memory
+    readonly: bool
+    owner: object    # keeps the memory alive while a collective uses it
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    @classmethod
+    def from_pointer(cls, ptr: int, count: int, dtype, *, device: int | None = None, owner: object = None,
+                     readonly: bool = False) -> "Buffer":
+        """Raw memory: ``count`` elements of ``dtype`` at ``ptr``; ``device`` is
+        the CUDA ordinal for device memory, None for host memory.  The caller
+        keeps the memory alive until the collective completes (``owner`` is
+        held until then)."""
+        from dfccl.types import as_data_type
+
+        if count < 0 or ptr < 0:
+            raise InvalidArgumentError("ptr and count must be >= 0")
+        return cls(int(ptr), int(count), as_data_type(dtype), CPU if device is None else CUDA,
+                   -1 if device is None else int(device), readonly, owner)
+
+    def view(self, offset_elems: int, count: int) -> "Buffer":
+        return Buffer(self.ptr + offset_elems * self.dtype.itemsize, count, self.dtype, self.kind, self.device,
+                      self.readonly, self.owner)
+
+
+def _contiguous_count(shape, strides, itemsize: int, what: str) -> int:
+    count = 1
+    for n in shape:
+        count *= int(n)
+    if strides is None or count == 0:
+        return count
+    expect = itemsize
+    for n, s in reversed(list(zip(shape, strides))):
+        if n != 1 and s != expect:
+            raise InvalidArgumentError(f"{what}: the array is not C-contiguous (shape {tuple(shape)}, "
+                                       f"strides {tuple(strides)}); pass a contiguous copy")
+        expect *= n
+    return count
+
+
+def _cuda_pointer_device(ptr: int, what: str) -> int:
+    from dfccl import runtime
+
+    info = runtime.cuda_pointer_info(ptr)
+    if info is None:
+        raise InvalidArgumentError(f"{what}: pointer {ptr:#x} is not CUDA device memory")
+    return info
+
+
+def _from_cuda_array_interface(obj, cai, what: str) -> Buffer:
+    dtype = dtype_from_typestr(cai["typestr"], getattr(getattr(obj, "dtype", None), "name", None))
+    ptr, readonly = cai["data"]
+    count = _contiguous_count(cai["shape"], cai.get("strides"), dtype.itemsize, what)
+    device = _cuda_pointer_device(ptr, what) if count else -1
+    return Buffer(int(ptr), count, dtype, CUDA, device, bool(readonly), obj)
+
+
+def _from_array_interface(obj, ai, what: str) -> Buffer:
+    descr = getattr(getattr(obj, "dtype", None), "name", None)
+    dtype = dtype_from_typestr(ai["typestr"], descr)
+    ptr, readonly = ai["data"]
+    count = _contiguous_count(ai["shape"], ai.get("strides"), dtype.itemsize, what)
+    return Buffer(int(ptr), count, dtype, CPU, -1, bool(readonly), obj)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_dlpack(obj, what: str) -> Buffer:
+    dev_type, _ = obj.__dlpack_device__()
+    try:
+        capsule = obj.__dlpack__(stream=-1) if dev_type == _KDL_CUDA else obj.__dlpack__()
+    except TypeError:
+        capsule = obj.__dlpack__()
+    addr = _capsule_pointer(capsule, b"dltensor")
+    t = _DLTensor.from_address(addr)
+    dtype = dtype_from_dlpack(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = None if not t.strides else [t.strides[i] * dtype.itemsize for i in range(t.ndim)]
+    count = _contiguous_count(shape, strides, dtype.itemsize, what)
+    ptr = (t.data or 0) + t.byte_offset
+    if t.device.device_type == _KDL_CUDA:
+        return Buffer(ptr, count, dtype, CUDA, t.device.device_id, False, (obj, capsule))
+    if t.device.device_type in (_KDL_CPU, _KDL_CUDA_HOST):
+        return Buffer(ptr, count, dtype, CPU, -1, False, (obj, capsule))
+    raise InvalidArgumentError(f"{what}: DLPack device type {t.device.device_type} is not supported "
+                               "(use device memory, or host memory with the simulator)")
+
+
+def as_buffer(obj: object, what: str = "buffer") -> Buffer:
+    """Describes the memory of ``obj``; raises InvalidArgumentError for anything
+    dfccl cannot use (non-contiguous, unsupported dtype, unknown object)."""
+    if isinstance(obj, Buffer):
+        return obj
+    cai = getattr(obj, "__cuda_array_interface__", None) if hasattr(type(obj), "__cuda_array_interface__") else None
+    if cai is None and hasattr(obj, "__cuda_array_interface__"):
+        try:
+            cai = obj.__cuda_array_interface__
+        except (AttributeError, TypeError):
+            cai = None  # e.g. a bfloat16 torch tensor: fall through to DLPack
+    if cai is not None:
+        return _from_cuda_array_interface(obj, cai, what)
+    ai = getattr(obj, "__array_interface__", None)
+    if ai is not None:
+        return _from_array_interface(obj, ai, what)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _from_dlpack(obj, what)
+    raise InvalidArgumentError(f"{what}: {type(obj).__name__} is not an array (expected an object with "
+                               "__cuda_array_interface__, __array_interface__ or __dlpack__)")

@@ -1,0 +1,429 @@
+"""Communicators, plans, and the collectives they submit.
+
+A collective call validates its buffers, names its instance (tag -> key,
+k-th use), picks its path and geometry (planning.py), reserves a tag record
+and, on the ring path, staging FIFOs, then hands one descriptor to the daemon
+context (Context.submit).  It returns a Work at once; nothing here waits for
+peers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import threading
+import time
+from typing import Sequence
+
+from dfccl import runtime
+from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
+                                   KIND_REDUCE_SCATTER, STATUS_OK, Work)
+from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
+from dfccl.endpoint import Endpoint
+from dfccl.errors import ClosedError, InvalidArgumentError
+from dfccl.options import CommOptions, ContextOptions
+from dfccl.planning import Geometry, plan_geometry
+from dfccl.streams import stream_handle
+from dfccl.tags import tag_key
+from dfccl.types import DataType, ReduceOp, as_data_type, as_reduce_op
+
+__all__ = ["Communicator", "Plan"]
+
+_KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
+               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce"}
+
+
+class _Group:
+    """The ranks of one communicator that live in this process: arenas are
+    freed only when the last of them closes (peers may still read them)."""
+
+    def __init__(self, size: int):
+        self.lock = threading.Lock()
+        self.open = size
+        self.endpoints: list[Endpoint] = []
+
+    def leave(self) -> bool:
+        with self.lock:
+            self.open -= 1
+            return self.open == 0
+
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    Create one per rank with a shared :class:`UniqueId` (any mix of threads,
+    processes and hosts), or several at once in this process with
+    :meth:`for_devices`.  Collectives return a :class:`Work` immediately.
+    Collectives are matched by tag: the k-th use of a tag on one rank meets
+    the k-th use of that tag on every rank, in whatever order ranks issue
+    them; without a tag, the k-th untagged collective of this communicator.
+    """
+
+    def __init__(self, unique_id, rank: int, world_size: int, *, device: int | None = None,
+                 backend: str | None = None, options: CommOptions | None = None,
+                 context_options: ContextOptions | None = None, timeout: float = 300.0):
+        if not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"rank {rank} is outside 0..{world_size - 1}")
+        backend = runtime.resolve_backend(backend)
+        if device is None:
+            device = rank % runtime.device_count(backend) if backend == "cuda" else rank
+        self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
+                         shareable=True)
+        with unique_id.connect(timeout=timeout) as store:
+            prefix = f"comm/{unique_id.comm_key():016x}"
+            store.set(f"{prefix}/ep/{rank}", json.dumps(self._endpoint.describe()).encode())
+            peers = [json.loads(store.get(f"{prefix}/ep/{p}", timeout=timeout)) for p in range(world_size)]
+        self._group = _Group(1)
+        self._group_closes_memory = False  # peers in other processes may still map our arena
+        self._finish_init(peers)
+
+    @classmethod
+    def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
+                    context_options: ContextOptions | None = None) -> list["Communicator"]:
+        """One communicator per entry of ``devices``, all in this process (rank
+        i on devices[i]; a device may appear several times).  Like
+        ncclCommInitAll."""
+        devices = list(devices)
+        if not devices:
+            raise InvalidArgumentError("for_devices needs at least one device")
+        backend = runtime.resolve_backend(backend)
+        comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
+        comms = []
+        for rank, dev in enumerate(devices):
+            c = cls.__new__(cls)
+            c._init_local(backend, dev, rank, len(devices), options, context_options, comm_key, shareable=False)
+            comms.append(c)
+        peers = [c._endpoint.describe() for c in comms]
+        group = _Group(len(comms))
+        for c in comms:
+            c._group = group
+            c._group_closes_memory = True
+            c._finish_init(peers)
+        return comms
+
+    # -- construction ------------------------------------------------------------
+    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable):
+        self._backend = backend
+        self._device = device
+        self._rank = rank
+        self._size = world_size
+        self._comm_key = comm_key
+        self._options = (options or CommOptions()).resolved(backend)
+        self._ctx = runtime.get_context(backend, device, context_options)
+        self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
+        self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
+                                  shareable=shareable)
+        self._seq = 0
+        self._plans = 0
+        self._closed = False
+        self._aborted = False
+        self._pending: set[Work] = set()
+        self._lock = threading.Lock()
+
+    def _finish_init(self, peers):
+        self._channels = min([self._channels] + [p["blocks"] for p in peers])
+        direct = self._endpoint.connect(peers, self._comm_key)
+        if self._options.path == "direct" and not direct:
+            raise InvalidArgumentError("path='direct' needs every rank in this process (with peer access between "
+                                       "its devices); use 'auto' or 'ring'")
+        self._direct = direct and self._options.path != "ring"
+
+    # -- properties --------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def path(self) -> str:
+        """The data path collectives take: "direct" or "ring"."""
+        return "direct" if self._direct else "ring"
+
+    @property
+    def channels(self) -> int:
+        return self._channels
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (f"<dfccl.Communicator rank {self._rank}/{self._size} {self._backend}:{self._device} "
+                f"path={self.path}{' closed' if self._closed else ''}>")
+
+    # -- collectives ---------------------------------------------------------------
+    def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
+        """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        s, r = self._pair(send, recv, "all_reduce")
+        self._same_shape(s, r, s.count, "all_reduce")
+        return self._submit(KIND_ALL_REDUCE, s, r, s.count, as_reduce_op(op), 0, tag, stream)
+
+    def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
+        """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
+        In place when send is that slice of recv."""
+        s, r = self._pair(send, recv, "all_gather")
+        self._same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
+        return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
+
+    def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
+        """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv
+        size).  In place when recv is that slice of send."""
+        s, r = self._pair(send, recv, "reduce_scatter")
+        if s.count != r.count * self._size:
+            raise InvalidArgumentError(f"reduce_scatter: send has {s.count} elements, expected {self._size} x recv "
+                                       f"({r.count}) = {r.count * self._size}", rank=self._rank, tag=tag)
+        self._check_dtype(s, r, "reduce_scatter")
+        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, as_reduce_op(op), 0, tag, stream)
+
+    def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
+        """recv = send of ``root``.  recv=None: in place (send is the buffer)."""
+        self._check_root(root, "broadcast")
+        s, r = self._pair(send, recv, "broadcast")
+        self._same_shape(s, r, s.count, "broadcast")
+        return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
+
+    def reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", root: int = 0, tag=None, stream=None) -> Work:
+        """recv on ``root`` = op over ranks of send; other ranks' recv is not
+        written (may be None).  recv=None on root: in place."""
+        self._check_root(root, "reduce")
+        s, r = self._pair(send, recv, "reduce")
+        self._same_shape(s, r, s.count, "reduce")
+        return self._submit(KIND_REDUCE, s, r, s.count, as_reduce_op(op), root, tag, stream)
+
+    # -- plans -------------------------------------------------------------------------
+    def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
+        return Plan(self, KIND_ALL_REDUCE, count, dtype, as_reduce_op(op), 0, tag)
+
+    def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
+        """``count``: elements each rank contributes."""
+        return Plan(self, KIND_ALL_GATHER, count, dtype, ReduceOp.SUM, 0, tag)
+
+    def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
+        """``count``: elements each rank receives."""
+        return Plan(self, KIND_REDUCE_SCATTER, count, dtype, as_reduce_op(op), 0, tag)
+
+    def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
+        self._check_root(root, "broadcast")
+        return Plan(self, KIND_BROADCAST, count, dtype, ReduceOp.SUM, root, tag)
+
+    def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
+        self._check_root(root, "reduce")
+        return Plan(self, KIND_REDUCE, count, dtype, as_reduce_op(op), root, tag)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Fails every pending collective of this rank (AbortedError here,
+        PeerAbortedError on peers waiting for it) without waiting for peers.
+        The communicator accepts no new collectives afterwards."""
+        if self._closed or self._aborted:
+            return
+        self._aborted = True
+        self._endpoint.abort()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Releases this rank.  Collectives still pending are aborted (call
+        synchronize() first to finish them).  Idempotent."""
+        if self._closed:
+            return
+        with self._lock:
+            pending = [w for w in self._pending if not w.done()]
+        if pending:
+            self.abort()
+            deadline = time.monotonic() + timeout
+            for w in pending:
+                while not w.done() and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+        self._closed = True
+        unfinished = any(not w.done() for w in pending)
+        last = self._group.leave()
+        # Free the arena only when no peer can touch it: every in-process rank
+        # of the communicator has closed and nothing is left in flight.
+        self._endpoint.release(free_memory=last and self._group_closes_memory and not unfinished)
+        if last and self._group_closes_memory and not unfinished:
+            for ep in self._group.endpoints:
+                ep.release(free_memory=True)
+            self._group.endpoints = []
+        elif self._group_closes_memory:
+            self._group.endpoints.append(self._endpoint)
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError(f"rank {self._rank}: the communicator is closed")
+        if self._aborted:
+            raise ClosedError(f"rank {self._rank}: the communicator was aborted")
+
+    def _check_root(self, root, what):
+        if not isinstance(root, int) or not 0 <= root < self._size:
+            raise InvalidArgumentError(f"{what}: root {root!r} is outside 0..{self._size - 1}", rank=self._rank)
+
+    def _pair(self, send, recv, what) -> tuple[Buffer, Buffer]:
+        s = as_buffer(send, f"{what} send")
+        r = s if recv is None else as_buffer(recv, f"{what} recv")
+        for b, name in ((s, "send"), (r, "recv")):
+            self._check_memory(b, f"{what} {name}")
+        if r.readonly:
+            raise InvalidArgumentError(f"{what}: the output buffer is read-only", rank=self._rank)
+        return s, r
+
+    def _check_memory(self, b: Buffer, what: str):
+        if b.count == 0:
+            return
+        if self._backend == "sim":
+            if b.kind != CPU:
+                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.kind} memory",
+                                           rank=self._rank)
+        else:
+            if b.kind != CUDA:
+                raise InvalidArgumentError(f"{what}: the cuda backend needs device memory; got host memory "
+                                           "(move the array to the GPU)", rank=self._rank)
+            if b.device != self._device:
+                raise InvalidArgumentError(f"{what}: the buffer is on cuda:{b.device}, this rank runs on "
+                                           f"cuda:{self._device}", rank=self._rank)
+
+    def _check_dtype(self, s: Buffer, r: Buffer, what: str):
+        if s.dtype != r.dtype:
+            raise InvalidArgumentError(f"{what}: send is {s.dtype.name.lower()}, recv is {r.dtype.name.lower()}",
+                                       rank=self._rank)
+
+    def _same_shape(self, s: Buffer, r: Buffer, expect_recv: int, what: str, recv_scale: str = "send"):
+        self._check_dtype(s, r, what)
+        if r.count != expect_recv:
+            raise InvalidArgumentError(f"{what}: recv has {r.count} elements, expected {recv_scale} = {expect_recv}",
+                                       rank=self._rank)
+
+    def _next_tag(self, tag):
+        if tag is not None:
+            return tag, tag_key(self._comm_key, tag), False
+        self._seq += 1
+        return self._seq, tag_key(self._comm_key, ("#seq", self._seq)), True
+
+    def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
+                geometry: Geometry | None = None, key=None, transient=None) -> Work:
+        self._check_open()
+        if key is None:
+            tag, key, transient = self._next_tag(tag)
+        name = _KIND_NAMES[kind]
+        if count == 0:
+            return Work.completed(name, tag, self._rank)
+        _check_overlap(kind, s, r, count, self._rank, self._size, name)
+        if geometry is None:
+            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct,
+                                     s.ptr != r.ptr, self._options)
+        ep = self._endpoint
+        bucket, instance, prev, prev_nch = ep.tags.acquire(key, geometry.nchannels, transient)
+        fifo = 0
+        try:
+            if geometry.fifo_bytes:
+                fifo = ep.alloc_fifo(geometry.fifo_bytes)
+            work = Work()
+            work._describe(name, tag, self._rank, instance, (s.owner, r.owner),
+                           functools.partial(self._retired, key, fifo, geometry.fifo_bytes))
+            self._ctx.submit(work, ep.id, bucket, key, instance, prev, prev_nch, kind, int(s.dtype), int(op),
+                             geometry.path, root, geometry.nchannels, s.ptr, r.ptr, count, fifo,
+                             geometry.slice_bytes, geometry.fifo_slots, geometry.flags,
+                             None if stream is None else stream_handle(stream))
+        except BaseException:
+            ep.tags.release(key, failed=False)
+            if geometry.fifo_bytes:
+                ep.free_fifo(fifo, geometry.fifo_bytes)
+            raise
+        with self._lock:
+            self._pending.add(work)
+        return work
+
+    def _retired(self, key, fifo, fifo_bytes, work):
+        failed = work.status != STATUS_OK
+        self._endpoint.tags.release(key, failed)
+        # A failed instance's FIFO stays reserved: a peer that has not yet
+        # seen the failure may still write into it.
+        if fifo_bytes and not failed:
+            self._endpoint.free_fifo(fifo, fifo_bytes)
+        with self._lock:
+            self._pending.discard(work)
+
+
+def _overlap(a: Buffer, b: Buffer) -> bool:
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def _check_overlap(kind, s: Buffer, r: Buffer, count, rank, size, name):
+    """Buffers may coincide exactly as NCCL's in-place forms; any other overlap
+    would let the collective read what it already overwrote."""
+    if s.ptr == r.ptr and kind in (KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE):
+        return
+    if kind == KIND_ALL_GATHER and s.ptr == r.ptr + rank * count * s.dtype.itemsize:
+        return
+    if kind == KIND_REDUCE_SCATTER and r.ptr == s.ptr + rank * count * s.dtype.itemsize:
+        return
+    if _overlap(s, r):
+        raise InvalidArgumentError(f"{name}: send and recv overlap without being the in-place form", rank=rank)
+
+
+class Plan:
+    """A collective with its shape fixed once ("prepare"); calling it submits
+    one instance with the given buffers.  All calls of a plan share its tag,
+    so the k-th call on one rank meets the k-th call on the others.  Without
+    ``tag``, plans are named by creation order: prepare them in the same order
+    on every rank, or pass a tag."""
+
+    def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
+        if count < 0:
+            raise InvalidArgumentError(f"count must be >= 0, not {count}")
+        self._comm = comm
+        self.kind = _KIND_NAMES[kind]
+        self._kind = kind
+        self.count = int(count)
+        self.dtype: DataType = as_data_type(dtype)
+        self.op = op
+        self.root = root
+        if tag is None:
+            comm._plans += 1
+            tag = ("#plan", comm._plans)
+        self.tag = tag
+        self._key = tag_key(comm._comm_key, tag)
+        self._geometry = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels, comm._direct,
+                                       True, comm._options)
+        self._geometry_in_place = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels,
+                                                comm._direct, False, comm._options)
+
+    def __call__(self, send, recv=None, *, stream=None) -> Work:
+        c = self._comm
+        s, r = c._pair(send, recv, self.kind)
+        self._check(s, r)
+        geometry = self._geometry if s.ptr != r.ptr else self._geometry_in_place
+        return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, geometry, self._key,
+                         False)
+
+    def _check(self, s: Buffer, r: Buffer):
+        n = self._comm._size
+        want_s, want_r = {
+            KIND_ALL_GATHER: (self.count, self.count * n),
+            KIND_REDUCE_SCATTER: (self.count * n, self.count),
+        }.get(self._kind, (self.count, self.count))
+        for b, want, name in ((s, want_s, "send"), (r, want_r, "recv")):
+            if b.count != want or b.dtype != self.dtype:
+                raise InvalidArgumentError(
+                    f"plan {self.kind} tag {self.tag!r}: {name} must hold {want} x {self.dtype.name.lower()}, "
+                    f"got {b.count} x {b.dtype.name.lower()}", rank=self._comm._rank, tag=self.tag)
+
+    def __repr__(self) -> str:
+        return f"<dfccl.Plan {self.kind} count={self.count} {self.dtype.name.lower()} tag={self.tag!r}>"

@@ -1,0 +1,126 @@
+"""One rank of a communicator on a daemon context: its arena (tag records and
+ring-path staging FIFOs, in device memory its peers map), the host mirror of
+its tag table, and its registration with the daemon."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from dfccl import runtime
+from dfccl._native.context import CHAN_STATE_BYTES, MAX_CHANNELS, RECORD_HEADER_BYTES
+from dfccl.errors import BackendError, ResourceError
+from dfccl.staging import StagingPool
+from dfccl.tags import TagTable
+
+__all__ = ["Endpoint", "RECORD_STRIDE"]
+
+RECORD_STRIDE = RECORD_HEADER_BYTES + MAX_CHANNELS * CHAN_STATE_BYTES
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class Endpoint:
+    def __init__(self, ctx, *, rank: int, nranks: int, options, shareable: bool):
+        self.ctx = ctx
+        self.backend = ctx.backend
+        self.rank = rank
+        self.nranks = nranks
+        self.capacity = options.max_tags or 2 * ctx.nslots
+        self.table_bytes = _align(self.capacity * RECORD_STRIDE, 4096)
+        self.arena_size = self.table_bytes + options.staging_bytes
+        self.arena = self.backend.alloc_device(self.arena_size, shareable)
+        self.shareable = shareable
+        self.tags = TagTable(self.capacity)
+        self.staging = StagingPool(self.table_bytes, options.staging_bytes)
+        self.id: int | None = None
+        self._imported: list[int] = []
+        self.peer_arenas: list[int] = []
+
+    # -- bootstrap ---------------------------------------------------------------
+    def describe(self) -> dict:
+        """What peers need to reach this rank's arena (JSON-able)."""
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "backend": self.backend.name,
+            "device": self.backend.device,
+            "blocks": self.ctx.nblocks,
+            "arena_ptr": self.arena,
+            "capacity": self.capacity,
+            "stride": RECORD_STRIDE,
+        }
+        if self.shareable:
+            info["arena"] = self.backend.export_memory(self.arena)
+        return info
+
+    def connect(self, peers: list[dict], comm_key: int) -> bool:
+        """Maps every peer's arena and registers this rank with the daemon.
+        Returns whether every peer's buffers are addressable in place (all
+        ranks in this process, with peer access between their devices)."""
+        me = peers[self.rank]
+        direct = True
+        arenas = []
+        for p, info in enumerate(peers):
+            if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
+                raise BackendError(f"rank {p} uses {info['capacity']} tag records of {info['stride']} bytes, "
+                                   f"rank {self.rank} {self.capacity} of {RECORD_STRIDE}: CommOptions differ")
+            if info["backend"] != self.backend.name:
+                raise BackendError(f"rank {p} runs the {info['backend']} backend, rank {self.rank} {self.backend.name}")
+            same_process = info["pid"] == me["pid"] and info["host"] == me["host"]
+            if p == self.rank:
+                arenas.append(self.arena)
+            elif same_process:
+                other = runtime.get_backend(info["backend"], info["device"])
+                if not (self.backend.can_access(other) and other.can_access(self.backend)):
+                    raise BackendError(f"{self.backend.name} devices {self.backend.device} and {info['device']} cannot "
+                                       "access each other's memory (no peer access)")
+                self.backend.enable_access(other)
+                arenas.append(info["arena_ptr"])
+            else:
+                direct = False
+                if "arena" not in info:
+                    raise BackendError(f"rank {p} is in another process but did not export its arena")
+                ptr = self.backend.import_memory(info["arena"])
+                self._imported.append(ptr)
+                arenas.append(ptr)
+        self.peer_arenas = arenas
+        self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
+                                        arenas, arenas)
+        return direct
+
+    # -- staging -------------------------------------------------------------------
+    def alloc_fifo(self, nbytes: int) -> int:
+        off = self.staging.alloc(nbytes)
+        if off is None:
+            raise ResourceError(
+                f"rank {self.rank}: ring-path staging memory exhausted ({self.staging.in_use} of "
+                f"{self.staging.size} bytes held by pending collectives, {nbytes} more needed); "
+                "raise CommOptions.staging_bytes or synchronize earlier collectives")
+        return off
+
+    def free_fifo(self, offset: int, nbytes: int) -> None:
+        self.staging.free(offset, nbytes)
+
+    # -- teardown ----------------------------------------------------------------
+    def abort(self) -> None:
+        if self.id is not None:
+            self.ctx.abort_endpoint(self.id)
+
+    def release(self, free_memory: bool) -> None:
+        """Unregisters from the daemon; frees the arena only when no peer can
+        touch it any more (``free_memory``), else leaves it mapped."""
+        for ptr in self._imported:
+            try:
+                self.backend.release_import(ptr)
+            except Exception:
+                pass
+        self._imported = []
+        if self.id is not None:
+            self.ctx.remove_endpoint(self.id)
+            self.id = None
+        if free_memory and self.arena:
+            self.backend.free_device(self.arena)
+            self.arena = 0

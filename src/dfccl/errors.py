@@ -1,0 +1,110 @@
+"""Typed errors.  Every error dfccl raises is a :class:`DfcclError` carrying an
+:class:`ErrorCode`; collective failures also name the rank, tag and reason."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "ErrorCode",
+    "DfcclError",
+    "InvalidArgumentError",
+    "MismatchError",
+    "PeerAbortedError",
+    "AbortedError",
+    "CollectiveTimeoutError",
+    "ResourceError",
+    "BackendError",
+    "ClosedError",
+]
+
+
+class ErrorCode(enum.IntEnum):
+    INVALID_ARGUMENT = 1
+    MISMATCH = 2
+    PEER_ABORTED = 3
+    ABORTED = 4
+    TIMEOUT = 5
+    RESOURCE = 6
+    BACKEND = 7
+    CLOSED = 8
+
+
+class DfcclError(RuntimeError):
+    """Base class.  ``code`` says which kind of failure this is."""
+
+    code: ErrorCode = ErrorCode.BACKEND
+
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.tag = tag
+
+
+class InvalidArgumentError(DfcclError, ValueError):
+    """A buffer, dtype, count, root or option is not acceptable."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class MismatchError(DfcclError):
+    """Ranks submitted the same tag with different signatures (kind, count,
+    dtype, op, root).  ``peer`` is the rank whose signature differed."""
+
+    code = ErrorCode.MISMATCH
+
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, peer: int | None = None) -> None:
+        super().__init__(message, rank=rank, tag=tag)
+        self.peer = peer
+
+
+class PeerAbortedError(DfcclError):
+    """A peer gave up this collective (it saw a mismatch, or was aborted);
+    ``origin`` is the rank where the failure started."""
+
+    code = ErrorCode.PEER_ABORTED
+
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, origin: int | None = None) -> None:
+        super().__init__(message, rank=rank, tag=tag)
+        self.origin = origin
+
+
+class AbortedError(DfcclError):
+    """The communicator was aborted or closed while the collective was pending."""
+
+    code = ErrorCode.ABORTED
+
+
+class CollectiveTimeoutError(DfcclError, TimeoutError):
+    """``synchronize(timeout)`` ran out.  The collective stays pending; the
+    message names the peer it was last waiting for."""
+
+    code = ErrorCode.TIMEOUT
+
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, waiting_on: int | None = None) -> None:
+        super().__init__(message, rank=rank, tag=tag)
+        self.waiting_on = waiting_on
+
+
+class ResourceError(DfcclError):
+    """A bounded resource (outstanding collectives, tag records, staging
+    memory) is exhausted.  Raised instead of waiting, which could deadlock."""
+
+    code = ErrorCode.RESOURCE
+
+
+class BackendError(DfcclError):
+    """The backend (CUDA driver, simulator) failed.  ``driver_code`` holds the
+    CUresult when the CUDA driver is the source."""
+
+    code = ErrorCode.BACKEND
+
+    def __init__(self, message: str, *, driver_code: int | None = None) -> None:
+        super().__init__(message)
+        self.driver_code = driver_code
+
+
+class ClosedError(DfcclError):
+    """The communicator or context is closed."""
+
+    code = ErrorCode.CLOSED

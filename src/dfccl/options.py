@@ -1,0 +1,91 @@
+"""Settings.  ContextOptions fix how a device's daemon runs (shared by every
+communicator on that device in this process); CommOptions how one
+communicator moves data.  Defaults need no tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from dfccl.errors import InvalidArgumentError
+
+__all__ = ["ContextOptions", "CommOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextOptions:
+    """How the daemon of one device runs.
+
+    blocks: daemon blocks (= channels) per device; None: the backend's default
+        (a quarter of the SMs on a GPU, at most 32; 2 in the simulator).
+    max_outstanding: collectives that may be pending at once per device (a
+        power of two).  Beyond it submission raises ResourceError instead of
+        waiting (waiting could deadlock).
+    preemption: False runs every collective to completion like NCCL (infinite
+        windows).  Only for experiments showing what preemption prevents.
+    base_window_ns / max_window_ns / idle_quit_ns / relaunch_backoff_ns: the
+        scheduler's time bounds; None picks the backend's defaults.  The base
+        window adapts at run time (policy.py) unless adaptive is False.
+    """
+
+    blocks: int | None = None
+    max_outstanding: int = 4096
+    preemption: bool = True
+    adaptive: bool = True
+    base_window_ns: int | None = None
+    max_window_ns: int | None = None
+    idle_quit_ns: int | None = None
+    relaunch_backoff_ns: int | None = None
+    max_endpoints: int = 256
+
+    def __post_init__(self):
+        n = self.max_outstanding
+        if n < 8 or n & (n - 1):
+            raise InvalidArgumentError(f"max_outstanding must be a power of two >= 8, not {n}")
+        if self.blocks is not None and not 1 <= self.blocks <= 32:
+            raise InvalidArgumentError(f"blocks must be in 1..32, not {self.blocks}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommOptions:
+    """How one communicator moves data.  Must be equal on every rank.
+
+    path: "auto" (direct where every peer's buffers are addressable, i.e. all
+        ranks in one process; else ring), "direct" or "ring".
+    channels: most channels one collective uses; None: all daemon blocks.
+    max_tags: tag records per rank (tags pending at once); None: twice
+        max_outstanding.
+    staging_bytes: ring-path FIFO memory per rank.
+    ring_slots: FIFO slots per channel (pipelining depth of the ring).
+    max_slice_bytes: largest FIFO slot.
+    one_shot_bytes: direct all-reduces up to this size (out of place) read
+        every peer's whole input in one phase instead of two.
+    bytes_per_channel: a collective uses one channel per this many bytes
+        (at least one, at most `channels`).
+    """
+
+    path: str = "auto"
+    channels: int | None = None
+    max_tags: int | None = None
+    staging_bytes: int | None = None
+    ring_slots: int = 4
+    max_slice_bytes: int | None = None
+    one_shot_bytes: int | None = None
+    bytes_per_channel: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.path not in ("auto", "direct", "ring"):
+            raise InvalidArgumentError(f"path must be 'auto', 'direct' or 'ring', not {self.path!r}")
+        if not 1 <= self.ring_slots <= 64:
+            raise InvalidArgumentError("ring_slots must be in 1..64")
+
+    def resolved(self, backend: str) -> "CommOptions":
+        """Fills backend defaults (GPU sizes differ from the simulator's)."""
+        gpu = backend == "cuda"
+        return replace(
+            self,
+            staging_bytes=self.staging_bytes if self.staging_bytes is not None else (256 << 20 if gpu else 16 << 20),
+            max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else (512 << 10 if gpu else 64 << 10),
+            one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
+            bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
+        )

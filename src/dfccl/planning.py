@@ -1,0 +1,58 @@
+"""How one collective runs: its path, channels and ring geometry.  A pure
+function of (kind, count, dtype, ranks, options), so every rank computes the
+same answer without talking; the daemon checks that they agree (the
+signature includes all of it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dfccl._native.context import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT
+from dfccl.types import DataType
+
+__all__ = ["Geometry", "plan_geometry"]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    path: int
+    nchannels: int
+    slice_bytes: int = 0
+    fifo_slots: int = 0
+    flags: int = 0
+
+    @property
+    def fifo_bytes(self) -> int:
+        return self.nchannels * self.fifo_slots * self.slice_bytes
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
+                  out_of_place: bool, options) -> Geometry:
+    esize = dtype.itemsize
+    # Bytes one rank moves through its channels: the whole buffer, or for
+    # all-gather / reduce-scatter the n-times-larger side.
+    total = count * esize * (nranks if kind in (KIND_ALL_GATHER, KIND_REDUCE_SCATTER) else 1)
+    nch = max(1, min(max_channels, _ceil_div(total, options.bytes_per_channel)))
+    if nranks == 1:
+        return Geometry(PATH_DIRECT, nch)
+    if direct:
+        flags = TASK_ONE_SHOT if (kind == KIND_ALL_REDUCE and out_of_place and total <= options.one_shot_bytes) else 0
+        return Geometry(PATH_DIRECT, nch, flags=flags)
+    # Ring: slices are cut from the largest channel part (the daemon splits
+    # `count` into nch pack-aligned parts, cuda/daemon/transfer_common.cuh).
+    align = max(1, 16 // esize)
+    chan_elems = _round_up(_ceil_div(count, nch), align)
+    chan_bytes = chan_elems * esize
+    pieces = nranks if kind == KIND_ALL_REDUCE else (1 if kind in (KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
+                                                    else options.ring_slots)
+    slice_bytes = _round_up(_ceil_div(chan_bytes, pieces), 16)
+    slice_bytes = max(256, min(options.max_slice_bytes, slice_bytes))
+    return Geometry(PATH_RING, nch, slice_bytes, options.ring_slots)

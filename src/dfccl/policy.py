@@ -1,0 +1,97 @@
+"""The host half of the preemption policy (the device half is
+preemption_window() in cuda/daemon/schedule.cuh).
+
+The device preempts a run that makes no progress for one window; the oldest
+pending collective gets a longer, growing window, and a collective whose gang
+has formed a sticky one.  The host sets the *base* of those windows from the
+peer skew it observes: every completed collective reports the longest wait
+that ended with its peer arriving (max_wait_ns).  Every ``period_ns`` (with at
+least 8 completions seen) the base moves halfway (geometrically) towards twice
+the 90th percentile of those waits, within [min_base, max_base]:
+
+- peers that arrive a few microseconds late -> short windows, so a collective
+  whose peers are absent gives the daemon back quickly;
+- peers that keep arriving just before the window closes -> the percentile
+  sits near the base and the base grows, so runs overlap and gangs form.
+
+Correctness never depends on these numbers (see schedule.cuh); they trade
+switching overhead against time spent waiting for absent peers."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["WindowPolicy", "default_policy"]
+
+NS = 1
+US = 1000 * NS
+MS = 1000 * US
+
+
+class WindowPolicy:
+    def __init__(self, *, base_window_ns: int, max_window_ns: int, idle_quit_ns: int, relaunch_backoff_ns: int,
+                 min_base_ns: int, max_base_ns: int, adaptive: bool = True, period_ns: int = 20 * MS):
+        self.base_window_ns = base_window_ns
+        self.max_window_ns = max_window_ns
+        self.idle_quit_ns = idle_quit_ns
+        self.relaunch_backoff_ns = relaunch_backoff_ns
+        self.min_base_ns = min_base_ns
+        self.max_base_ns = max_base_ns
+        self.adaptive = adaptive
+        self.period_ns = period_ns
+        self._completions = 0
+        self._preemptions = 0
+        self._last_update = 0
+        self._waits: list[int] = []
+        self.history: list[tuple[int, float]] = []  # (new base, preemptions per completion)
+
+    def observe(self, preemptions: int, max_wait_ns: int) -> None:
+        self._completions += 1
+        self._preemptions += preemptions
+        if len(self._waits) < 4096:
+            self._waits.append(max_wait_ns)
+
+    def update(self, now_ns: int) -> int | None:
+        """A new base window to publish, or None."""
+        if not self.adaptive or now_ns - self._last_update < self.period_ns or self._completions < 8:
+            return None
+        waits = sorted(self._waits)
+        p90 = waits[int(0.9 * (len(waits) - 1))]
+        rate = self._preemptions / self._completions
+        self._last_update = now_ns
+        self._completions = self._preemptions = 0
+        self._waits = []
+        target = min(self.max_base_ns, max(self.min_base_ns, 2 * p90))
+        base = int(math.sqrt(self.base_window_ns * target))
+        base = min(self.max_base_ns, max(self.min_base_ns, base))
+        if base == self.base_window_ns:
+            return None
+        self.base_window_ns = base
+        self.history.append((base, rate))
+        del self.history[:-64]
+        return base
+
+
+INFINITE_NS = 1 << 62
+
+
+def default_policy(backend: str, options) -> WindowPolicy:
+    """Defaults per backend.  GPU: a peer flag round trip is ~2.5 us
+    (DESIGN.md, section 6), so a 20 us base tolerates jitter without holding
+    the SMs long for an absent peer.  Simulator: host threads share few cores
+    and are descheduled for milliseconds, so its windows are longer."""
+    gpu = backend == "cuda"
+    if not options.preemption:
+        return WindowPolicy(base_window_ns=INFINITE_NS, max_window_ns=INFINITE_NS, idle_quit_ns=INFINITE_NS,
+                            relaunch_backoff_ns=100 * US, min_base_ns=INFINITE_NS, max_base_ns=INFINITE_NS,
+                            adaptive=False)
+    base = options.base_window_ns or (20 * US if gpu else 200 * US)
+    return WindowPolicy(
+        base_window_ns=base,
+        max_window_ns=options.max_window_ns or (2 * MS if gpu else 50 * MS),
+        idle_quit_ns=options.idle_quit_ns or (5 * MS if gpu else 20 * MS),
+        relaunch_backoff_ns=options.relaunch_backoff_ns or (200 * US if gpu else 1 * MS),
+        min_base_ns=min(base, 5 * US if gpu else 50 * US),
+        max_base_ns=max(base, 1 * MS if gpu else 20 * MS),
+        adaptive=options.adaptive,
+    )

@@ -1,0 +1,224 @@
+"""The backends and the per-device daemon contexts of this process."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from importlib import resources
+
+from dfccl.errors import BackendError, InvalidArgumentError
+from dfccl.options import ContextOptions
+from dfccl.policy import default_policy
+
+__all__ = ["default_backend", "device_count", "get_context", "contexts", "shutdown", "device_synchronize"]
+
+_lock = threading.RLock()
+_contexts: dict = {}
+_backends: dict = {}
+_cuda_count: int | None = None
+
+SIM_DEVICES_DEFAULT = 4
+
+
+def _cuda_module():
+    try:
+        from dfccl._native import cuda_backend
+    except ImportError:
+        return None
+    return cuda_backend
+
+
+def cuda_device_count() -> int:
+    global _cuda_count
+    if _cuda_count is None:
+        mod = _cuda_module()
+        _cuda_count = mod.device_count() if mod is not None else 0
+    return _cuda_count
+
+
+def default_backend() -> str:
+    """"cuda" when a GPU is visible (and the CUDA backend was built), else "sim".
+    DFCCL_BACKEND overrides."""
+    env = os.environ.get("DFCCL_BACKEND")
+    if env:
+        return resolve_backend(env)
+    return "cuda" if cuda_device_count() > 0 else "sim"
+
+
+def resolve_backend(name: str | None) -> str:
+    if name is None:
+        return default_backend()
+    if name not in ("cuda", "sim"):
+        raise InvalidArgumentError(f"backend must be 'cuda' or 'sim', not {name!r}")
+    if name == "cuda" and cuda_device_count() == 0:
+        raise BackendError("the cuda backend needs a visible GPU and the CUDA driver"
+                           + ("" if _cuda_module() else " (dfccl was built without cuda.h)"))
+    return name
+
+
+def device_count(backend: str | None = None) -> int:
+    """GPUs visible (cuda), or the simulated GPUs the demo uses (sim:
+    DFCCL_SIM_DEVICES, default 4; any device number works in the simulator)."""
+    backend = resolve_backend(backend)
+    if backend == "cuda":
+        return cuda_device_count()
+    return int(os.environ.get("DFCCL_SIM_DEVICES", SIM_DEVICES_DEFAULT))
+
+
+# -- the daemon kernel image -----------------------------------------------------
+def _kernel_dir():
+    return resources.files("dfccl") / "_kernels"
+
+
+def daemon_image(compute_capability: int) -> bytes:
+    """The daemon module: the fatbin built by nvcc, else NVRTC from the
+    shipped sources (cuda.bindings.nvrtc)."""
+    fatbin = _kernel_dir() / "daemon.fatbin"
+    if fatbin.is_file() and not os.environ.get("DFCCL_FORCE_NVRTC"):
+        return fatbin.read_bytes()
+    return _nvrtc_compile(compute_capability)
+
+
+def _nvrtc_compile(cc: int) -> bytes:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise BackendError("no daemon fatbin was built (nvcc missing) and cuda.bindings.nvrtc is unavailable") from exc
+    src_dir = _kernel_dir() / "src"
+    source = (src_dir / "daemon" / "daemon_kernel.cu").read_bytes()
+
+    def ok(result, what):
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise BackendError(f"NVRTC {what} failed: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    prog = ok(nvrtc.nvrtcCreateProgram(source, b"daemon_kernel.cu", 0, [], []), "nvrtcCreateProgram")
+    opts = [b"-std=c++17", f"--gpu-architecture=sm_{cc}".encode(), b"-default-device",
+            b"-I" + str(src_dir / "include").encode(), b"-I" + str(src_dir / "daemon").encode()]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise BackendError(f"NVRTC could not compile the daemon for sm_{cc}:\n{log.decode(errors='replace')}")
+    size = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    err, = nvrtc.nvrtcGetCUBIN(prog, cubin)
+    nvrtc.nvrtcDestroyProgram(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise BackendError(f"nvrtcGetCUBIN failed: {err}")
+    return cubin
+
+
+# -- backends and contexts -----------------------------------------------------------
+def get_backend(backend: str, device: int, blocks: int | None = None):
+    key = (backend, device)
+    with _lock:
+        be = _backends.get(key)
+        if be is None:
+            if device < 0:
+                raise InvalidArgumentError(f"device must be >= 0, not {device}")
+            if backend == "cuda":
+                mod = _cuda_module()
+                if device >= cuda_device_count():
+                    raise InvalidArgumentError(f"cuda device {device} does not exist ({cuda_device_count()} visible)")
+                probe_cc = _probe_compute_capability(device)
+                be = mod.CudaBackend(device, daemon_image(probe_cc), blocks or 0)
+            else:
+                from dfccl._native.sim_backend import SimBackend
+                be = SimBackend(device, blocks or 2)
+            _backends[key] = be
+        return be
+
+
+def _probe_compute_capability(device: int) -> int:
+    from cuda.bindings import driver
+
+    def ok(result, what):
+        err, *rest = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise BackendError(f"{what} failed: {err}")
+        return rest[0] if rest else None
+
+    dev = ok(driver.cuDeviceGet(device), "cuDeviceGet")
+    major = ok(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+               "cuDeviceGetAttribute")
+    minor = ok(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+               "cuDeviceGetAttribute")
+    return major * 10 + minor
+
+
+def get_context(backend: str, device: int, options: ContextOptions | None = None):
+    """The daemon context of (backend, device) in this process, created on
+    first use with ``options`` (later callers must pass equal options or
+    None)."""
+    from dfccl._native.context import Context
+
+    key = (backend, device)
+    with _lock:
+        entry = _contexts.get(key)
+        if entry is not None:
+            ctx, opts = entry
+            if options is not None and options != opts:
+                raise InvalidArgumentError(
+                    f"the daemon of {backend}:{device} already runs with {opts}; a communicator asked for {options}. "
+                    "Context options are per device and process: use the same ones (or another device).")
+            return ctx
+        opts = options or ContextOptions()
+        be = get_backend(backend, device, opts.blocks)
+        blocks = opts.blocks or be.default_blocks
+        ctx = Context(be, blocks=blocks, slots=opts.max_outstanding, max_endpoints=opts.max_endpoints,
+                      policy=default_policy(backend, opts))
+        _contexts[key] = (ctx, opts)
+        return ctx
+
+
+def contexts():
+    with _lock:
+        return [c for c, _ in _contexts.values()]
+
+
+def shutdown() -> None:
+    """Stops every daemon of this process and frees its memory.  Pending
+    collectives fail with AbortedError.  Runs at interpreter exit."""
+    with _lock:
+        entries = list(_contexts.items())
+        _contexts.clear()
+        backends = list(_backends.values())
+        _backends.clear()
+    for _, (ctx, _opts) in entries:
+        try:
+            ctx.close()
+        except Exception:
+            pass
+    for be in backends:
+        try:
+            be.close()
+        except Exception:
+            pass
+
+
+atexit.register(shutdown)
+
+
+def device_synchronize(backend: str, device: int) -> None:
+    """A device-wide synchronisation (cuCtxSynchronize; in the simulator: wait
+    until the daemon is not running).  Returns once the daemon has left the
+    device, which it does when it makes no progress: that is what keeps such
+    syncs from deadlocking with peers."""
+    be = get_backend(backend, device)
+    if backend == "cuda":
+        be.context_synchronize()
+    else:
+        be.synchronize()
+
+
+def cuda_pointer_info(ptr: int):
+    """CUDA ordinal of the device memory at ``ptr``, or None if it is not
+    device memory."""
+    mod = _cuda_module()
+    if mod is None or cuda_device_count() == 0:
+        return None
+    return mod.pointer_device(ptr)

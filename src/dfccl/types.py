@@ -1,0 +1,117 @@
+"""Element types and reduction operations, and how array libraries name them."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["DataType", "ReduceOp", "as_data_type", "as_reduce_op"]
+
+
+class DataType(enum.IntEnum):
+    """Element types; the values are the daemon's (abi.h, dfccl_dtype)."""
+
+    INT8 = 0
+    UINT8 = 1
+    INT32 = 2
+    UINT32 = 3
+    INT64 = 4
+    UINT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BFLOAT16 = 9
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reductions; the values are the daemon's (abi.h, dfccl_op).  AVG sums and
+    divides once by the number of ranks (integer division for integer types)."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+
+
+_ITEMSIZE = {
+    DataType.INT8: 1, DataType.UINT8: 1, DataType.INT32: 4, DataType.UINT32: 4, DataType.INT64: 8,
+    DataType.UINT64: 8, DataType.FLOAT16: 2, DataType.FLOAT32: 4, DataType.FLOAT64: 8, DataType.BFLOAT16: 2,
+}
+
+# Names as numpy, torch, cupy and DLPack spell them.
+_BY_NAME = {
+    "int8": DataType.INT8, "uint8": DataType.UINT8, "int32": DataType.INT32, "uint32": DataType.UINT32,
+    "int64": DataType.INT64, "uint64": DataType.UINT64, "float16": DataType.FLOAT16, "half": DataType.FLOAT16,
+    "float32": DataType.FLOAT32, "float": DataType.FLOAT32, "float64": DataType.FLOAT64, "double": DataType.FLOAT64,
+    "bfloat16": DataType.BFLOAT16,
+}
+
+# Array-interface type strings (kind + itemsize).
+_BY_TYPESTR = {
+    "i1": DataType.INT8, "u1": DataType.UINT8, "i4": DataType.INT32, "u4": DataType.UINT32,
+    "i8": DataType.INT64, "u8": DataType.UINT64, "f2": DataType.FLOAT16, "f4": DataType.FLOAT32,
+    "f8": DataType.FLOAT64,
+}
+
+# DLPack (type code, bits).
+_BY_DLPACK = {
+    (0, 8): DataType.INT8, (1, 8): DataType.UINT8, (0, 32): DataType.INT32, (1, 32): DataType.UINT32,
+    (0, 64): DataType.INT64, (1, 64): DataType.UINT64, (2, 16): DataType.FLOAT16, (2, 32): DataType.FLOAT32,
+    (2, 64): DataType.FLOAT64, (4, 16): DataType.BFLOAT16,
+}
+
+_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "product": ReduceOp.PROD, "min": ReduceOp.MIN,
+        "max": ReduceOp.MAX, "avg": ReduceOp.AVG, "mean": ReduceOp.AVG}
+
+
+def as_data_type(value: object) -> DataType:
+    """DataType from a DataType, a name ("float32"), a numpy/torch dtype."""
+    from dfccl.errors import InvalidArgumentError
+
+    if isinstance(value, DataType):
+        return value
+    name = getattr(value, "name", None) if not isinstance(value, str) else value
+    if name is None:
+        name = str(value)
+    name = name.rsplit(".", 1)[-1].lower()  # "torch.float32" -> "float32"
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unsupported dtype {value!r}; supported: {', '.join(d.name.lower() for d in DataType)}") from None
+
+
+def dtype_from_typestr(typestr: str, descr_name: str | None = None) -> DataType:
+    from dfccl.errors import InvalidArgumentError
+
+    if descr_name == "bfloat16":
+        return DataType.BFLOAT16
+    key = typestr[1:]
+    if typestr[0] == ">" and key[-1] != "1":
+        raise InvalidArgumentError(f"big-endian arrays are not supported ({typestr!r})")
+    try:
+        return _BY_TYPESTR[key]
+    except KeyError:
+        raise InvalidArgumentError(f"unsupported array element type {typestr!r}") from None
+
+
+def dtype_from_dlpack(code: int, bits: int, lanes: int) -> DataType:
+    from dfccl.errors import InvalidArgumentError
+
+    if lanes != 1 or (code, bits) not in _BY_DLPACK:
+        raise InvalidArgumentError(f"unsupported DLPack dtype (code={code}, bits={bits}, lanes={lanes})")
+    return _BY_DLPACK[(code, bits)]
+
+
+def as_reduce_op(value: object) -> ReduceOp:
+    from dfccl.errors import InvalidArgumentError
+
+    if isinstance(value, ReduceOp):
+        return value
+    if isinstance(value, str) and value.lower() in _OPS:
+        return _OPS[value.lower()]
+    raise InvalidArgumentError(f"unsupported reduction {value!r}; use one of sum, prod, min, max, avg")

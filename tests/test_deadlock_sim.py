@@ -1,0 +1,228 @@
+"""Deadlock freedom on the simulator: the scenarios that hang NCCL complete with
+every element checked, and the same scenarios hang when preemption is off
+(windows infinite, i.e. NCCL-like run-to-completion), which shows that
+preemption is what saves them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import scenarios as sc
+
+PATHS = ("direct", "ring")
+_device_ids = itertools.count()
+
+
+def make_comms(n: int, path: str, *, per_device: int = 1, context_options=None):
+    """n ranks on fresh simulated GPUs (``per_device`` ranks share one)."""
+    base = 5000 + 100 * next(_device_ids)
+    devices = [base + r // per_device for r in range(n)]
+    return dfccl.Communicator.for_devices(devices, backend="sim", options=dfccl.CommOptions(path=path),
+                                          context_options=context_options)
+
+
+def close_all(comms):
+    for c in comms:
+        c.close()
+
+
+@pytest.fixture
+def rng(request):
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_inconsistent_order(n, path, rng):
+    """Half the ranks issue A then B, the others B then A."""
+    comms = make_comms(n, path)
+    try:
+        specs = [sc.Spec("A", "all_reduce", 1 << 16, "float32"), sc.Spec("B", "all_reduce", 1 << 10, "int32", "max")]
+        orders = [[0, 1] if r % 2 == 0 else [1, 0] for r in range(n)]
+        rep = sc.run(comms, specs, orders, rng=rng, timeout=60)
+        assert rep.collectives == 2
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_random_permutations(n, path, rng):
+    """Every rank issues the same 32 collectives (mixed kinds, 4 B .. 4 MiB)
+    in its own random permutation, three rounds with fresh data."""
+    comms = make_comms(n, path)
+    try:
+        specs = sc.random_specs(rng, 32, nranks=n, max_bytes=(4 << 20) if n <= 4 else (1 << 20))
+        orders = [list(rng.permutation(len(specs))) for _ in range(n)]
+        rep = sc.run(comms, specs, orders, rng=rng, rounds=3, timeout=120)
+        assert rep.collectives == 96
+        assert len(rep.preemptions) == 32
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_overlapping_communicators(path, rng):
+    """4 ranks in a world communicator, two pair communicators and a middle
+    pair, each rank issuing its share in its own order across communicators
+    (the tensor/data/pipeline-parallel pattern)."""
+    n = 4
+    base = 5000 + 100 * next(_device_ids)
+    devices = [base + r for r in range(n)]
+    opts = dfccl.CommOptions(path=path)
+    world = dfccl.Communicator.for_devices(devices, backend="sim", options=opts)
+    pairs = [dfccl.Communicator.for_devices(devices[i:i + 2], backend="sim", options=opts) for i in (0, 2)]
+    middle = dfccl.Communicator.for_devices(devices[1:3], backend="sim", options=opts)
+    comm_of = {}  # (group name, global rank) -> communicator
+    for r in range(n):
+        comm_of[("world", r)] = world[r]
+    for g, (lo, comms) in enumerate(zip((0, 2), pairs)):
+        for i, c in enumerate(comms):
+            comm_of[(f"pair{g}", lo + i)] = c
+    for i, c in enumerate(middle):
+        comm_of[("middle", 1 + i)] = c
+    groups = {"world": [0, 1, 2, 3], "pair0": [0, 1], "pair1": [2, 3], "middle": [1, 2]}
+    specs = {g: sc.random_specs(rng, 6, nranks=len(m), max_bytes=256 << 10, prefix=f"{g}-") for g, m in groups.items()}
+    # Each rank: all its collectives across groups, shuffled.
+    per_rank = {r: [(g, i) for g, m in groups.items() if r in m for i in range(6)] for r in range(n)}
+    for r in per_rank:
+        rng.shuffle(per_rank[r])
+    insts = {g: [sc._prepare(s, [comm_of[(g, r)] for r in m], rng) for s in specs[g]] for g, m in groups.items()}
+    errors = []
+
+    def drive(r):
+        try:
+            for g, i in per_rank[r]:
+                sc._submit(insts[g][i], comm_of[(g, r)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    try:
+        for g in groups:
+            for inst in insts[g]:
+                for w in inst.works:
+                    w.synchronize(timeout=120)
+                sc._verify(inst)
+    finally:
+        for comms in [world, middle, *pairs]:
+            close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n", [2, 4])
+def test_wait_between_collectives(n, path, rng):
+    """Rank 0 waits for each collective before submitting the next; the other
+    ranks issue them in the opposite order without waiting.  With NCCL the
+    others' streams block on the first collective rank 0 has not issued while
+    rank 0 blocks on one queued behind it."""
+    comms = make_comms(n, path)
+    try:
+        specs = sc.random_specs(rng, 6, nranks=n, max_bytes=1 << 20)
+        orders = [list(range(6)) if r == 0 else list(range(5, -1, -1)) for r in range(n)]
+        sc.run(comms, specs, orders, rng=rng, threads=True, wait_each={0}, timeout=60)
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_device_sync_between_collectives(path, rng):
+    """A device-wide synchronise on rank 0 while its collective waits for rank
+    1, which only submits after that synchronise returns (one thread drives
+    both, as a single-process multi-GPU program does)."""
+    comms = make_comms(2, path)
+    try:
+        specs = [sc.Spec(f"S{i}", "all_reduce", 4096, "float32") for i in range(3)]
+        insts = [sc._prepare(s, comms, rng) for s in specs]
+        t0 = time.perf_counter()
+        for inst in insts:
+            sc._submit(inst, comms[0])
+            dfccl.device_synchronize("sim", comms[0].device)  # returns once the daemon quits idle
+            sc._submit(inst, comms[1])
+        for inst in insts:
+            for w in inst.works:
+                w.synchronize(timeout=30)
+            sc._verify(inst)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_thousand_queued_before_peer_starts(path, rng):
+    """Rank 0 queues 1,000 collectives before rank 1 submits any, then rank 1
+    submits them in reverse order."""
+    comms = make_comms(2, path)
+    try:
+        count = 1000
+        specs = [sc.Spec(i, "all_reduce", 1 + i % 64, "int32") for i in range(count)]
+        orders = [list(range(count)), list(range(count - 1, -1, -1))]
+        rep = sc.run(comms, specs, orders, rng=rng, timeout=300)
+        assert rep.collectives == count
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_several_ranks_per_device(path, rng):
+    """8 ranks on 2 simulated GPUs (4 per daemon) in random orders: ranks that
+    share a daemon preempt each other too."""
+    comms = make_comms(8, path, per_device=4)
+    try:
+        specs = sc.random_specs(rng, 16, nranks=8, max_bytes=256 << 10)
+        orders = [list(rng.permutation(16)) for _ in range(8)]
+        sc.run(comms, specs, orders, rng=rng, timeout=120)
+    finally:
+        close_all(comms)
+
+
+def test_without_preemption_the_same_order_hangs(rng):
+    """Control: with preemption off (infinite windows: run to completion like
+    NCCL), A,B vs B,A never completes; the timeout reports which rank each
+    side waits for, and abort() releases both sides."""
+    base = 5000 + 100 * next(_device_ids)
+    opts = dfccl.ContextOptions(preemption=False)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
+                                           options=dfccl.CommOptions(path="direct"))
+    specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
+    insts = [sc._prepare(s, comms, rng) for s in specs]
+    sc._submit(insts[0], comms[0])
+    sc._submit(insts[1], comms[0])
+    sc._submit(insts[1], comms[1])
+    sc._submit(insts[0], comms[1])
+    first = [insts[0].works[0], insts[1].works[1]]  # what each daemon runs first
+    for w, peer in zip(first, (1, 0)):
+        with pytest.raises(dfccl.CollectiveTimeoutError) as info:
+            w.synchronize(timeout=1.0)
+        assert info.value.waiting_on == peer
+    assert not any(w.done() for inst in insts for w in inst.works)
+    for c in comms:
+        c.abort()
+    for inst in insts:
+        for w in inst.works:
+            with pytest.raises((dfccl.AbortedError, dfccl.PeerAbortedError)):
+                w.synchronize(timeout=30)
+    close_all(comms)
+
+
+def test_same_scenario_with_preemption_completes(rng):
+    """The control's twin: the identical submission order, preemption on."""
+    comms = make_comms(2, "direct")
+    try:
+        specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
+        rep = sc.run(comms, specs, [[0, 1], [1, 0]], rng=rng, timeout=30)
+        assert rep.total_preemptions >= 1  # someone had to give way
+    finally:
+        close_all(comms)
