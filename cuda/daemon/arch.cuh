@@ -41,9 +41,12 @@ DFCCL_DEV bool is_leader() { return threadIdx.x == 0; }
 DFCCL_DEV void control_sync() { __syncwarp(); }
 DFCCL_DEV int mover_index() { return (int)threadIdx.x - kControlThreads; }
 DFCCL_DEV int mover_count() { return (int)blockDim.x - kControlThreads; }
+// The leader's value of v, in every lane of the control warp.
+DFCCL_DEV uint64_t from_leader(uint64_t v) { return __shfl_sync(0xffffffffu, (unsigned long long)v, 0); }
 #else
 DFCCL_DEV bool is_leader() { return true; }
 DFCCL_DEV void control_sync() {}
+DFCCL_DEV uint64_t from_leader(uint64_t v) { return v; }
 DFCCL_DEV int mover_index() { return 0; }
 DFCCL_DEV int mover_count() { return 1; }
 #endif
@@ -63,11 +66,14 @@ DFCCL_DEV uint64_t now_ns() {
 }
 #endif
 
-// Called in every spin iteration.  On the GPU a short sleep keeps a polling
-// thread from hammering NVLink/PCIe; in the simulator the CPU is handed over.
+// Called in every spin iteration.  On the GPU a poll is already a memory
+// round trip (a flag in a peer's memory costs ~2 us over NVLink), so the
+// leader polls back to back, as NCCL does; __nanosleep was measured to stretch
+// each iteration far past its argument.  In the simulator the CPU is handed
+// over so that many simulated GPUs share a few cores.
 #if DFCCL_GPU
-DFCCL_DEV void spin_pause() { __nanosleep(64); }
-DFCCL_DEV void idle_pause() { __nanosleep(2000); }
+DFCCL_DEV void spin_pause() {}
+DFCCL_DEV void idle_pause() { __nanosleep(500); }
 #else
 DFCCL_DEV void spin_pause() { sched_yield(); }
 DFCCL_DEV void idle_pause() {

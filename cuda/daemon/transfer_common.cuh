@@ -74,30 +74,45 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
 }
 
 // Waits until `peer` has published this instance on this channel and checks
-// that it names the same collective.  Until then the peer's table is probed
-// afresh on every poll: a bucket that held this tag earlier may still carry
-// its key, and the live record appears only when the peer publishes.  The
-// leader caches the record it met.
-DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index) {
-  uint64_t met = 0;
+// that it names the same collective.  One remote read per poll: the record
+// found by probing is kept while its key matches, and the table is probed
+// afresh every 64 polls, because a bucket that held this tag earlier may still
+// carry its key while the live record appears elsewhere only when the peer
+// publishes.  The peer's abort marker is read every 16 polls.  The leader
+// caches the record it met and returns the peer's published fifo word in
+// *fifo_word.
+DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index, uint64_t *fifo_word) {
+  uint64_t rec = 0, met = 0;
+  uint32_t polls = 0;
   const uint32_t c = env.block;
   int r = block_wait(env, run, peer, [&]() -> int {
-    const uint64_t rec = probe_record(run.ep, peer, run.d->tag_key);
-    if (rec == 0) return 0;
+    ++polls;
+    if (rec == 0 || (polls & 63u) == 0) {
+      rec = probe_record(run.ep, peer, run.d->tag_key);
+      if (rec == 0) return 0;
+    }
     dfccl_chan_state *pc = record_chan(rec, c);
+    if (load_acquire(&pc->ready) != run.token) {
+      if ((polls & 15u) == 0 && load_relaxed(&pc->abort_token) == run.token) {
+        run.status = DFCCL_STATUS_PEER_ABORTED;
+        run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+        return -1;
+      }
+      return 0;
+    }
+    met = rec;
     if (load_relaxed(&pc->abort_token) == run.token) {
       run.status = DFCCL_STATUS_PEER_ABORTED;
       run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
       return -1;
     }
-    if (load_acquire(&pc->ready) != run.token) return 0;
-    met = rec;
     if (load_relaxed(&pc->signature) != task_signature(*run.d, run.ep->nranks) ||
         load_relaxed(&pc->count) != run.d->count || load_relaxed(&pc->slice_bytes) != run.d->slice_bytes) {
       run.status = DFCCL_STATUS_MISMATCH;
       run.detail = (int32_t)peer;
       return -1;
     }
+    *fifo_word = load_relaxed(&pc->fifo);
     return 1;
   });
   if (is_leader() && met != 0 && cache_index < DFCCL_PEER_CACHE) run.ctx->peer_rec[cache_index] = met;

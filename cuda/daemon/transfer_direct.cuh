@@ -37,8 +37,12 @@ DFCCL_DEV DirectGeometry direct_geometry(const BlockEnv &env, const TaskRun &run
   return g;
 }
 
-DFCCL_DEV bool two_shot(const dfccl_task_desc *d) {
-  return d->kind == DFCCL_ALL_REDUCE && (d->flags & DFCCL_TASK_ONE_SHOT) == 0;
+// A direct all-reduce runs in one phase when it is small (the host's
+// ONE_SHOT flag, equal on every rank) and no rank is in place: a rank that
+// writes its output over its input would overwrite what peers still read.
+// Whether any rank is in place is learnt while meeting them (pos[1]).
+DFCCL_DEV bool two_shot(const TaskRun &run) {
+  return run.d->kind == DFCCL_ALL_REDUCE && ((run.d->flags & DFCCL_TASK_ONE_SHOT) == 0 || run.pos[1] != 0);
 }
 
 // The leader: input / output address of rank p (this rank's from its descriptor,
@@ -74,7 +78,7 @@ DFCCL_DEV void direct_work1(BlockEnv &env, const TaskRun &run, const DirectGeome
   const dfccl_task_desc *d = run.d;
   switch (d->kind) {
     case DFCCL_ALL_REDUCE: {
-      if (two_shot(d)) {
+      if (two_shot(run)) {
         Range seg = split(d->count, g.n, g.r, g.align);
         Range part = split(seg.len, g.nch, g.c, g.align);
         reduce_all_inputs(env, run, g, seg.off + part.off, seg.off + part.off, part.len);
@@ -143,16 +147,19 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case D_PUBLISH:
-        publish_instance(run, 0);
+        publish_instance(run, run.d->send_addr == run.d->recv_addr ? 1 : 0);
         run.pos[0] = 0;
+        run.pos[1] = run.d->send_addr == run.d->recv_addr ? 1 : 0;
         run.step = D_MEET;
         run.progressed = true;
         break;
       case D_MEET:
         while (run.pos[0] + 1 < g.n) {
           uint32_t i = (uint32_t)run.pos[0];
-          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i);
+          uint64_t peer_in_place = 0;
+          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i, &peer_in_place);
           if (w != WAIT_OK) return stop_run(w);
+          run.pos[1] |= from_leader(peer_in_place) & 1u;
           run.pos[0] += 1;
           run.progressed = true;
         }
@@ -161,8 +168,8 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
       case D_WORK1:
         direct_work1(env, run, g);
         release_fence();
-        signal_peers(run, g, two_shot(run.d));
-        run.step = two_shot(run.d) ? D_WAIT1 : D_WAIT2;
+        signal_peers(run, g, two_shot(run));
+        run.step = two_shot(run) ? D_WAIT1 : D_WAIT2;
         run.progressed = true;
         break;
       case D_WAIT1: {

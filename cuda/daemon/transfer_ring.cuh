@@ -225,19 +225,19 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run) {
         break;
       case R_MEET: {
         // pos[0]: 0 = meet the previous rank next, 1 = the next rank, 2 = met.
+        uint64_t word = 0;
         if (run.pos[0] == 0) {
           if (receives(g, kind)) {
-            int w = meet_peer(env, run, g.prev, 0);
+            int w = meet_peer(env, run, g.prev, 0, &word);
             if (w != WAIT_OK) return stop_run(w);
           }
           run.pos[0] = 1;
         }
         if (run.pos[0] == 1) {
           if (sends(g, kind)) {
-            int w = meet_peer(env, run, g.next, 1);
+            int w = meet_peer(env, run, g.next, 1, &word);
             if (w != WAIT_OK) return stop_run(w);
             if (is_leader()) {
-              uint64_t word = load_relaxed(&record_chan(run.ctx->peer_rec[1], g.c)->fifo);
               run.ctx->nbr_slots = (uint32_t)(word >> 48);
               run.ctx->nbr_fifo = run.ep->peer_arena[g.next] + (word & DFCCL_FIFO_OFFSET_MASK);
             }

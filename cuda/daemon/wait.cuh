@@ -54,16 +54,20 @@ DFCCL_DEV int block_wait(BlockEnv &env, TaskRun &run, uint32_t peer, Ready ready
         spin_pause();
         state = ready();
         if (state != 0) break;
-        if ((++spins & 15u) == 0) {
+        if ((++spins & 3u) == 0) {
           // Diagnostics: whom this collective waits for, visible to the host
           // while it waits (Work.synchronize timeouts name the rank).
           if (spins == 16) store_relaxed(&env.args->results[run.d->slot].waiting_on, peer + 1);
-          if (abort_pending(env, run)) {
+          // The daemon is leaving: stop at this wait like at a deadline.
+          const bool expired =
+              now_ns() >= run.deadline_ns || load_relaxed(&env.args->state->quit_epoch) == env.args->epoch;
+          // Aborts are checked every 256 spins (one word is in host memory)
+          // and whenever the run is about to be preempted.
+          if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {
             r = WAIT_ABORT;
             break;
           }
-          // The daemon is leaving: stop at this wait like at a deadline.
-          if (now_ns() >= run.deadline_ns || load_relaxed(&env.args->state->quit_epoch) == env.args->epoch) {
+          if (expired) {
             r = WAIT_EXPIRED;
             run.waiting_on = peer + 1;
             break;

@@ -13,6 +13,39 @@ from dfccl.types import as_data_type
 __all__ = ["DeviceArray", "empty", "from_numpy", "to_numpy"]
 
 
+class _BlockCache:
+    """Freed device blocks kept for reuse.  cuMemFree synchronises the device,
+    which with a persistent daemon means waiting for it to go idle; caching
+    (like the allocators of PyTorch and CuPy) avoids that."""
+
+    LIMIT = 16 << 30
+
+    def __init__(self):
+        self.free: dict[tuple[int, int], list[int]] = {}
+        self.bytes = 0
+
+    def take(self, device: int, nbytes: int) -> int | None:
+        blocks = self.free.get((device, nbytes))
+        if blocks:
+            self.bytes -= nbytes
+            return blocks.pop()
+        return None
+
+    def give(self, backend, device: int, nbytes: int, ptr: int) -> None:
+        if self.bytes + nbytes > self.LIMIT:
+            backend.free_device(ptr)
+            return
+        self.free.setdefault((device, nbytes), []).append(ptr)
+        self.bytes += nbytes
+
+
+_cache = _BlockCache()
+
+
+def _round_block(nbytes: int) -> int:
+    return max(256, 1 << (int(nbytes) - 1).bit_length()) if nbytes > 256 else 256
+
+
 class DeviceArray:
     """Contiguous device memory holding ``count`` elements of ``dtype``."""
 
@@ -21,7 +54,9 @@ class DeviceArray:
         self.dtype = np.dtype(dtype)
         self.count = int(count)
         self._backend = runtime.get_backend("cuda", device)
-        self.ptr = self._backend.alloc_device(max(1, self.nbytes))
+        self._block = _round_block(self.nbytes)
+        ptr = _cache.take(device, self._block)
+        self.ptr = ptr if ptr is not None else self._backend.alloc_device(self._block)
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +95,7 @@ class DeviceArray:
     def __del__(self):
         if getattr(self, "_base", None) is None and getattr(self, "ptr", 0):
             try:
-                self._backend.free_device(self.ptr)
+                _cache.give(self._backend, self.device, self._block, self.ptr)
             except Exception:
                 pass
             self.ptr = 0

@@ -137,12 +137,10 @@ def as_buffer(obj: object, what: str = "buffer") -> Buffer:
     dfccl cannot use (non-contiguous, unsupported dtype, unknown object)."""
     if isinstance(obj, Buffer):
         return obj
-    cai = getattr(obj, "__cuda_array_interface__", None) if hasattr(type(obj), "__cuda_array_interface__") else None
-    if cai is None and hasattr(obj, "__cuda_array_interface__"):
-        try:
-            cai = obj.__cuda_array_interface__
-        except (AttributeError, TypeError):
-            cai = None  # e.g. a bfloat16 torch tensor: fall through to DLPack
+    try:
+        cai = obj.__cuda_array_interface__
+    except (AttributeError, TypeError):
+        cai = None  # none, or e.g. a bfloat16 torch tensor: fall through to DLPack
     if cai is not None:
         return _from_cuda_array_interface(obj, cai, what)
     ai = getattr(obj, "__array_interface__", None)

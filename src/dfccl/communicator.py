@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import os
 import secrets
 import threading
@@ -21,14 +22,14 @@ from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADC
                                    KIND_REDUCE_SCATTER, STATUS_OK, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.endpoint import Endpoint
-from dfccl.errors import ClosedError, InvalidArgumentError
+from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
 from dfccl.types import DataType, ReduceOp, as_data_type, as_reduce_op
 
-__all__ = ["Communicator", "Plan"]
+__all__ = ["Communicator", "Plan", "BoundPlan"]
 
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
                KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce"}
@@ -168,7 +169,7 @@ class Communicator:
         """recv[i] = op over ranks of send[i].  recv=None: in place."""
         s, r = self._pair(send, recv, "all_reduce")
         self._same_shape(s, r, s.count, "all_reduce")
-        return self._submit(KIND_ALL_REDUCE, s, r, s.count, as_reduce_op(op), 0, tag, stream)
+        return self._submit(KIND_ALL_REDUCE, s, r, s.count, self._op(op), 0, tag, stream)
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
@@ -185,7 +186,7 @@ class Communicator:
             raise InvalidArgumentError(f"reduce_scatter: send has {s.count} elements, expected {self._size} x recv "
                                        f"({r.count}) = {r.count * self._size}", rank=self._rank, tag=tag)
         self._check_dtype(s, r, "reduce_scatter")
-        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, as_reduce_op(op), 0, tag, stream)
+        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
         """recv = send of ``root``.  recv=None: in place (send is the buffer)."""
@@ -200,11 +201,11 @@ class Communicator:
         self._check_root(root, "reduce")
         s, r = self._pair(send, recv, "reduce")
         self._same_shape(s, r, s.count, "reduce")
-        return self._submit(KIND_REDUCE, s, r, s.count, as_reduce_op(op), root, tag, stream)
+        return self._submit(KIND_REDUCE, s, r, s.count, self._op(op), root, tag, stream)
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
-        return Plan(self, KIND_ALL_REDUCE, count, dtype, as_reduce_op(op), 0, tag)
+        return Plan(self, KIND_ALL_REDUCE, count, dtype, self._op(op), 0, tag)
 
     def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
         """``count``: elements each rank contributes."""
@@ -212,7 +213,7 @@ class Communicator:
 
     def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
         """``count``: elements each rank receives."""
-        return Plan(self, KIND_REDUCE_SCATTER, count, dtype, as_reduce_op(op), 0, tag)
+        return Plan(self, KIND_REDUCE_SCATTER, count, dtype, self._op(op), 0, tag)
 
     def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
         self._check_root(root, "broadcast")
@@ -220,7 +221,7 @@ class Communicator:
 
     def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
         self._check_root(root, "reduce")
-        return Plan(self, KIND_REDUCE, count, dtype, as_reduce_op(op), root, tag)
+        return Plan(self, KIND_REDUCE, count, dtype, self._op(op), root, tag)
 
     # -- lifetime ------------------------------------------------------------------------
     def abort(self) -> None:
@@ -238,7 +239,9 @@ class Communicator:
         if self._closed:
             return
         with self._lock:
-            pending = [w for w in self._pending if not w.done()]
+            pending = list(self._pending)
+        # done() may retire a work, whose hook takes self._lock: call it unlocked.
+        pending = [w for w in pending if not w.done()]
         if pending:
             self.abort()
             deadline = time.monotonic() + timeout
@@ -267,17 +270,28 @@ class Communicator:
     # -- internals -------------------------------------------------------------------
     def _check_open(self):
         if self._closed:
-            raise ClosedError(f"rank {self._rank}: the communicator is closed")
+            raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
         if self._aborted:
-            raise ClosedError(f"rank {self._rank}: the communicator was aborted")
+            raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
 
     def _check_root(self, root, what):
-        if not isinstance(root, int) or not 0 <= root < self._size:
+        if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < self._size:
             raise InvalidArgumentError(f"{what}: root {root!r} is outside 0..{self._size - 1}", rank=self._rank)
 
+    def _op(self, op) -> ReduceOp:
+        try:
+            return as_reduce_op(op)
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+
     def _pair(self, send, recv, what) -> tuple[Buffer, Buffer]:
-        s = as_buffer(send, f"{what} send")
-        r = s if recv is None else as_buffer(recv, f"{what} recv")
+        try:
+            s = as_buffer(send, f"{what} send")
+            r = s if recv is None else as_buffer(recv, f"{what} recv")
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
         for b, name in ((s, "send"), (r, "recv")):
             self._check_memory(b, f"{what} {name}")
         if r.readonly:
@@ -311,26 +325,30 @@ class Communicator:
                                        rank=self._rank)
 
     def _next_tag(self, tag):
+        """(tag, key, transient) of the next collective.  An untagged one takes
+        the next sequence number, committed only once it is submitted: a call
+        that fails must not shift this rank's sequence against its peers'."""
         if tag is not None:
             return tag, tag_key(self._comm_key, tag), False
-        self._seq += 1
-        return self._seq, tag_key(self._comm_key, ("#seq", self._seq)), True
+        seq = self._seq + 1
+        return seq, tag_key(self._comm_key, ("#seq", seq)), True
 
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-                geometry: Geometry | None = None, key=None, transient=None) -> Work:
+                geometry: Geometry | None = None, key=None, transient=None, checked=False) -> Work:
         self._check_open()
         if key is None:
             tag, key, transient = self._next_tag(tag)
         name = _KIND_NAMES[kind]
         if count == 0:
             return Work.completed(name, tag, self._rank)
-        _check_overlap(kind, s, r, count, self._rank, self._size, name)
+        if not checked:
+            _check_overlap(kind, s, r, count, self._rank, self._size, name)
         if geometry is None:
-            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct,
-                                     s.ptr != r.ptr, self._options)
+            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options)
         ep = self._endpoint
+        last_nch = ep.tags.last_nchannels(key)
         bucket, instance, prev, prev_nch = ep.tags.acquire(key, geometry.nchannels, transient)
-        fifo = 0
+        fifo = None
         try:
             if geometry.fifo_bytes:
                 fifo = ep.alloc_fifo(geometry.fifo_bytes)
@@ -338,14 +356,19 @@ class Communicator:
             work._describe(name, tag, self._rank, instance, (s.owner, r.owner),
                            functools.partial(self._retired, key, fifo, geometry.fifo_bytes))
             self._ctx.submit(work, ep.id, bucket, key, instance, prev, prev_nch, kind, int(s.dtype), int(op),
-                             geometry.path, root, geometry.nchannels, s.ptr, r.ptr, count, fifo,
+                             geometry.path, root, geometry.nchannels, s.ptr, r.ptr, count, fifo or 0,
                              geometry.slice_bytes, geometry.fifo_slots, geometry.flags,
-                             None if stream is None else stream_handle(stream))
-        except BaseException:
-            ep.tags.release(key, failed=False)
-            if geometry.fifo_bytes:
+                             stream if checked or stream is None else stream_handle(stream))
+        except BaseException as exc:
+            # Nothing reached the daemon: give back the instance and the FIFO.
+            ep.tags.cancel(key, last_nch)
+            if fifo is not None:
                 ep.free_fifo(fifo, geometry.fifo_bytes)
+            if isinstance(exc, DfcclError) and exc.rank is None:
+                exc.rank = self._rank
             raise
+        if transient:
+            self._seq = tag
         with self._lock:
             self._pending.add(work)
         return work
@@ -355,7 +378,7 @@ class Communicator:
         self._endpoint.tags.release(key, failed)
         # A failed instance's FIFO stays reserved: a peer that has not yet
         # seen the failure may still write into it.
-        if fifo_bytes and not failed:
+        if fifo is not None and not failed:
             self._endpoint.free_fifo(fifo, fifo_bytes)
         with self._lock:
             self._pending.discard(work)
@@ -394,24 +417,26 @@ class Plan:
         self.count = int(count)
         self.dtype: DataType = as_data_type(dtype)
         self.op = op
-        self.root = root
+        self.root = int(root)
         if tag is None:
             comm._plans += 1
             tag = ("#plan", comm._plans)
         self.tag = tag
         self._key = tag_key(comm._comm_key, tag)
         self._geometry = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels, comm._direct,
-                                       True, comm._options)
-        self._geometry_in_place = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels,
-                                                comm._direct, False, comm._options)
+                                       comm._options)
 
     def __call__(self, send, recv=None, *, stream=None) -> Work:
         c = self._comm
         s, r = c._pair(send, recv, self.kind)
         self._check(s, r)
-        geometry = self._geometry if s.ptr != r.ptr else self._geometry_in_place
-        return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, geometry, self._key,
-                         False)
+        return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, self._geometry,
+                         self._key, False)
+
+    def bind(self, send, recv=None, *, stream=None) -> "BoundPlan":
+        """Fixes the buffers (and stream) too: calling the result submits one
+        instance with no argument parsing or validation left to do."""
+        return BoundPlan(self, send, recv, stream)
 
     def _check(self, s: Buffer, r: Buffer):
         n = self._comm._size
@@ -427,3 +452,24 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"<dfccl.Plan {self.kind} count={self.count} {self.dtype.name.lower()} tag={self.tag!r}>"
+
+
+class BoundPlan:
+    """A plan with its buffers fixed (``Plan.bind``): the lowest-overhead way to
+    submit the same collective repeatedly (training steps, benchmarks)."""
+
+    def __init__(self, plan: Plan, send, recv, stream):
+        c = plan._comm
+        s, r = c._pair(send, recv, plan.kind)
+        plan._check(s, r)
+        _check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
+        self.plan = plan
+        self._args = (plan._kind, s, r, plan.count, plan.op, plan.root, plan.tag, stream_handle(stream)
+                      if stream is not None else None,
+                      plan._geometry, plan._key, False)
+
+    def __call__(self) -> Work:
+        return self.plan._comm._submit(*self._args, checked=True)
+
+    def __repr__(self) -> str:
+        return f"<dfccl.BoundPlan {self.plan!r}>"

@@ -55,8 +55,8 @@ class CommOptions:
     max_tags: tag records per rank (tags pending at once); None: twice
         max_outstanding.
     staging_bytes: ring-path FIFO memory per rank.
-    ring_slots: FIFO slots per channel (pipelining depth of the ring).
-    max_slice_bytes: largest FIFO slot.
+    ring_slots: FIFO slots per channel (pipelining depth of the ring), >= 2.
+    max_slice_bytes: largest FIFO slot (a multiple of 16).
     one_shot_bytes: direct all-reduces up to this size (out of place) read
         every peer's whole input in one phase instead of two.
     bytes_per_channel: a collective uses one channel per this many bytes
@@ -76,8 +76,14 @@ class CommOptions:
     def __post_init__(self):
         if self.path not in ("auto", "direct", "ring"):
             raise InvalidArgumentError(f"path must be 'auto', 'direct' or 'ring', not {self.path!r}")
-        if not 1 <= self.ring_slots <= 64:
-            raise InvalidArgumentError("ring_slots must be in 1..64")
+        # One slot deadlocks the ring: a step that receives and sends needs the
+        # next rank to free its slot first, and the next rank waits likewise.
+        if not 2 <= self.ring_slots <= 64:
+            raise InvalidArgumentError(f"ring_slots must be in 2..64, not {self.ring_slots}")
+        if self.max_slice_bytes is not None and (self.max_slice_bytes < 256 or self.max_slice_bytes % 16):
+            raise InvalidArgumentError(f"max_slice_bytes must be a multiple of 16 and >= 256, not {self.max_slice_bytes}")
+        if self.channels is not None and not 1 <= self.channels <= 32:
+            raise InvalidArgumentError(f"channels must be in 1..32, not {self.channels}")
 
     def resolved(self, backend: str) -> "CommOptions":
         """Fills backend defaults (GPU sizes differ from the simulator's)."""

@@ -35,7 +35,7 @@ def _round_up(a: int, b: int) -> int:
 
 
 def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
-                  out_of_place: bool, options) -> Geometry:
+                  options) -> Geometry:
     esize = dtype.itemsize
     # Bytes one rank moves through its channels: the whole buffer, or for
     # all-gather / reduce-scatter the n-times-larger side.
@@ -44,7 +44,9 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     if nranks == 1:
         return Geometry(PATH_DIRECT, nch)
     if direct:
-        flags = TASK_ONE_SHOT if (kind == KIND_ALL_REDUCE and out_of_place and total <= options.one_shot_bytes) else 0
+        # Small enough for one phase; the daemon still runs two phases when any
+        # rank turns out to be in place (it learns that while meeting peers).
+        flags = TASK_ONE_SHOT if (kind == KIND_ALL_REDUCE and total <= options.one_shot_bytes) else 0
         return Geometry(PATH_DIRECT, nch, flags=flags)
     # Ring: slices are cut from the largest channel part (the daemon splits
     # `count` into nch pack-aligned parts, cuda/daemon/transfer_common.cuh).
@@ -54,5 +56,7 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     pieces = nranks if kind == KIND_ALL_REDUCE else (1 if kind in (KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
                                                     else options.ring_slots)
     slice_bytes = _round_up(_ceil_div(chan_bytes, pieces), 16)
-    slice_bytes = max(256, min(options.max_slice_bytes, slice_bytes))
+    # FIFO slots hold whole 16-byte packs: the daemon cuts chunks on pack
+    # boundaries, so a slot must be a multiple of 16 bytes.
+    slice_bytes = max(256, min(options.max_slice_bytes // 16 * 16, slice_bytes))
     return Geometry(PATH_RING, nch, slice_bytes, options.ring_slots)

@@ -94,6 +94,18 @@ class TagTable:
         st.last_nchannels = nchannels
         return st.bucket, st.submitted, prev, prev_nch
 
+    def cancel(self, key: int, prev_nchannels: int) -> None:
+        """Undoes the last acquire() of ``key`` (its submission failed before
+        reaching the daemon): the instance number is given back."""
+        st = self._tags[key]
+        st.submitted -= 1
+        st.last_nchannels = prev_nchannels
+        self.release(key, failed=False)
+
+    def last_nchannels(self, key: int) -> int:
+        st = self._tags.get(key)
+        return 0 if st is None else st.last_nchannels
+
     def release(self, key: int, failed: bool) -> None:
         """One instance of ``key`` completed (or failed)."""
         st = self._tags[key]

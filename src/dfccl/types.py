@@ -75,6 +75,12 @@ def as_data_type(value: object) -> DataType:
     if isinstance(value, DataType):
         return value
     name = getattr(value, "name", None) if not isinstance(value, str) else value
+    if name is None and isinstance(value, type):
+        try:  # numpy scalar types (np.float32) and anything numpy accepts
+            import numpy as np
+            name = np.dtype(value).name
+        except TypeError:
+            pass
     if name is None:
         name = str(value)
     name = name.rsplit(".", 1)[-1].lower()  # "torch.float32" -> "float32"

@@ -67,7 +67,8 @@ enum dfccl_status {
 };
 
 /* dfccl_task_desc.flags */
-#define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce in one phase (small, out of place) */
+#define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce small enough for one phase; taken
+                                       only if every rank is out of place */
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -213,7 +214,8 @@ typedef struct dfccl_chan_state {
   uint64_t count;
   uint64_t send_addr;     /* direct path */
   uint64_t recv_addr;     /* direct path */
-  uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO */
+  uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO;
+                             direct path: 1 if this rank's collective is in place */
   uint64_t local_done;    /* last instance whose part on this channel completed */
   uint64_t slice_bytes;   /* ring path: FIFO slot size, must match the peers' */
   /* peer-written, owner waits on */

@@ -444,6 +444,7 @@ cdef class Context:
         d.op = op
         d.path = path
         d.prev_nchannels = prev_nchannels
+        self.results[slot].waiting_on = 0  # live diagnostics of this use of the slot
         work._ctx = self
         work._slot = slot
         work._gen = gen

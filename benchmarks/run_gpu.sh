@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
+# phase under its own time limit, logging to $OUT (default ./gpu-logs).
+#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests chaos bench preempt all
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+phases=${*:-all}
+has() { [[ " $phases " == *" $1 "* || " $phases " == *" all "* ]]; }
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout --signal=KILL "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"
+  tail -n ${TAIL:-15} "$OUT/$name.log"
+  return 0
+}
+if has info; then
+  step info 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import sys, numpy, cuda.bindings, Cython; print(sys.version); print(\"cuda-bindings\", cuda.bindings.__version__, \"cython\", Cython.__version__)'; $PY -c 'import torch; print(\"torch\", torch.__version__, torch.cuda.device_count())'; ls \$($PY -c 'import site;print(site.getsitepackages()[0])')/nvidia/nccl/lib"
+fi
+if has build; then
+  step build 400 env DFCCL_CUDA_ARCHS=${DFCCL_CUDA_ARCHS:-90} $PY -m pip install --no-build-isolation --no-deps -e .
+fi
+if has smoke; then
+  step smoke 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k smoke
+fi
+if has tests; then
+  DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-10} \
+    step tests ${TESTS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=120 -k "not chaos" ${PYTEST_ARGS:-}
+fi
+if has chaos; then
+  DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \
+    step chaos ${CHAOS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=280 -k chaos
+fi
+if has bench; then
+  step bench ${BENCH_LIMIT:-300} $PY benchmarks/bench_collectives.py --out "$OUT" ${BENCH_ARGS:-}
+fi
+if has preempt; then
+  step preempt 120 $PY benchmarks/bench_preemption.py --out "$OUT"
+fi

@@ -1,0 +1,354 @@
+"""The daemon kernel on real GPUs (marker ``gpu``; ``multigpu`` needs two).
+
+Correctness of every collective on both data paths, the deadlock scenarios of
+the simulator suite plus device-wide synchronisation and long compute kernels
+on the GPU, and NCCL run on the same scenarios (in subprocesses, with a
+timeout) to record that it hangs or mis-reduces where dfccl completes.
+Set DFCCL_GPU_CHAOS_ROUNDS to change the chaos test's rounds (default 100).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import arrays, runtime, scenarios as sc
+
+pytestmark = pytest.mark.gpu
+
+RESULTS = os.environ.get("DFCCL_GPU_RESULTS")  # where to append JSON lines of figures
+
+
+def record(name: str, **fields) -> None:
+    if RESULTS:
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps({"test": name, **fields}) + "\n")
+
+
+def gpu_devices(nranks: int) -> list[int]:
+    """nranks ranks spread round-robin over the visible GPUs."""
+    n = runtime.cuda_device_count()
+    return [r % n for r in range(nranks)]
+
+
+@pytest.fixture(scope="module")
+def comms2():
+    """Two ranks per path (on two GPUs when there are two)."""
+    out = {p: dfccl.Communicator.for_devices(gpu_devices(2), backend="cuda", options=dfccl.CommOptions(path=p))
+           for p in ("direct", "ring")}
+    yield out
+    for cs in out.values():
+        for c in cs:
+            c.close()
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+
+
+def test_smoke_single_rank(rng):
+    """The module loads, the daemon launches, a one-rank all-reduce copies."""
+    (c,) = dfccl.Communicator.for_devices([0], backend="cuda")
+    try:
+        x = rng.standard_normal(1000).astype(np.float32)
+        send = arrays.from_numpy("cuda", 0, x)
+        recv = arrays.empty("cuda", 0, 1000, np.float32, fill=77)
+        c.all_reduce(send, recv).synchronize(timeout=30)
+        np.testing.assert_array_equal(recv.download(), x)
+        ctx = runtime.get_context("cuda", 0)
+        assert ctx.launches >= 1
+        record("smoke", launches=ctx.launches, blocks=ctx.nblocks)
+    finally:
+        c.close()
+
+
+CASES = [
+    ("all_reduce", "float32", "sum"), ("all_reduce", "float16", "sum"), ("all_reduce", "int32", "max"),
+    ("all_reduce", "int8", "sum"), ("all_reduce", "float64", "prod"), ("all_reduce", "uint64", "min"),
+    ("all_reduce", "int64", "avg"), ("all_reduce", "float32", "avg"),
+    ("all_gather", "float32", "sum"), ("all_gather", "int8", "sum"),
+    ("reduce_scatter", "float32", "sum"), ("reduce_scatter", "int32", "min"), ("reduce_scatter", "float16", "max"),
+    ("broadcast", "float32", "sum"), ("broadcast", "uint8", "sum"),
+    ("reduce", "float32", "sum"), ("reduce", "int64", "max"),
+]
+SIZES = [1, 7, 4099, (1 << 20) + 3, 16 << 20]
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+@pytest.mark.parametrize("kind,dtype,op", CASES)
+def test_collectives(comms2, path, kind, dtype, op, rng):
+    comms = comms2[path]
+    for count in SIZES:
+        if kind in ("all_gather", "reduce_scatter"):
+            count = max(1, count // 2)
+        for root in (0, 1) if kind in ("broadcast", "reduce") else (0,):
+            spec = sc.Spec(f"{kind}-{count}-{root}", kind, count, dtype, op, root)
+            sc.run(comms, [spec], [[0], [0]], rng=rng, timeout=60)
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_in_place(comms2, path, rng):
+    comms = comms2[path]
+    n = len(comms)
+    count = (1 << 18) + 5
+    xs = [rng.standard_normal(count * n).astype(np.float32) for _ in range(n)]
+    bufs = [arrays.from_numpy("cuda", c.device, x) for c, x in zip(comms, xs)]
+    ws = [c.all_reduce(b, tag="ip-ar") for c, b in zip(comms, bufs)]
+    for w in ws:
+        w.synchronize(timeout=60)
+    want = sc.reduce_reference(xs, "sum")
+    for b in bufs:
+        sc.assert_close(b.download(), want, "float32", "sum", n, f"in-place all_reduce {path}")
+    # all_gather in place: each rank's input is its slice of the output.
+    for c, b, x in zip(comms, bufs, xs):
+        b.upload(x)
+    ws = [c.all_gather(b[c.rank * count:(c.rank + 1) * count], b, tag="ip-ag") for c, b in zip(comms, bufs)]
+    for w in ws:
+        w.synchronize(timeout=60)
+    want = np.concatenate([x[r * count:(r + 1) * count] for r, x in enumerate(xs)])
+    for b in bufs:
+        np.testing.assert_array_equal(b.download(), want)
+    # reduce_scatter in place: each rank's output is its slice of the input.
+    for b, x in zip(bufs, xs):
+        b.upload(x)
+    ws = [c.reduce_scatter(b, b[c.rank * count:(c.rank + 1) * count], tag="ip-rs") for c, b in zip(comms, bufs)]
+    for w in ws:
+        w.synchronize(timeout=60)
+    total = sc.reduce_reference(xs, "sum")
+    for c, b in zip(comms, bufs):
+        got = b.download()[c.rank * count:(c.rank + 1) * count]
+        sc.assert_close(got, total[c.rank * count:(c.rank + 1) * count], "float32", "sum", n, "in-place rs")
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_one_gib(comms2, path, rng):
+    """1 GiB all-reduce (float32), checked element by element."""
+    comms = comms2[path]
+    spec = sc.Spec("gib", "all_reduce", 1 << 28, "float32")
+    t0 = time.perf_counter()
+    sc.run(comms, [spec], [[0]] * len(comms), rng=rng, timeout=300)
+    record("one_gib", path=path, seconds=time.perf_counter() - t0)
+
+
+def test_bit_identical_to_uninterrupted(rng):
+    """The same collectives give bit-identical results whether they ran
+    uninterrupted (same order everywhere) or were preempted and resumed
+    (reversed order on one rank)."""
+    comms = dfccl.Communicator.for_devices(gpu_devices(2), backend="cuda")
+    try:
+        specs = [sc.Spec(f"b{i}", "all_reduce", (1 << 16) * (i + 1) + i, "float32") for i in range(6)]
+        inputs = [[sc.random_input(rng, "float32", s.count, "sum") for _ in comms] for s in specs]
+
+        def once(orders):
+            outs = []
+            bufs = [[arrays.from_numpy("cuda", c.device, inputs[i][r]) for r, c in enumerate(comms)]
+                    for i in range(len(specs))]
+            works = {}
+            for r, c in enumerate(comms):
+                for i in orders[r]:
+                    works[(i, r)] = c.all_reduce(bufs[i][r], tag=(specs[i].tag, tuple(orders[0])))
+            for w in works.values():
+                w.synchronize(timeout=60)
+            pre = sum(w.stats["preemptions"] for w in works.values())
+            for i in range(len(specs)):
+                outs.append([bufs[i][r].download() for r in range(len(comms))])
+            return outs, pre
+
+        calm, _ = once([list(range(6))] * 2)
+        rough, pre = once([list(range(6)), list(range(5, -1, -1))])
+        for i in range(len(specs)):
+            for r in range(len(comms)):
+                assert calm[i][r].tobytes() == rough[i][r].tobytes(), f"{specs[i].tag} rank {r} differs"
+        record("bit_identical", preemptions=pre)
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.parametrize("nranks", [4, 8])
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_several_ranks_per_gpu(nranks, path, rng):
+    """4- and 8-rank rings on the GPUs we have (several ranks per GPU)."""
+    comms = dfccl.Communicator.for_devices(gpu_devices(nranks), backend="cuda", options=dfccl.CommOptions(path=path))
+    try:
+        specs = sc.random_specs(rng, 12, nranks=nranks, max_bytes=4 << 20)
+        orders = [list(rng.permutation(len(specs))) for _ in range(nranks)]
+        rep = sc.run(comms, specs, orders, rng=rng, timeout=120)
+        record("several_ranks_per_gpu", nranks=nranks, path=path, seconds=rep.seconds,
+               preemptions=rep.total_preemptions)
+    finally:
+        for c in comms:
+            c.close()
+
+
+# -- deadlock scenarios ----------------------------------------------------------------
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_inconsistent_order(comms2, path, rng):
+    comms = comms2[path]
+    specs = [sc.Spec("A", "all_reduce", 1 << 22, "float32"), sc.Spec("B", "all_reduce", 1 << 12, "int32", "max")]
+    rep = sc.run(comms, specs, [[0, 1], [1, 0]], rng=rng, timeout=60)
+    record("inconsistent_order", path=path, seconds=rep.seconds, preemptions=rep.preemptions)
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_wait_between_collectives(comms2, path, rng):
+    comms = comms2[path]
+    specs = sc.random_specs(rng, 6, nranks=2, max_bytes=4 << 20)
+    rep = sc.run(comms, specs, [list(range(6)), list(range(5, -1, -1))], rng=rng, threads=True, wait_each={0},
+                 timeout=60)
+    record("wait_between", path=path, seconds=rep.seconds, preemptions=rep.total_preemptions)
+
+
+@pytest.mark.parametrize("path", ["direct", "ring"])
+def test_device_synchronize_while_collective_waits(comms2, path, rng):
+    """cuCtxSynchronize on rank 0's GPU while its collective waits for rank 1,
+    which submits only after the synchronise returned (one thread drives
+    both): the daemon leaves the GPU when it makes no progress, so the
+    synchronise returns; the progress thread brings the daemon back."""
+    comms = comms2[path]
+    specs = [sc.Spec(f"sync{i}", "all_reduce", 1 << 20, "float32") for i in range(4)]
+    sync_times = []
+
+    def sync_first(rank, k):
+        if rank == 1:
+            t0 = time.perf_counter()
+            runtime.device_synchronize("cuda", comms[0].device)
+            sync_times.append(time.perf_counter() - t0)
+
+    rep = sc.run(comms, specs, [list(range(4))] * 2, rng=rng, between=sync_first, timeout=60)
+    record("device_sync", path=path, seconds=rep.seconds, sync_seconds=sync_times)
+
+
+def test_long_compute_kernels_while_pending(comms2, rng):
+    """Long compute kernels occupy both GPUs while collectives are pending in
+    rank-divergent order; everything completes and the compute is right."""
+    torch = pytest.importorskip("torch")
+    comms = comms2["direct"]
+    specs = [sc.Spec(f"k{i}", "all_reduce", 1 << 20, "float32") for i in range(4)]
+    insts = [sc._prepare(s, comms, rng) for s in specs]
+    mats = []
+    for c in comms:
+        with torch.cuda.device(c.device):
+            a = torch.randn(4096, 4096, device=f"cuda:{c.device}")
+            mats.append((a, [a @ a for _ in range(2)]))
+    for i in range(4):
+        sc._submit(insts[i], comms[0])
+    for c, (a, _) in zip(comms, mats):
+        with torch.cuda.device(c.device):
+            for _ in range(200):  # ~0.5 s of matrix products per GPU
+                a = torch.tanh(a @ a * 1e-3)
+    for i in range(3, -1, -1):
+        sc._submit(insts[i], comms[1])
+    for inst in insts:
+        for w in inst.works:
+            w.synchronize(timeout=120)
+        sc._verify(inst)
+    torch.cuda.synchronize()
+
+
+def test_chaos(rng):
+    """8 ranks on the GPUs (4 per GPU on two), 32 collectives each in its own
+    permutation, many rounds with fresh data: no wrong element; preemptions per
+    collective reported."""
+    rounds = int(os.environ.get("DFCCL_GPU_CHAOS_ROUNDS", "100"))
+    comms = dfccl.Communicator.for_devices(gpu_devices(8), backend="cuda")
+    try:
+        specs = sc.random_specs(rng, 32, nranks=8, max_bytes=1 << 20)
+        orders = [list(rng.permutation(len(specs))) for _ in range(8)]
+        rep = sc.run(comms, specs, orders, rng=rng, rounds=rounds, timeout=300)
+        record("chaos", rounds=rounds, seconds=rep.seconds, collectives=rep.collectives,
+               preemptions=rep.preemptions, resumes=rep.resumes, path=comms[0].path)
+        assert rep.collectives == 32 * rounds
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_control_without_preemption_hangs():
+    """Control on the GPU: with preemption off (run to completion, like NCCL),
+    A,B vs B,A never completes -- the timeouts name the peer each side waits
+    for -- and abort() releases both.  In a fresh process, because context
+    options are fixed per process and device."""
+    import subprocess
+    import sys
+    code = r"""
+import numpy as np, dfccl, sys
+from dfccl import scenarios as sc, runtime
+n = runtime.cuda_device_count()
+comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda",
+        context_options=dfccl.ContextOptions(preemption=False), options=dfccl.CommOptions(path="direct"))
+rng = np.random.default_rng(0)
+specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
+insts = [sc._prepare(s, comms, rng) for s in specs]
+sc._submit(insts[0], comms[0]); sc._submit(insts[1], comms[0])
+sc._submit(insts[1], comms[1]); sc._submit(insts[0], comms[1])
+hung = 0
+for w in (insts[0].works[0], insts[1].works[1]):
+    try:
+        w.synchronize(timeout=2.0)
+    except dfccl.CollectiveTimeoutError as e:
+        hung += 1
+        print("timeout:", e)
+for c in comms:
+    c.abort()
+finished = 0
+for inst in insts:
+    failed = 0
+    for w in inst.works:
+        try:
+            w.synchronize(timeout=30)
+        except (dfccl.AbortedError, dfccl.PeerAbortedError):
+            failed += 1
+        finished += 1
+    if failed == 0:
+        sc._verify(inst)  # completed before the abort reached it: must be right
+print("RESULT", hung, finished)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "RESULT" in out.stdout, out.stdout + out.stderr
+    hung, finished = map(int, out.stdout.split("RESULT")[1].split())
+    record("control_no_preemption", hung=hung, finished_after_abort=finished)
+    assert hung == 2 and finished == 4, out.stdout
+
+
+# -- NCCL on the same scenarios -----------------------------------------------------------
+@pytest.mark.multigpu
+def test_nccl_stream_ordered_inconsistent_order_hangs():
+    """NCCL on the canonical case dfccl completes above (test_inconsistent_order):
+    two communicators whose collectives share one stream per GPU, issued in
+    opposite orders.  NCCL hangs."""
+    baseline = pytest.importorskip("dfccl.nccl_baseline")
+    if baseline.find_libnccl() is None:
+        pytest.skip("libnccl not found")
+    verdict = baseline.stream_order_reference(timeout=10.0)
+    record("nccl_reference", scenario="inconsistent_order_one_stream", **verdict)
+    assert verdict["outcome"] == "hung", verdict
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("scenario", ["inconsistent_order_two_groups", "inconsistent_order_one_group",
+                                      "wait_between", "device_sync"])
+def test_nccl_through_torch_on_same_scenario(scenario):
+    """The same scenarios through torch.distributed (NCCL, one process per GPU),
+    recorded as they come out.  torch gives every process group its own
+    stream, so opposite orders on two groups can run concurrently and
+    complete; a synchronise between the collectives hangs, and opposite
+    orders within one communicator reduce A with B."""
+    ref = pytest.importorskip("dfccl.nccl_reference")
+    if not ref.available("nccl"):
+        pytest.skip("torch.distributed with NCCL is not available")
+    verdict = ref.run_nccl_scenario(scenario, world_size=2, timeout=10.0)
+    record("nccl_reference", scenario=scenario, outcome=verdict.outcome, seconds=verdict.seconds,
+           detail=verdict.detail[:300])
+    assert verdict.outcome != "error", verdict
+    if scenario == "device_sync":
+        assert verdict.outcome == "hung", verdict
+    if scenario == "inconsistent_order_one_group":
+        assert verdict.outcome in ("wrong_result", "hung"), verdict
