@@ -39,5 +39,5 @@ if has bench; then
   step bench ${BENCH_LIMIT:-300} $PY benchmarks/bench_collectives.py --out "$OUT" ${BENCH_ARGS:-}
 fi
 if has preempt; then
-  step preempt 120 $PY benchmarks/bench_preemption.py --out "$OUT"
+  step preempt ${PREEMPT_LIMIT:-120} $PY benchmarks/bench_preemption.py --out "$OUT" ${PREEMPT_ARGS:-}
 fi

@@ -132,6 +132,10 @@ DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   atomicMax((unsigned long long *)p, (unsigned long long)v);
 }
+DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.max.release.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+}
 // Orders this block's earlier writes (made visible to thread 0 by a barrier)
 // before thread 0's next flag store, for every observer in the system.
 DFCCL_DEV void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -154,6 +158,11 @@ DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+  }
+}
+DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
+  uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
   }
 }
 DFCCL_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }

@@ -98,7 +98,9 @@ DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t n
     if (now < last || now - last < p.idle_quit_ns) return false;
     store_release(&ctrl->daemon_state, ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_QUITTING);
     fence_seq_cst();
-    if (load_acquire(&ctrl->sq_tail) != st->sq_head[0]) {
+    const uint64_t tail = load_acquire(&ctrl->sq_tail);  // from host memory, never the mirror
+    if (tail != st->sq_head[0]) {
+      atomic_max_release(&st->tail_mirror, tail);
       store_release(&ctrl->daemon_state, running);
       return false;
     }

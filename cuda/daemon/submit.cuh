@@ -7,11 +7,31 @@
 
 namespace dfccl {
 
+// Host-memory reads cross PCIe; with every idle block polling the tail back to
+// back they queue up and slow every host access of the busy blocks.  So the
+// tail is read from host memory at most once per kTailPollNs across the whole
+// daemon, by whichever block comes first, and mirrored in device memory where
+// the other blocks read it.
+constexpr uint64_t kTailPollNs = 1000;
+
+DFCCL_DEV uint64_t submission_tail(const dfccl_daemon_args *a, uint64_t head) {
+  dfccl_daemon_state *st = a->state;
+  uint64_t tail = load_acquire(&st->tail_mirror);
+  if (tail != head) return tail;
+  const uint64_t now = now_ns();
+  const uint64_t last = load_relaxed(&st->tail_poll_ns);
+  if (now - last < kTailPollNs && now >= last) return tail;
+  store_relaxed(&st->tail_poll_ns, now);
+  tail = load_acquire(&a->control->sq_tail);
+  atomic_max_release(&st->tail_mirror, tail);
+  return tail;
+}
+
 // The leader.  Returns how many entries were consumed.
 DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len) {
   const dfccl_daemon_args *a = env.args;
   uint64_t head = a->state->sq_head[env.block];
-  const uint64_t tail = load_acquire(&a->control->sq_tail);
+  const uint64_t tail = submission_tail(a, head);
   if (head == tail) return 0;
   const uint64_t t0 = now_ns();
   uint32_t pulled = 0;

@@ -130,6 +130,15 @@ n = 1 << 20
 bufs = {(r, t): arrays.DeviceArray(d, n, "float32") for r, d in enumerate(devices) for t in "AB"}
 for (r, t), buf in bufs.items():
     buf.upload(np.full(n, (r + 1) * (1 if t == "A" else 100), np.float32))
+# Warm both communicators in the same order first: NCCL connects a
+# communicator during its first collective, on the CPU, so opposite first
+# calls would hang there; the hang shown here is the GPU-side one.
+for comm in (a, b):
+    comm.collective("all_reduce", [bufs[(r, "A")].ptr for r in (0, 1)], [bufs[(r, "A")].ptr for r in (0, 1)], 1,
+                    "float32")
+    comm.synchronize()
+for (r, t), buf in bufs.items():
+    buf.upload(np.full(n, (r + 1) * (1 if t == "A" else 100), np.float32))
 order = {0: [("A", a), ("B", b)], 1: [("B", b), ("A", a)]}
 def drive(r):
     driver.cuCtxSetCurrent(a.contexts[r])
@@ -167,7 +176,7 @@ def stream_order_reference(timeout: float = 10.0) -> dict:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     try:
         out = subprocess.run([sys.executable, "-c", _STREAM_ORDER_CHILD, str(timeout)], capture_output=True,
-                             text=True, timeout=timeout + 120, env=env)
+                             text=True, timeout=timeout + 60, env=env)
     except subprocess.TimeoutExpired:
         return {"outcome": "hung", "seconds": timeout, "detail": "the process itself did not return"}
     for line in out.stdout.splitlines():

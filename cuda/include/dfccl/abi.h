@@ -161,7 +161,9 @@ typedef struct dfccl_daemon_state {
   uint64_t quit_epoch;       /* set by block 0: all blocks leave */
   uint64_t last_progress_ns; /* any block, on progress */
   uint64_t blocks_exited;    /* counts blocks leaving one launch */
-  uint64_t pad[13];
+  uint64_t tail_mirror;      /* last submission tail read from host memory */
+  uint64_t tail_poll_ns;     /* when any block last read it there */
+  uint64_t pad[11];
   uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
   uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */

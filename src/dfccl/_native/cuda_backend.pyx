@@ -268,6 +268,9 @@ cdef class CudaBackend(Backend):
     def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
         self.make_current()
         check(API.cuMemcpyHtoD(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes), "cuMemcpyHtoD")
+        # From pageable memory the copy may still be in flight when
+        # cuMemcpyHtoD returns; later work on other streams must see it.
+        check(API.cuStreamSynchronize(<CUstream>NULL), "cuStreamSynchronize after cuMemcpyHtoD")
 
     def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
         self.make_current()
