@@ -233,3 +233,21 @@ def test_same_scenario_with_preemption_completes(rng):
         assert rep.total_preemptions >= 1  # someone had to give way
     finally:
         close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sixty_four_ranks_random_orders(path, rng):
+    """64 simulated GPUs (one block each), every rank its own order of a few
+    collectives of different kinds: deadlock experiments past the GPUs we
+    have."""
+    base = 5000 + 100 * next(_device_ids)
+    comms = dfccl.Communicator.for_devices(list(range(base, base + 64)), backend="sim",
+                                           options=dfccl.CommOptions(path=path),
+                                           context_options=dfccl.ContextOptions(blocks=1, max_outstanding=64))
+    try:
+        specs = [sc.Spec("x", "all_reduce", 1000, "float32"), sc.Spec("y", "all_gather", 100, "int32"),
+                 sc.Spec("z", "broadcast", 5000, "float32", root=63), sc.Spec("w", "reduce_scatter", 37, "int64")]
+        orders = [list(rng.permutation(len(specs))) for _ in range(64)]
+        sc.run(comms, specs, orders, rng=rng, timeout=120)
+    finally:
+        close_all(comms)

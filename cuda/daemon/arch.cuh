@@ -99,6 +99,13 @@ DFCCL_DEV uint64_t load_relaxed(const uint64_t *p) {
   asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// A word only this thread writes: a plain (L1-cached) load, kept in place by
+// the asm so that the compiler does not reuse an earlier value.
+DFCCL_DEV uint64_t load_own(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 DFCCL_DEV uint32_t load_relaxed(const uint32_t *p) {
   uint32_t v;
   asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -145,6 +152,7 @@ DFCCL_DEV uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, _
 DFCCL_DEV uint32_t load_acquire(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 DFCCL_DEV uint64_t load_relaxed(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 DFCCL_DEV uint32_t load_relaxed(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+DFCCL_DEV uint64_t load_own(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 DFCCL_DEV void store_release(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 DFCCL_DEV void store_release(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 DFCCL_DEV void store_relaxed(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }

@@ -66,7 +66,10 @@ DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
   if (d->prev_instance != 0 && env.block < d->prev_nchannels) {
     const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
     dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), env.block);
-    if (load_acquire(&mine->local_done) < d->prev_instance) return false;
+    // local_done of this channel is written only by this block's leader
+    // (complete_channel), the thread reading it here: no acquire needed, and
+    // a system-scope acquire per queued task made every scan expensive.
+    if (load_own(&mine->local_done) < d->prev_instance) return false;
   }
   return true;
 }

@@ -1,0 +1,66 @@
+from typing import Any, Callable
+
+from dfccl._native.backend import Backend
+
+STATUS_OK: int
+STATUS_MISMATCH: int
+STATUS_PEER_ABORTED: int
+STATUS_ABORTED: int
+KIND_ALL_REDUCE: int
+KIND_ALL_GATHER: int
+KIND_REDUCE_SCATTER: int
+KIND_BROADCAST: int
+KIND_REDUCE: int
+PATH_DIRECT: int
+PATH_RING: int
+TASK_ONE_SHOT: int
+MAX_CHANNELS: int
+MAX_RANKS: int
+RECORD_HEADER_BYTES: int
+CHAN_STATE_BYTES: int
+ENDPOINT_BYTES: int
+
+class Work:
+    kind: str
+    tag: object
+    rank: int
+    instance: int
+    @staticmethod
+    def completed(kind: str, tag: object, rank: int) -> Work: ...
+    def done(self) -> bool: ...
+    def synchronize(self, timeout: float | None = None) -> None: ...
+    def wait(self, stream: object) -> None: ...
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None: ...
+    def exception(self) -> BaseException | None: ...
+    @property
+    def stats(self) -> dict[str, int] | None: ...
+    @property
+    def status(self) -> int: ...
+
+class Context:
+    backend: Backend
+    nblocks: int
+    nslots: int
+    max_endpoints: int
+    mapped_dev: int
+    done_dev: int
+    epoch: int
+    policy: Any
+    closed: bool
+    relaunch_backoff_ns: int
+    launches: int
+    def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any) -> None: ...
+    def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,
+                     peer_tables: list[int], peer_arenas: list[int]) -> int: ...
+    def remove_endpoint(self, idx: int) -> None: ...
+    def abort_endpoint(self, idx: int) -> None: ...
+    def submit(self, work: Work, endpoint: int, bucket: int, tag_key: int, instance: int, prev_instance: int,
+               prev_nchannels: int, kind: int, dtype: int, op: int, path: int, root: int, nchannels: int,
+               send_addr: int, recv_addr: int, count: int, fifo_offset: int, slice_bytes: int, fifo_slots: int,
+               flags: int, stream: int | None = None) -> Work: ...
+    @property
+    def outstanding_count(self) -> int: ...
+    @property
+    def daemon_state(self) -> tuple[int, str]: ...
+    def set_policy_words(self, base_window_ns: int, max_window_ns: int, idle_quit_ns: int) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
