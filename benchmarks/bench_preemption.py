@@ -33,16 +33,16 @@ comms = dfccl.Communicator.for_devices(devices, backend=backend, context_options
                                        options=dfccl.CommOptions(path="direct"))
 rng = np.random.default_rng()
 specs = [sc.Spec(f"p{i}", "all_reduce", 256, "float32") for i in range(P)]
-insts = [sc._prepare(s, comms, rng) for s in specs]
+insts = [sc.prepare(s, comms, rng) for s in specs]
 for inst in insts:
-    sc._submit(inst, comms[0])
+    sc.submit(inst, comms[0])
 time.sleep(T)
 for inst in insts:
-    sc._submit(inst, comms[1])
+    sc.submit(inst, comms[1])
 for inst in insts:
     for w in inst.works:
         w.synchronize(timeout=60)
-    sc._verify(inst)
+    sc.verify(inst)
 pre = sum(inst.works[0].stats["preemptions"] for inst in insts)
 print("RESULT " + json.dumps({"window_ns": W, "pending": P, "seconds": T, "preemptions": pre,
                               "visit_us": T / pre * 1e6, "overhead_us": T / pre * 1e6 - W / 1e3}))

@@ -20,7 +20,7 @@ import numpy as np
 from dfccl import arrays
 
 __all__ = ["Spec", "Report", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
-           "run", "KINDS", "OPS", "DTYPES"]
+           "prepare", "submit", "verify", "settle_after_abort", "run", "KINDS", "OPS", "DTYPES"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -140,7 +140,8 @@ class _Instance:
     works: list = field(default_factory=list)
 
 
-def _prepare(spec: Spec, comms, rng) -> _Instance:
+def prepare(spec: Spec, comms, rng) -> _Instance:
+    """Fresh random inputs on every rank and poisoned outputs for ``spec``."""
     n = len(comms)
     in_count = spec.count * (n if spec.kind == "reduce_scatter" else 1)
     out_count = spec.count * (n if spec.kind == "all_gather" else 1)
@@ -152,7 +153,8 @@ def _prepare(spec: Spec, comms, rng) -> _Instance:
     return _Instance(spec, inputs, sends, recvs, [None] * n)
 
 
-def _submit(inst: _Instance, comm):
+def submit(inst: _Instance, comm):
+    """Submits ``comm``'s part of the instance; returns its Work."""
     s = inst.spec
     r = comm.rank
     send, recv = inst.sends[r], inst.recvs[r]
@@ -170,7 +172,8 @@ def _submit(inst: _Instance, comm):
     return w
 
 
-def _verify(inst: _Instance) -> None:
+def verify(inst: _Instance) -> None:
+    """Checks every rank's output against numpy (AssertionError on mismatch)."""
     s = inst.spec
     n = len(inst.inputs)
     total = None
@@ -193,6 +196,27 @@ def _verify(inst: _Instance) -> None:
                 continue
             want = reduce_reference(inst.inputs, s.op)
         assert_close(got, want, s.dtype, s.op, n, f"{s.kind} {s.tag!r} {s.dtype} {s.op} count={s.count} rank {r}")
+
+
+def settle_after_abort(insts, timeout: float = 30.0) -> int:
+    """After an abort, every collective must finish: fail with AbortedError or
+    PeerAbortedError (it was pending when the abort arrived), or have completed
+    before the abort reached it, with correct results on every rank.  Returns
+    how many Works finished; raises if one hangs or a completed one is wrong."""
+    from dfccl.errors import AbortedError, PeerAbortedError
+
+    finished = 0
+    for inst in insts:
+        failed = 0
+        for w in inst.works:
+            try:
+                w.synchronize(timeout=timeout)
+            except (AbortedError, PeerAbortedError):
+                failed += 1
+            finished += 1
+        if failed == 0:
+            verify(inst)
+    return finished
 
 
 # -- running a scenario ----------------------------------------------------------------
@@ -232,7 +256,7 @@ def run(comms, specs: list[Spec], orders: list[list[int]], *, rng=None, threads:
     res = {s.tag: 0 for s in specs}
     t0 = time.perf_counter()
     for _ in range(rounds):
-        insts = [_prepare(s, comms, rng) for s in specs]
+        insts = [prepare(s, comms, rng) for s in specs]
         errors: list[BaseException] = []
 
         def drive(rank: int):
@@ -240,7 +264,7 @@ def run(comms, specs: list[Spec], orders: list[list[int]], *, rng=None, threads:
                 for k, idx in enumerate(orders[rank]):
                     if between is not None:
                         between(rank, k)
-                    w = _submit(insts[idx], comms[rank])
+                    w = submit(insts[idx], comms[rank])
                     if rank in wait_each:
                         w.synchronize(timeout=timeout)
             except BaseException as exc:  # reported by the caller's thread
@@ -261,7 +285,7 @@ def run(comms, specs: list[Spec], orders: list[list[int]], *, rng=None, threads:
             for w in inst.works:
                 w.synchronize(timeout=timeout)
         for inst in insts:
-            _verify(inst)
+            verify(inst)
             for w in inst.works:
                 pre[inst.spec.tag] += w.stats["preemptions"]
                 res[inst.spec.tag] += w.stats["resumes"]
