@@ -474,20 +474,28 @@ def _watch(ranks: list[_Rank], *, timeout: float, setup_timeout: float) -> tuple
                     reason = "timeout" if scenario_t0 is not None else "setup_timeout"
                 break
             for key, _ in sel.select(timeout=min(deadline - now, 0.25)):
-                r, kind = key.data
-                data = os.read(key.fd, 65536)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    if kind == "out":
-                        r.close_stdout()
-                    continue
-                (r.feed_stdout if kind == "out" else r.feed_stderr)(data)
+                _pump(sel, key)
         end = finished_at if finished_at is not None else time.monotonic()
         setup_s = (scenario_t0 if scenario_t0 is not None else end) - t0
         scenario_s = end - scenario_t0 if scenario_t0 is not None else 0.0
         return reason, setup_s, scenario_s
     finally:
         sel.close()
+
+
+def _pump(sel: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
+    """Moves what one rank's pipe holds into its _Rank; unregisters it at EOF."""
+    r, kind = key.data
+    try:
+        data = os.read(key.fd, 65536)
+    except OSError:
+        data = b""
+    if not data:
+        sel.unregister(key.fileobj)
+        if kind == "out":
+            r.close_stdout()
+        return
+    (r.feed_stdout if kind == "out" else r.feed_stderr)(data)
 
 
 def _drain(ranks: list[_Rank], *, events: bool, budget: float = 1.0) -> None:
@@ -504,17 +512,7 @@ def _drain(ranks: list[_Rank], *, events: bool, budget: float = 1.0) -> None:
     try:
         while sel.get_map() and time.monotonic() < end:
             for key, _ in sel.select(timeout=max(0.0, min(0.1, end - time.monotonic()))):
-                r, kind = key.data
-                try:
-                    data = os.read(key.fd, 65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    sel.unregister(key.fileobj)
-                    if kind == "out":
-                        r.close_stdout()
-                    continue
-                (r.feed_stdout if kind == "out" else r.feed_stderr)(data)
+                _pump(sel, key)
     finally:
         sel.close()
 
