@@ -79,6 +79,15 @@ class _Comms:
                 for c in comms:
                     c.abort()
 
+    def wait_all(self, comms, works) -> None:
+        """Synchronizes every work; drops ``comms`` if one fails or times out."""
+        try:
+            for w in works:
+                w.synchronize(timeout=TIMEOUT)
+        except BaseException:
+            self.drop(comms)
+            raise
+
     def close(self):
         for comms in self._cache.values():
             for c in comms:
@@ -486,12 +495,7 @@ def test_many_in_flight_any_order(comms_for, path):
             else:
                 w = c.reduce(x, o, root=int(k) % n, tag=tag)
             works.append(w)
-    try:
-        for w in works:
-            w.synchronize(timeout=TIMEOUT)
-    except BaseException:
-        comms_for.drop(comms)
-        raise
+    comms_for.wait_all(comms, works)
     for k in range(8):
         kind = KINDS[k % 5]
         ins = [xs[(k, r)] for r in range(n)]
@@ -541,12 +545,7 @@ def test_plans_reused(comms_for, path, kind):
         works = []
         for r in rng.permutation(n):
             works.append(plans[r](ins[r], outs[r]))
-        try:
-            for w in works:
-                w.synchronize(timeout=TIMEOUT)
-        except BaseException:
-            comms_for.drop(comms)
-            raise
+        comms_for.wait_all(comms, works)
         for r in range(n):
             what = f"plan {kind} call {it} rank {r}"
             if kind == "all_reduce":

@@ -43,7 +43,8 @@ _cache = _BlockCache()
 
 
 def _round_block(nbytes: int) -> int:
-    return max(256, 1 << (int(nbytes) - 1).bit_length()) if nbytes > 256 else 256
+    """Cache size class: the next power of two, at least 256 bytes."""
+    return max(256, 1 << (int(nbytes) - 1).bit_length())
 
 
 class DeviceArray:
