@@ -175,6 +175,76 @@ def test_thousand_queued_before_peer_starts(path, rng):
         close_all(comms)
 
 
+def submit_then_check(comms, insts, *, stagger: bool = False):
+    """Submits every instance on every rank (with ``stagger``, all of rank 0's
+    first, then the others' after rank 0's daemon has cycled through them for
+    50 ms), waits for all and checks every element."""
+    if stagger:
+        for inst in insts:
+            sc.submit(inst, comms[0])
+        time.sleep(0.05)
+        assert not any(inst.works[0].done() for inst in insts), "completed without its peers"
+    for inst in insts:
+        for c in comms[1 if stagger else 0:]:
+            sc.submit(inst, c)
+    for inst in insts:
+        for w in inst.works:
+            w.synchronize(timeout=60)
+        sc.verify(inst)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_tag_pending_with_different_channel_counts(path, rng):
+    """Instances of one tag run in order on every channel, also when they use
+    different numbers of channels: rank 0 queues large, small, large, small,
+    large instances of one tag (4, 1, 4, 1, 4 channels) before rank 1 submits
+    any; a later large instance must not start on channel 2 while an earlier
+    one still waits there."""
+    base = 5000 + 100 * next(_device_ids)
+    opts = dfccl.CommOptions(path=path, channels=4, bytes_per_channel=4096)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
+                                           context_options=dfccl.ContextOptions(blocks=4))
+    try:
+        counts = [16384, 64, 16384, 64, 16384]
+        insts = [sc.prepare(sc.Spec("t", "all_reduce", c, "int32"), comms, rng) for c in counts]
+        submit_then_check(comms, insts, stagger=True)
+        assert [i.works[0].stats["channels"] for i in insts] == [4, 1, 4, 1, 4]
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_freed_bucket_taken_by_another_tag(path, rng):
+    """A tag's record bucket, freed once its instances completed, is taken by
+    another tag whose instances then queue up: they still run one at a time."""
+    base = 5000 + 100 * next(_device_ids)
+    opts = dfccl.CommOptions(path=path, max_tags=1)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts)
+    try:
+        submit_then_check(comms, [sc.prepare(sc.Spec("a", "all_reduce", 100, "int32"), comms, rng) for _ in range(5)])
+        second = [sc.prepare(sc.Spec("b", "all_reduce", 1000 + i, "int32"), comms, rng) for i in range(3)]
+        submit_then_check(comms, second, stagger=True)
+    finally:
+        close_all(comms)
+
+
+def test_submission_ring_wraps_many_times(rng):
+    """A small ring (8 slots, 16 entries) reused 40 times over by collectives
+    that use 1 or 4 of 4 channels, so that blocks skip entries: every
+    collective is copied, pulled and run exactly once."""
+    base = 5000 + 100 * next(_device_ids)
+    opts = dfccl.CommOptions(path="direct", channels=4, bytes_per_channel=1024)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
+                                           context_options=dfccl.ContextOptions(blocks=4, max_outstanding=8))
+    try:
+        for batch in range(80):
+            insts = [sc.prepare(sc.Spec(("w", batch, i), "all_reduce", 16 if (batch + i) % 2 else 4096, "int32"),
+                                comms, rng) for i in range(4)]
+            submit_then_check(comms, insts)
+    finally:
+        close_all(comms)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_several_ranks_per_device(path, rng):
     """8 ranks on 2 simulated GPUs (4 per daemon) in random orders: ranks that

@@ -127,64 +127,71 @@ def _keys_with_home(bucket: int, capacity: int, n: int, start: int = 1) -> list[
     return out
 
 
-def test_tag_table_instances_and_prev():
+def test_tag_table_instances():
     t = TagTable(16)
     key = 0xABCDEF
-    b1, i1, p1, pn1 = t.acquire(key, 2, False)
-    b2, i2, p2, pn2 = t.acquire(key, 3, False)
-    b3, i3, p3, pn3 = t.acquire(key, 1, False)
+    b1, i1 = t.acquire(key, False)
+    b2, i2 = t.acquire(key, False)
+    b3, i3 = t.acquire(key, False)
     assert (i1, i2, i3) == (1, 2, 3)
-    assert (p1, p2, p3) == (0, 1, 2), "prev_instance is the latest instance still pending"
-    assert (pn1, pn2, pn3) == (0, 2, 3), "prev_nchannels are the channels of that instance"
     assert b1 == b2 == b3 == splitmix64_finaliser(key) % 16
     assert t.used == 1 and t.instances(key) == 3
     t.release(key, False)
     t.release(key, False)
-    _, i4, p4, pn4 = t.acquire(key, 2, False)
-    assert (i4, p4, pn4) == (4, 3, 1)
+    assert t.acquire(key, False)[1] == 4
     t.release(key, False)
     t.release(key, False)
     assert t.used == 0, "no instance pending: the bucket is free"
-    b5, i5, p5, _ = t.acquire(key, 1, False)
-    assert (i5, p5) == (5, 0), "a persistent tag keeps counting; nothing pending -> no prev"
+    b5, i5 = t.acquire(key, False)
+    assert i5 == 5, "a persistent tag keeps counting"
     assert b5 == b1 and t.used == 1
+
+
+def test_tag_table_cancel_gives_the_instance_back():
+    t = TagTable(8)
+    key = 5
+    t.acquire(key, False)
+    assert t.acquire(key, False)[1] == 2
+    t.cancel(key)
+    assert t.instances(key) == 1 and t.used == 1
+    assert t.acquire(key, False)[1] == 2
 
 
 def test_tag_table_transient_forgets():
     t = TagTable(8)
     key = 77
-    assert t.acquire(key, 1, True)[1] == 1
+    assert t.acquire(key, True)[1] == 1
     t.release(key, False)
     assert t.instances(key) == 0 and t.used == 0
-    assert t.acquire(key, 1, True)[1:3] == (1, 0)
+    assert t.acquire(key, True) == (splitmix64_finaliser(key) % 8, 1)
 
 
 def test_tag_table_linear_probing_free_and_reuse():
     cap = 8
     k1, k2, k3 = _keys_with_home(5, cap, 3)
     t = TagTable(cap)
-    assert t.acquire(k1, 1, False)[0] == 5
-    assert t.acquire(k2, 1, False)[0] == 6, "collision: next bucket"
+    assert t.acquire(k1, False)[0] == 5
+    assert t.acquire(k2, False)[0] == 6, "collision: next bucket"
     t.release(k1, False)
     assert t.used == 1
-    assert t.acquire(k3, 1, False)[0] == 5, "freed bucket is reused"
+    assert t.acquire(k3, False)[0] == 5, "freed bucket is reused"
     # wrap-around from the last bucket
     j1, j2 = _keys_with_home(cap - 1, cap, 2)
     t2 = TagTable(cap)
-    assert t2.acquire(j1, 1, False)[0] == cap - 1
-    assert t2.acquire(j2, 1, False)[0] == 0
+    assert t2.acquire(j1, False)[0] == cap - 1
+    assert t2.acquire(j2, False)[0] == 0
 
 
 def test_tag_table_poisoned_stays_bound():
     cap = 4
     k1, k2 = _keys_with_home(2, cap, 2)
     t = TagTable(cap)
-    b = t.acquire(k1, 1, True)[0]
+    b = t.acquire(k1, True)[0]
     t.release(k1, failed=True)
     assert t.used == 1, "a failed instance keeps its bucket (peers may read the abort marker)"
-    assert t.acquire(k2, 1, False)[0] == (b + 1) % cap, "the poisoned bucket is not handed to another tag"
-    b_again, inst, prev, _ = t.acquire(k1, 1, True)
-    assert (b_again, inst, prev) == (b, 2, 0), "the poisoned tag keeps its bucket and its count"
+    assert t.acquire(k2, False)[0] == (b + 1) % cap, "the poisoned bucket is not handed to another tag"
+    b_again, inst = t.acquire(k1, True)
+    assert (b_again, inst) == (b, 2), "the poisoned tag keeps its bucket and its count"
     t.release(k1, failed=False)
     assert t.used == 2 and t.instances(k1) == 2, "still bound after a later success"
 
@@ -192,14 +199,14 @@ def test_tag_table_poisoned_stays_bound():
 def test_tag_table_full():
     t = TagTable(3)
     for k in (11, 12, 13):
-        t.acquire(k, 1, False)
+        t.acquire(k, False)
     with pytest.raises(ResourceError, match="tag records"):
-        t.acquire(14, 1, False)
+        t.acquire(14, False)
     assert t.instances(14) == 0, "a failed acquire registers no instance"
-    assert t.acquire(12, 1, False)[1] == 2, "a tag already bound still gets new instances"
+    assert t.acquire(12, False)[1] == 2, "a tag already bound still gets new instances"
     t.release(12, False)
     t.release(12, False)
-    assert t.acquire(14, 1, False)[1] == 1
+    assert t.acquire(14, False)[1] == 1
 
 
 # ==========================================================================================

@@ -128,6 +128,11 @@ DFCCL_DEV uint64_t atomic_add(uint64_t *p, uint64_t v) {
   asm volatile("atom.add.release.sys.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return old;
 }
+// Adds without waiting for the old value (a reduction: fire and forget).
+// Relaxed: a release_fence() before it orders what it publishes.
+DFCCL_DEV void red_add_relaxed(uint64_t *p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) {
   uint32_t old;
   asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -143,6 +148,46 @@ DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
   uint64_t old;
   asm volatile("atom.max.release.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
 }
+// Words only this GPU's blocks share (daemon state, contexts): GPU scope, so
+// nothing waits on traffic to the host or to peers.
+DFCCL_DEV uint64_t load_gpu(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV uint32_t load_gpu(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV uint64_t load_acquire_gpu(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+DFCCL_DEV void store_gpu(uint64_t *p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DFCCL_DEV void store_gpu(uint32_t *p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+DFCCL_DEV void store_release_gpu(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DFCCL_DEV void store_release_gpu(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.gpu.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Takes a GPU-wide flag: true if it was 0 and is now 1 (acquire).
+DFCCL_DEV bool try_lock_gpu(uint32_t *p) {
+  uint32_t old;
+  asm volatile("atom.cas.acquire.gpu.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
+  return old == 0;
+}
+// 16 bytes of host memory, never from a cache (the host rewrites them).
+DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+}
+
 // Orders this block's earlier writes (made visible to thread 0 by a barrier)
 // before thread 0's next flag store, for every observer in the system.
 DFCCL_DEV void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -158,6 +203,7 @@ DFCCL_DEV void store_release(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, _
 DFCCL_DEV void store_relaxed(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 DFCCL_DEV void store_relaxed(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 DFCCL_DEV uint64_t atomic_add(uint64_t *p, uint64_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
+DFCCL_DEV void red_add_relaxed(uint64_t *p, uint64_t v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
   __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -172,6 +218,22 @@ DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
   uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
   }
+}
+DFCCL_DEV uint64_t load_gpu(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+DFCCL_DEV uint32_t load_gpu(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+DFCCL_DEV uint64_t load_acquire_gpu(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+DFCCL_DEV void store_gpu(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+DFCCL_DEV void store_gpu(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+DFCCL_DEV void store_release_gpu(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+DFCCL_DEV void store_release_gpu(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+DFCCL_DEV bool try_lock_gpu(uint32_t *p) {
+  uint32_t expect = 0;
+  return __atomic_compare_exchange_n(p, &expect, 1u, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+}
+DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
+  const uint64_t *q = (const uint64_t *)p;
+  lo = __atomic_load_n(q, __ATOMIC_RELAXED);
+  hi = __atomic_load_n(q + 1, __ATOMIC_RELAXED);
 }
 DFCCL_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 DFCCL_DEV void fence_seq_cst() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

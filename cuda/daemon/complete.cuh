@@ -13,8 +13,9 @@ DFCCL_DEV void record_failure(const BlockEnv &env, const TaskRun &run) {
   atomic_cas_local(&env.args->slot_error[run.d->slot], 0u, word);
 }
 
-// The leader.  The other blocks' contexts are read with strong loads: this block
-// may hold stale L1 lines of them from an earlier use of the slot.
+// The leader.  The other blocks' contexts are read with strong (GPU-scope)
+// loads: this block may hold stale L1 lines of them from an earlier use of the
+// slot.
 DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_t now) {
   const dfccl_daemon_args *a = env.args;
   const dfccl_task_desc *d = run.d;
@@ -23,9 +24,10 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   ctx->detail = run.detail;
   ctx->state = DFCCL_CTX_DONE;
   ctx->finish_ns = now;
-  // Later instances of the tag on this channel may start now.
-  store_release(&run.mine->local_done, d->instance);
-  fence_system();
+  // acq_rel: this block's writes (its movers' data, gathered by the move
+  // barrier, and the context above) are ordered before the count, and the
+  // last block to count sees every block's; its release below publishes
+  // them all to the host.
   const uint32_t slot = d->slot;
   const uint32_t finished = atomic_add_local(&a->slot_counter[slot], 1u) + 1u;
   if (finished != d->nchannels) return;
@@ -44,30 +46,32 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   res.reserved = 0;
   for (uint32_t b = 0; b < d->nchannels; ++b) {
     dfccl_task_ctx *cb = ctx_at(a, slot, b);
-    const uint64_t pulled = load_relaxed(&cb->pulled_ns);
-    const uint64_t first = load_relaxed(&cb->first_run_ns);
-    const uint64_t finish = load_relaxed(&cb->finish_ns);
-    const uint64_t waited = load_relaxed(&cb->max_wait_ns);
+    const uint64_t pulled = load_gpu(&cb->pulled_ns);
+    const uint64_t first = load_gpu(&cb->first_run_ns);
+    const uint64_t finish = load_gpu(&cb->finish_ns);
+    const uint64_t waited = load_gpu(&cb->max_wait_ns);
     if (waited > res.max_wait_ns) res.max_wait_ns = waited;
-    const uint64_t running = load_relaxed(&cb->running_ns);
-    res.preemptions += load_relaxed(&cb->preemptions);
-    res.resumes += load_relaxed(&cb->resumes);
+    const uint64_t running = load_gpu(&cb->running_ns);
+    res.preemptions += load_gpu(&cb->preemptions);
+    res.resumes += load_gpu(&cb->resumes);
     if (first > pulled && first - pulled > res.queued_ns) res.queued_ns = first - pulled;
     if (running > res.running_ns) res.running_ns = running;
     if (finish > first && finish - first > res.wall_ns) res.wall_ns = finish - first;
-    const uint32_t w = load_relaxed(&cb->waiting_on);
+    const uint32_t w = load_gpu(&cb->waiting_on);
     if (w != 0) res.waiting_on = w;
   }
-  const uint32_t err = load_relaxed(&a->slot_error[slot]);
+  const uint32_t err = load_gpu(&a->slot_error[slot]);
   if (err != 0) {
     res.status = err >> 16;
     res.detail = (int32_t)(err & 0xffffu) - 1;
   }
   // Reset the slot's device words before the host may reuse the slot.
-  store_relaxed(&a->slot_counter[slot], 0u);
-  store_relaxed(&a->slot_error[slot], 0u);
+  store_gpu(&a->slot_counter[slot], 0u);
+  store_gpu(&a->slot_error[slot], 0u);
+  store_gpu(&a->slot_waiting[slot], 0u);
   a->results[slot] = res;
-  fence_system();
+  // One system-scope release: the result above and every block's data
+  // (gathered by the slot counter) before the completion word.
   store_release(&a->done[slot], d->gen);
 }
 

@@ -54,22 +54,14 @@ DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx 
 }
 
 // The leader: may this task run now?  It must be armed (a stream-ordered
-// submission is armed when its stream gets there) and the previous instance
-// of its tag on this rank must be done with this channel.
+// submission is armed when its stream gets there).  Earlier instances of its
+// tag on this channel are done: it entered the active list only then
+// (chain_behind_pending in submit.cuh).
 DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
-  const dfccl_daemon_args *a = env.args;
-  const dfccl_task_desc *d = &ctx->desc;
   if (ctx->state == DFCCL_CTX_PULLED) {
-    if (load_acquire(&a->armed[d->slot]) != d->gen) return false;
+    // Device memory, written by the submitting stream's cuStreamWriteValue32.
+    if (load_acquire(&env.args->armed[ctx->desc.slot]) != ctx->desc.gen) return false;
     ctx->state = DFCCL_CTX_ARMED;
-  }
-  if (d->prev_instance != 0 && env.block < d->prev_nchannels) {
-    const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
-    dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), env.block);
-    // local_done of this channel is written only by this block's leader
-    // (complete_channel), the thread reading it here: no acquire needed, and
-    // a system-scope acquire per queued task made every scan expensive.
-    if (load_own(&mine->local_done) < d->prev_instance) return false;
   }
   return true;
 }
@@ -91,30 +83,32 @@ DFCCL_DEV uint32_t pick_task(const BlockEnv &env, const uint32_t *active, uint32
 DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
-  if (load_relaxed(&st->quit_epoch) == a->epoch) return true;
+  if (load_gpu(&st->quit_epoch) == a->epoch) return true;
   if (env.block != 0) return false;
   dfccl_control *ctrl = a->control;
   const uint64_t running = ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_RUNNING;
-  bool quit = load_relaxed(&ctrl->quit_request) != 0;
+  bool quit = load_gpu(&st->quit_request) != 0;
   if (!quit) {
-    const uint64_t last = load_relaxed(&st->last_progress_ns);
+    const uint64_t last = load_gpu(&st->last_progress_ns);
     if (now < last || now - last < p.idle_quit_ns) return false;
     store_release(&ctrl->daemon_state, ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_QUITTING);
     fence_seq_cst();
-    const uint64_t tail = load_acquire(&ctrl->sq_tail);  // from host memory, never the mirror
+    // From host memory, not the link's copy: this read is the daemon's half
+    // of the handshake.
+    const uint64_t tail = load_acquire(&ctrl->sq_tail);
     if (tail != st->sq_head[0]) {
-      atomic_max_release(&st->tail_mirror, tail);
       store_release(&ctrl->daemon_state, running);
       return false;
     }
   }
-  store_release(&st->quit_epoch, (uint64_t)a->epoch);
+  store_release_gpu(&st->quit_epoch, (uint64_t)a->epoch);
   return true;
 }
 
 // Runs active[pick] once; the leader saves its context and, when it is over,
-// completes it and takes it off the active list.
-DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *active, uint32_t pick) {
+// completes it and takes it off the active list.  `picked_ns`: when the
+// scheduler chose it (leader), for the block's profile.
+DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *active, uint32_t pick, uint64_t picked_ns) {
   const dfccl_daemon_args *a = env.args;
   BlockShared *sm = env.sm;
   dfccl_task_ctx *ctx = ctx_at(a, active[pick], env.block);
@@ -160,18 +154,28 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *activ
       ctx->fails = run.progressed ? 0 : ctx->fails + 1;
       ctx->sticky = run.progressed ? 1 : 0;
       ctx->waiting_on = run.waiting_on;
-      store_relaxed(&a->results[run.d->slot].waiting_on, run.waiting_on);  // live, for timeouts
+      store_gpu(&a->slot_waiting[run.d->slot], run.waiting_on);  // live, for timeouts
       sm->cursor = pick + 1;
     } else {
       complete_channel(env, run, end);
-      for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
-      sm->active_len -= 1;
-      // Round robin goes on with the task after it (now at `pick`).  Going
-      // back to the oldest after every completion would re-walk every stalled
-      // task per completion: quadratic with many pending.  The oldest keeps
-      // its priority through its longer window.
+      // The next instance of its tag (if one is chained) takes its place;
+      // otherwise it leaves the list.  Round robin goes on at `pick` either
+      // way: going back to the oldest after every completion would re-walk
+      // every stalled task per completion, quadratic with many pending.  The
+      // oldest keeps its priority through its longer window.
+      if (ctx->successor != 0) {
+        active[pick] = ctx->successor - 1;
+      } else {
+        for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
+        sm->active_len -= 1;
+      }
       sm->cursor = pick;
     }
+    dfccl_block_profile *prof = &a->state->profile[env.block];
+    prof->runs += 1;
+    prof->restore_ns += start - picked_ns;
+    prof->run_ns += end - start;
+    prof->save_ns += now_ns() - end;
   }
   control_sync();
 }
@@ -194,29 +198,40 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     if (block == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_RUNNING);
     atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress
   }
+  dfccl_block_profile *prof = &st->profile[block];
+  uint64_t picked_ns = 0;
   for (;;) {
     if (is_leader()) {
+      const uint64_t t0 = now_ns();
+      poll_host_link(env);
       if (++policy.passes >= kPolicyRefreshPasses) {
         policy.passes = 0;
-        policy.base_window_ns = load_relaxed(&ctrl->base_window_ns);
-        policy.max_window_ns = load_relaxed(&ctrl->max_window_ns);
-        policy.idle_quit_ns = load_relaxed(&ctrl->idle_quit_ns);
+        policy.base_window_ns = load_gpu(&st->base_window_ns);
+        policy.max_window_ns = load_gpu(&st->max_window_ns);
+        policy.idle_quit_ns = load_gpu(&st->idle_quit_ns);
       }
       const uint32_t pulled = pull_submissions(env, active, sm->active_len);
       const uint64_t now = now_ns();
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
       sm->quit = should_quit(env, policy, now) ? 1u : 0u;
       sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
+      picked_ns = now_ns();
+      prof->passes += 1;
+      prof->pull_ns += now - t0;
+      prof->pick_ns += picked_ns - now;
     }
     control_sync();
     if (sm->quit) break;
     const uint32_t pick = sm->pick;
     if (pick == kNoTask) {
-      if (is_leader()) idle_pause();
+      if (is_leader()) {
+        idle_pause();
+        prof->idle_ns += now_ns() - picked_ns;
+      }
       control_sync();
       continue;
     }
-    run_one(env, policy, active, pick);
+    run_one(env, policy, active, pick, picked_ns);
   }
   dismiss_movers(sm);
   if (is_leader()) {

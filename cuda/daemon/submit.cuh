@@ -1,51 +1,60 @@
-// Submit (device side): a block pulls the submission-queue entries the host
-// published since its last pull into its own active list.  Each block keeps
-// its own head, so blocks never wait for one another here.
+// Submit (device side): a block pulls the submission-queue entries published
+// since its last pull into its own active list, from the device ring the host
+// link fills (link.cuh).  Each block keeps its own head, so blocks never wait
+// for one another here.
 #pragma once
 
-#include "block_env.cuh"
+#include "link.cuh"
 
 namespace dfccl {
 
-// Host-memory reads cross PCIe; with every idle block polling the tail back to
-// back they queue up and slow every host access of the busy blocks.  So the
-// tail is read from host memory at most once per kTailPollNs across the whole
-// daemon, by whichever block comes first, and mirrored in device memory where
-// the other blocks read it.
-constexpr uint64_t kTailPollNs = 1000;
-
-DFCCL_DEV uint64_t submission_tail(const dfccl_daemon_args *a, uint64_t head) {
-  dfccl_daemon_state *st = a->state;
-  uint64_t tail = load_acquire(&st->tail_mirror);
-  if (tail != head) return tail;
-  const uint64_t now = now_ns();
-  const uint64_t last = load_relaxed(&st->tail_poll_ns);
-  if (now - last < kTailPollNs && now >= last) return tail;
-  store_relaxed(&st->tail_poll_ns, now);
-  tail = load_acquire(&a->control->sq_tail);
-  atomic_max_release(&st->tail_mirror, tail);
-  return tail;
+// The leader, at pull time: the instances of one tag must run one after the
+// other on each channel (they share the tag's record there).  The record's
+// owner-private chain words name the latest instance of the tag pulled on this
+// channel; if it is still pending here, the new one is chained behind it and
+// stays off the active list until it completes (run_one promotes it in
+// place).  So the active list holds one task per tag at most, and a burst of
+// instances of one tag costs nothing per scheduler pass.  Returns true if
+// chained.  Only this block's leader touches these words and the contexts of
+// this block, so plain accesses suffice; the previous context is checked by
+// token because its slot may have been reused since.
+DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d) {
+  const dfccl_daemon_args *a = env.args;
+  const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
+  dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), env.block);
+  const uint64_t last_token = load_own(&mine->chain_token);
+  const uint64_t last_slot = load_own(&mine->chain_slot);
+  mine->chain_token = instance_token(d->tag_key, d->instance);
+  mine->chain_slot = (uint64_t)d->slot + 1;
+  if (last_token == 0 || last_slot == 0 || last_slot > a->nslots) return false;
+  dfccl_task_ctx *prev = ctx_at(a, (uint32_t)last_slot - 1, env.block);
+  if (prev->state == DFCCL_CTX_DONE || prev->state == DFCCL_CTX_FREE) return false;
+  if (instance_token(prev->desc.tag_key, prev->desc.instance) != last_token) return false;
+  prev->successor = d->slot + 1;
+  return true;
 }
 
 // The leader.  Returns how many entries were consumed.
 DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len) {
   const dfccl_daemon_args *a = env.args;
-  uint64_t head = a->state->sq_head[env.block];
-  const uint64_t tail = submission_tail(a, head);
+  dfccl_daemon_state *st = a->state;
+  uint64_t head = st->sq_head[env.block];
+  const uint64_t tail = load_acquire_gpu(&st->sq_avail);
   if (head == tail) return 0;
   const uint64_t t0 = now_ns();
   uint32_t pulled = 0;
+  constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
   for (; head < tail; ++head, ++pulled) {
-    const dfccl_task_desc *sqe = &a->ring[head & (a->ring_size - 1)];
-    // The descriptor is in host memory: six independent 16-byte loads.
-    pack16 words[sizeof(dfccl_task_desc) / 16];
+    const pack16 *sqe = ptr<const pack16>((uint64_t)&a->dev_ring[head & (a->ring_size - 1)]);
+    pack16 words[kWords];
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(dfccl_task_desc) / 16); ++i) words[i] = load_pack(ptr<const pack16>((uint64_t)sqe) + i);
+    for (int i = 0; i < kWords; ++i) words[i] = load_pack(sqe + i);
     const dfccl_task_desc *d = reinterpret_cast<const dfccl_task_desc *>(words);
     if (env.block >= d->nchannels) continue;
+    const bool chained = chain_behind_pending(env, d);
     dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
     ctx->desc = *d;
-    ctx->state = DFCCL_CTX_PULLED;
+    ctx->state = (d->flags & DFCCL_TASK_ARMED) ? DFCCL_CTX_ARMED : DFCCL_CTX_PULLED;
     ctx->step = 0;
     ctx->fails = 0;
     ctx->sticky = 0;
@@ -62,11 +71,11 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
     ctx->detail = -1;
     ctx->nbr_slots = 0;
     ctx->nbr_fifo = 0;
+    ctx->successor = 0;
     for (int i = 0; i < DFCCL_PEER_CACHE; ++i) ctx->peer_rec[i] = 0;
-    active[active_len++] = d->slot;
+    if (!chained) active[active_len++] = d->slot;
   }
-  a->state->sq_head[env.block] = head;
-  store_relaxed(&a->control->sq_head[env.block], head);
+  store_gpu(&st->sq_head[env.block], head);
   return pulled;
 }
 

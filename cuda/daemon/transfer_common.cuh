@@ -68,8 +68,8 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
     store_relaxed(&m->recv_addr, d->recv_addr);
     store_relaxed(&m->fifo, fifo_word);
     uint64_t own = record_at(run.ep, run.ep->rank, d->bucket);
-    store_release(&ptr<dfccl_record_header>(own)->key, d->tag_key);
-    store_release(&m->ready, run.token);
+    store_relaxed(&ptr<dfccl_record_header>(own)->key, d->tag_key);
+    store_release(&m->ready, run.token);  // releases every field above
   }
 }
 
@@ -78,11 +78,13 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
 // found by probing is kept while its key matches, and the table is probed
 // afresh every 64 polls, because a bucket that held this tag earlier may still
 // carry its key while the live record appears elsewhere only when the peer
-// publishes.  The peer's abort marker is read every 16 polls.  The leader
-// caches the record it met and returns the peer's published fifo word in
-// *fifo_word.
+// publishes.  The peer's abort marker is read every 16 polls.  Once `ready`
+// matches, the peer's published fields are read in one batch of independent
+// loads (one round trip, not one per field).  The leader caches the record and
+// the peer's buffer addresses (direct path) in the context, and returns the
+// peer's fifo word in *fifo_word.
 DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index, uint64_t *fifo_word) {
-  uint64_t rec = 0, met = 0;
+  uint64_t rec = 0, met = 0, send_addr = 0, recv_addr = 0;
   uint32_t polls = 0;
   const uint32_t c = env.block;
   int r = block_wait(env, run, peer, [&]() -> int {
@@ -101,21 +103,32 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
       return 0;
     }
     met = rec;
-    if (load_relaxed(&pc->abort_token) == run.token) {
+    const uint64_t abort_token = load_relaxed(&pc->abort_token);
+    const uint64_t signature = load_relaxed(&pc->signature);
+    const uint64_t count = load_relaxed(&pc->count);
+    const uint64_t slice_bytes = load_relaxed(&pc->slice_bytes);
+    const uint64_t fifo = load_relaxed(&pc->fifo);
+    send_addr = load_relaxed(&pc->send_addr);
+    recv_addr = load_relaxed(&pc->recv_addr);
+    if (abort_token == run.token) {
       run.status = DFCCL_STATUS_PEER_ABORTED;
       run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
       return -1;
     }
-    if (load_relaxed(&pc->signature) != task_signature(*run.d, run.ep->nranks) ||
-        load_relaxed(&pc->count) != run.d->count || load_relaxed(&pc->slice_bytes) != run.d->slice_bytes) {
+    if (signature != task_signature(*run.d, run.ep->nranks) || count != run.d->count ||
+        slice_bytes != run.d->slice_bytes) {
       run.status = DFCCL_STATUS_MISMATCH;
       run.detail = (int32_t)peer;
       return -1;
     }
-    *fifo_word = load_relaxed(&pc->fifo);
+    *fifo_word = fifo;
     return 1;
   });
-  if (is_leader() && met != 0 && cache_index < DFCCL_PEER_CACHE) run.ctx->peer_rec[cache_index] = met;
+  if (is_leader() && met != 0 && cache_index < DFCCL_PEER_CACHE) {
+    run.ctx->peer_rec[cache_index] = met;
+    run.ctx->peer_send[cache_index] = send_addr;
+    run.ctx->peer_recv[cache_index] = recv_addr;
+  }
   return r;
 }
 

@@ -50,6 +50,8 @@ DFCCL_DEV bool two_shot(const TaskRun &run) {
 DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint32_t p, bool output) {
   if (p == g.r) return output ? run.d->recv_addr : run.d->send_addr;
   uint32_t index = (p + g.n - g.r - 1) % g.n;
+  if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0)
+    return output ? run.ctx->peer_recv[index] : run.ctx->peer_send[index];
   dfccl_chan_state *pc = record_chan(peer_record(run, index, p), g.c);
   return load_relaxed(output ? &pc->recv_addr : &pc->send_addr);
 }
@@ -126,13 +128,14 @@ DFCCL_DEV void direct_work2(BlockEnv &env, const TaskRun &run, const DirectGeome
   }
 }
 
-// Leader, after release_fence(): tell every peer this phase is done.
+// Leader, after release_fence() (which makes these relaxed adds release the
+// phase's writes): tell every peer this phase is done.
 DFCCL_DEV void signal_peers(const TaskRun &run, const DirectGeometry &g, bool phase1) {
   if (!is_leader()) return;
   for (uint32_t i = 0; i + 1 < g.n; ++i) {
     uint32_t p = (g.r + 1 + i) % g.n;
     dfccl_chan_state *pc = record_chan(peer_record(run, i, p), g.c);
-    atomic_add(phase1 ? &pc->phase1 : &pc->phase2, 1);
+    red_add_relaxed(phase1 ? &pc->phase1 : &pc->phase2, 1);
   }
 }
 

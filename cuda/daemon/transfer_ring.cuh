@@ -198,12 +198,12 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   }
   const uint32_t postdiv = ((p.flags & P_FINAL) && d->op == DFCCL_AVG) ? g.n : 1;
   move_data(env, run, nsrcs, ndsts, p.len, postdiv);
-  release_fence();
+  release_fence();  // with it, the relaxed stores below release the slice
   if (is_leader()) {
     if (p.flags & P_RECV)
-      store_release(&record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
+      store_relaxed(&record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
     if (p.flags & P_SEND)
-      store_release(&record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1));
+      store_relaxed(&record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1));
   }
   run.pos[1] += 1;
   run.pos[2] += (p.flags & P_SEND) ? 1 : 0;

@@ -12,10 +12,11 @@ namespace dfccl {
 
 // Why a run must stop early, checked on the slow path of every wait: another
 // block of this task failed, a neighbour pushed an abort for this instance
-// into our record, or the host aborted the communicator.
+// into our record, or the host aborted the communicator (as the host link
+// copied it into device memory).
 DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run) {
   const dfccl_daemon_args *a = env.args;
-  uint32_t err = load_acquire(&a->slot_error[run.d->slot]);
+  uint32_t err = load_gpu(&a->slot_error[run.d->slot]);
   if (err != 0) {
     run.status = err >> 16;
     run.detail = (int32_t)(err & 0xffffu) - 1;
@@ -27,7 +28,7 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run) {
     run.detail = (int32_t)(info & 0xffffffffu);
     return true;
   }
-  if (load_acquire(&a->endpoint_abort[run.d->endpoint]) != 0) {
+  if (load_gpu(&a->endpoint_abort_dev[run.d->endpoint]) != 0) {
     run.status = DFCCL_STATUS_ABORTED;
     run.detail = -1;
     return true;
@@ -57,10 +58,10 @@ DFCCL_DEV int block_wait(BlockEnv &env, TaskRun &run, uint32_t peer, Ready ready
         if ((++spins & 3u) == 0) {
           // Diagnostics: whom this collective waits for, visible to the host
           // while it waits (Work.synchronize timeouts name the rank).
-          if (spins == 16) store_relaxed(&env.args->results[run.d->slot].waiting_on, peer + 1);
+          if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
           // The daemon is leaving: stop at this wait like at a deadline.
           const bool expired =
-              now_ns() >= run.deadline_ns || load_relaxed(&env.args->state->quit_epoch) == env.args->epoch;
+              now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
           // Aborts are checked every 256 spins (one word is in host memory)
           // and whenever the run is about to be preempted.
           if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {

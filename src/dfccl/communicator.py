@@ -346,8 +346,7 @@ class Communicator:
         if geometry is None:
             geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options)
         ep = self._endpoint
-        last_nch = ep.tags.last_nchannels(key)
-        bucket, instance, prev, prev_nch = ep.tags.acquire(key, geometry.nchannels, transient)
+        bucket, instance = ep.tags.acquire(key, transient)
         fifo = None
         try:
             if geometry.fifo_bytes:
@@ -355,13 +354,13 @@ class Communicator:
             work = Work()
             work._describe(name, tag, self._rank, instance, (s.owner, r.owner),
                            functools.partial(self._retired, key, fifo, geometry.fifo_bytes))
-            self._ctx.submit(work, ep.id, bucket, key, instance, prev, prev_nch, kind, int(s.dtype), int(op),
+            self._ctx.submit(work, ep.id, bucket, key, instance, kind, int(s.dtype), int(op),
                              geometry.path, root, geometry.nchannels, s.ptr, r.ptr, count, fifo or 0,
                              geometry.slice_bytes, geometry.fifo_slots, geometry.flags,
                              stream if checked or stream is None else stream_handle(stream))
         except BaseException as exc:
             # Nothing reached the daemon: give back the instance and the FIFO.
-            ep.tags.cancel(key, last_nch)
+            ep.tags.cancel(key)
             if fifo is not None:
                 ep.free_fifo(fifo, geometry.fifo_bytes)
             if isinstance(exc, DfcclError) and exc.rank is None:

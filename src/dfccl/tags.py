@@ -57,13 +57,12 @@ def tag_key(comm_key: int, tag: object) -> int:
 
 
 class _TagState:
-    __slots__ = ("bucket", "submitted", "pending", "last_nchannels", "poisoned", "transient")
+    __slots__ = ("bucket", "submitted", "pending", "poisoned", "transient")
 
     def __init__(self, transient: bool):
         self.bucket = -1
         self.submitted = 0
         self.pending = 0
-        self.last_nchannels = 0
         self.poisoned = False
         self.transient = transient
 
@@ -78,33 +77,26 @@ class TagTable:
         self._tags: dict[int, _TagState] = {}
         self.used = 0
 
-    def acquire(self, key: int, nchannels: int, transient: bool) -> tuple[int, int, int, int]:
-        """Registers the next instance of ``key``.  Returns (bucket, instance,
-        prev_instance, prev_nchannels): the daemon starts this instance only
-        after prev_instance (if nonzero) is done on the channels it used."""
+    def acquire(self, key: int, transient: bool) -> tuple[int, int]:
+        """Registers the next instance of ``key``.  Returns (bucket, instance).
+        The daemon orders the instances of a tag on each channel itself: an
+        instance pulled while an earlier one is pending on that channel is
+        chained behind it (cuda/daemon/submit.cuh)."""
         st = self._tags.get(key)
         if st is None:
             st = self._tags[key] = _TagState(transient)
         if st.bucket < 0:
             st.bucket = self._claim(key)
-        prev = st.submitted if st.pending else 0
-        prev_nch = st.last_nchannels if st.pending else 0
         st.submitted += 1
         st.pending += 1
-        st.last_nchannels = nchannels
-        return st.bucket, st.submitted, prev, prev_nch
+        return st.bucket, st.submitted
 
-    def cancel(self, key: int, prev_nchannels: int) -> None:
+    def cancel(self, key: int) -> None:
         """Undoes the last acquire() of ``key`` (its submission failed before
         reaching the daemon): the instance number is given back."""
         st = self._tags[key]
         st.submitted -= 1
-        st.last_nchannels = prev_nchannels
         self.release(key, failed=False)
-
-    def last_nchannels(self, key: int) -> int:
-        st = self._tags.get(key)
-        return 0 if st is None else st.last_nchannels
 
     def release(self, key: int, failed: bool) -> None:
         """One instance of ``key`` completed (or failed)."""

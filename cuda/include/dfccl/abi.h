@@ -69,6 +69,7 @@ enum dfccl_status {
 /* dfccl_task_desc.flags */
 #define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce small enough for one phase; taken
                                        only if every rank is out of place */
+#define DFCCL_TASK_ARMED 2u         /* may run at once (not stream-ordered) */
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -79,8 +80,7 @@ typedef struct dfccl_task_desc {
   uint64_t count;         /* elements: see docs/architecture.md, "Counts" */
   uint64_t tag_key;       /* 64-bit hash of (communicator, tag) */
   uint64_t instance;      /* this rank's k-th use of the tag, from 1 */
-  uint64_t prev_instance; /* >0: wait until this instance of the tag is done here
-                             (on the channels it used: prev_nchannels) */
+  uint64_t reserved0;     /* zero */
   uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena */
   uint32_t endpoint;      /* index into the endpoint table */
   uint32_t bucket;        /* this rank's tag record index */
@@ -92,23 +92,27 @@ typedef struct dfccl_task_desc {
   uint16_t root;
   uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
   uint8_t kind, dtype, op, path;
-  uint32_t prev_nchannels; /* channels the awaited earlier instance used */
+  uint32_t reserved1;     /* zero */
 } dfccl_task_desc;  /* 96 bytes */
 
 /* Host <-> daemon control words, in host-mapped memory.  Host-written and
- * device-written words sit on separate 128-byte lines. */
+ * device-written words sit on separate 128-byte lines.  On the device only
+ * the host link (cuda/daemon/link.cuh) reads the host-written line; the
+ * daemon's blocks read its copies in device memory. */
 typedef struct dfccl_control {
-  /* host -> device */
+  /* host -> device (the first 48 bytes are read together) */
   uint64_t sq_tail;          /* SQEs published */
   uint64_t base_window_ns;   /* adaptive base of the preemption window */
   uint64_t max_window_ns;    /* cap of any window */
   uint64_t idle_quit_ns;     /* quit after this long without progress */
   uint64_t quit_request;     /* nonzero: daemon exits at its next scheduler pass */
-  uint64_t host_pad[11];
+  uint64_t abort_epoch;      /* bumped after every change of endpoint_abort */
+  uint64_t host_pad[10];
   /* device -> host */
   uint64_t daemon_state;     /* (epoch << 2) | DFCCL_DAEMON_* */
-  uint64_t dev_pad[15];
-  uint64_t sq_head[DFCCL_MAX_CHANNELS]; /* per block: SQEs consumed */
+  uint64_t sq_copied;        /* SQEs copied into the device ring: the host may
+                                rewrite ring entries below this */
+  uint64_t dev_pad[14];
 } dfccl_control;
 
 #define DFCCL_DAEMON_RUNNING 1u
@@ -124,8 +128,7 @@ typedef struct dfccl_result {
   uint64_t queued_ns;     /* max over channels: pulled -> first run */
   uint64_t running_ns;    /* max over channels: time inside runs */
   uint64_t wall_ns;       /* max over channels: first run -> done */
-  uint32_t waiting_on;    /* last peer a preempted run waited for (+1; 0 = none);
-                             also written live at each preemption */
+  uint32_t waiting_on;    /* last peer a preempted run waited for (+1; 0 = none) */
   uint32_t nchannels;
   uint64_t max_wait_ns;   /* longest wait that ended with the peer arriving */
   uint64_t reserved;
@@ -149,6 +152,11 @@ typedef struct dfccl_task_ctx {
   uint32_t nbr_slots;     /* ring: FIFO slots of the next rank */
   uint64_t nbr_fifo;      /* ring: address of the next rank's FIFO for this channel */
   uint64_t peer_rec[DFCCL_PEER_CACHE]; /* cached addresses of peers' records */
+  uint64_t peer_send[DFCCL_PEER_CACHE]; /* direct path: their published buffers */
+  uint64_t peer_recv[DFCCL_PEER_CACHE];
+  uint32_t successor;     /* slot + 1 of the next instance of this tag on this
+                             block, chained behind this one (0: none) */
+  uint32_t pad;
 } dfccl_task_ctx;
 
 #define DFCCL_CTX_FREE 0u
@@ -156,17 +164,36 @@ typedef struct dfccl_task_ctx {
 #define DFCCL_CTX_ARMED 2u    /* may run */
 #define DFCCL_CTX_DONE 3u
 
+/* Where one daemon block's time goes (its leader adds, the host reads the
+ * totals: Context.daemon_profile).  Accumulated across launches. */
+typedef struct dfccl_block_profile {
+  uint64_t passes;        /* scheduler passes */
+  uint64_t runs;          /* task runs (a run ends done, failed or preempted) */
+  uint64_t pull_ns;       /* pulling submissions, policy refresh */
+  uint64_t pick_ns;       /* quit check and picking the next task */
+  uint64_t restore_ns;    /* from the pick to the start of the run */
+  uint64_t run_ns;        /* inside runs (their waits included) */
+  uint64_t save_ns;       /* saving the context, completing */
+  uint64_t idle_ns;       /* nothing runnable */
+} dfccl_block_profile;  /* 64 bytes */
+
 /* Daemon-wide state in device memory. */
 typedef struct dfccl_daemon_state {
   uint64_t quit_epoch;       /* set by block 0: all blocks leave */
   uint64_t last_progress_ns; /* any block, on progress */
   uint64_t blocks_exited;    /* counts blocks leaving one launch */
-  uint64_t tail_mirror;      /* last submission tail read from host memory */
-  uint64_t tail_poll_ns;     /* when any block last read it there */
-  uint64_t pad[11];
+  /* the host link's copies of the host-written control words */
+  uint64_t sq_avail;         /* SQEs copied into the device ring */
+  uint64_t link_poll_ns;     /* when the host words were last read */
+  uint64_t base_window_ns, max_window_ns, idle_quit_ns, quit_request;
+  uint64_t abort_epoch;      /* last abort_epoch mirrored */
+  uint32_t link_busy;        /* a block is reading the host words */
+  uint32_t link_pad;
+  uint64_t pad[5];
   uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
   uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
+  dfccl_block_profile profile[DFCCL_MAX_CHANNELS];
 } dfccl_daemon_state;
 
 /* One rank of one communicator hosted on this context. */
@@ -183,8 +210,9 @@ typedef struct dfccl_endpoint {
 /* Everything the daemon needs, passed by pointer at launch. */
 typedef struct dfccl_daemon_args {
   dfccl_control *control;          /* host-mapped */
-  dfccl_task_desc *ring;           /* host-mapped, ring_size entries */
-  uint32_t *armed;                 /* host-mapped, per slot */
+  dfccl_task_desc *ring;           /* host-mapped, ring_size entries (written by the host) */
+  dfccl_task_desc *dev_ring;       /* device, ring_size entries (the host link's copy) */
+  uint32_t *armed;                 /* device, per slot: written by streams (cuStreamWriteValue32) */
   uint32_t *done;                  /* host-mapped, per slot */
   dfccl_result *results;           /* host-mapped, per slot */
   dfccl_daemon_state *state;       /* device */
@@ -192,12 +220,16 @@ typedef struct dfccl_daemon_args {
   uint32_t *active;                /* device, [block][nslots] */
   uint32_t *slot_counter;          /* device, per slot: channel parts finished */
   uint32_t *slot_error;            /* device, per slot: first error status */
+  uint32_t *slot_waiting;          /* device, per slot: +1 rank the task waits for (live) */
   dfccl_endpoint *endpoints;       /* device */
   uint32_t *endpoint_abort;        /* host-mapped, per endpoint: nonzero = aborted */
+  uint32_t *endpoint_abort_dev;    /* device: the host link's copy */
   uint32_t ring_size;              /* power of two */
   uint32_t nslots;
   uint32_t nblocks;
   uint32_t epoch;                  /* launch epoch */
+  uint32_t max_endpoints;
+  uint32_t args_pad;
 } dfccl_daemon_args;
 
 /* ---- arena: tag records ------------------------------------------------- */
@@ -218,7 +250,8 @@ typedef struct dfccl_chan_state {
   uint64_t recv_addr;     /* direct path */
   uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO;
                              direct path: 1 if this rank's collective is in place */
-  uint64_t local_done;    /* last instance whose part on this channel completed */
+  uint64_t chain_token;   /* owner's daemon only: token of the latest instance of
+                             this tag pulled on this channel */
   uint64_t slice_bytes;   /* ring path: FIFO slot size, must match the peers' */
   /* peer-written, owner waits on */
   uint64_t recv_posted;   /* ring: (instance << 32) | slices posted into our FIFO */
@@ -227,7 +260,8 @@ typedef struct dfccl_chan_state {
   uint64_t phase2;        /* direct: peers done with phase 2 (atomic add) */
   uint64_t abort_token;   /* token of an instance a neighbour aborted */
   uint64_t abort_info;    /* (status << 32) | reporting rank */
-  uint64_t pad1[2];
+  uint64_t chain_slot;    /* owner's daemon only: slot + 1 of that instance */
+  uint64_t pad1;
 } dfccl_chan_state;  /* 128 bytes */
 
 #define DFCCL_RECORD_HEADER_BYTES 128u
@@ -237,6 +271,7 @@ typedef struct dfccl_chan_state {
 #ifdef __cplusplus
 static_assert(sizeof(dfccl_task_desc) == 96, "dfccl_task_desc layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
+static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
 #endif

@@ -11,7 +11,7 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_ALL_REDUCE, DFCCL_ALL_GATHER, DFCCL_REDUCE_SCATTER, DFCCL_BROADCAST, DFCCL_REDUCE
     int DFCCL_PATH_DIRECT, DFCCL_PATH_RING
     int DFCCL_STATUS_OK, DFCCL_STATUS_MISMATCH, DFCCL_STATUS_PEER_ABORTED, DFCCL_STATUS_ABORTED, DFCCL_STATUS_BAD_TASK
-    unsigned int DFCCL_TASK_ONE_SHOT
+    unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
     unsigned int DFCCL_RECORD_HEADER_BYTES
 
@@ -21,7 +21,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t count
         uint64_t tag_key
         uint64_t instance
-        uint64_t prev_instance
+        uint64_t reserved0
         uint64_t fifo_offset
         uint32_t endpoint
         uint32_t bucket
@@ -36,7 +36,7 @@ cdef extern from "dfccl/abi.h":
         uint8_t dtype
         uint8_t op
         uint8_t path
-        uint32_t prev_nchannels
+        uint32_t reserved1
 
     ctypedef struct dfccl_control:
         uint64_t sq_tail
@@ -44,8 +44,9 @@ cdef extern from "dfccl/abi.h":
         uint64_t max_window_ns
         uint64_t idle_quit_ns
         uint64_t quit_request
+        uint64_t abort_epoch
         uint64_t daemon_state
-        uint64_t sq_head[32]
+        uint64_t sq_copied
 
     ctypedef struct dfccl_result:
         uint32_t status
@@ -62,8 +63,21 @@ cdef extern from "dfccl/abi.h":
     ctypedef struct dfccl_task_ctx:
         pass
 
+    ctypedef struct dfccl_block_profile:
+        uint64_t passes
+        uint64_t runs
+        uint64_t pull_ns
+        uint64_t pick_ns
+        uint64_t restore_ns
+        uint64_t run_ns
+        uint64_t save_ns
+        uint64_t idle_ns
+
     ctypedef struct dfccl_daemon_state:
-        pass
+        uint64_t base_window_ns
+        uint64_t max_window_ns
+        uint64_t idle_quit_ns
+        dfccl_block_profile profile[32]
 
     ctypedef struct dfccl_chan_state:
         pass
@@ -80,6 +94,7 @@ cdef extern from "dfccl/abi.h":
     ctypedef struct dfccl_daemon_args:
         dfccl_control *control
         dfccl_task_desc *ring
+        dfccl_task_desc *dev_ring
         uint32_t *armed
         uint32_t *done
         dfccl_result *results
@@ -88,12 +103,15 @@ cdef extern from "dfccl/abi.h":
         uint32_t *active
         uint32_t *slot_counter
         uint32_t *slot_error
+        uint32_t *slot_waiting
         dfccl_endpoint *endpoints
         uint32_t *endpoint_abort
+        uint32_t *endpoint_abort_dev
         uint32_t ring_size
         uint32_t nslots
         uint32_t nblocks
         uint32_t epoch
+        uint32_t max_endpoints
 
 
 cdef extern from "dfccl/host_atomics.h":

@@ -13,7 +13,8 @@ import time
 import weakref
 
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
-                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
+                               PyThread_acquire_lock, PyThread_release_lock, NOWAIT_LOCK,
+                               WAIT_LOCK)
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
@@ -46,6 +47,15 @@ MAX_RANKS = DFCCL_MAX_RANKS
 RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
 CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
 ENDPOINT_BYTES = sizeof(dfccl_endpoint)
+
+
+cdef inline void _acquire(PyThread_type_lock lock) noexcept:
+    """Takes a context lock without holding the GIL while blocked: its holder
+    may need the GIL to finish (any allocation can run the garbage collector,
+    and with it Python code that lets other threads in)."""
+    if not PyThread_acquire_lock(lock, NOWAIT_LOCK):
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
 
 
 cdef inline uint64_t _align(uint64_t x, uint64_t a):
@@ -183,8 +193,10 @@ cdef class Work:
         return self._status
 
     cdef object _timeout_error(self, timeout):
-        cdef dfccl_result *res = &self._ctx.results[self._slot]
-        waiting = <int>res.waiting_on - 1
+        cdef uint32_t word = 0
+        # Written live by the daemon into device memory (wait.cuh).
+        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word, self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
+        waiting = <int>word - 1
         what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
         if waiting >= 0 and waiting < 0xfff0:
             what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
@@ -236,7 +248,6 @@ cdef class Context:
     cdef readonly uint32_t max_endpoints
     cdef dfccl_control *ctrl
     cdef dfccl_task_desc *ring
-    cdef uint32_t *armed
     cdef uint32_t *done
     cdef dfccl_result *results
     cdef uint32_t *ep_abort
@@ -244,10 +255,12 @@ cdef class Context:
     cdef readonly uint64_t mapped_dev
     cdef readonly uint64_t done_dev
     cdef uint64_t armed_dev
+    cdef uint64_t waiting_dev
     cdef uint64_t device_mem
     cdef uint64_t endpoints_dev
     cdef dfccl_daemon_args args
     cdef uint64_t tail
+    cdef uint32_t ring_size
     cdef readonly uint64_t epoch
     cdef uint32_t *gens
     cdef uint32_t *outstanding
@@ -279,31 +292,33 @@ cdef class Context:
         self.max_endpoints = max_endpoints
         self.policy = policy
 
-        # Host-mapped words: control | ring | armed | done | results | endpoint_abort
+        # Host-mapped words: control | ring | done | results | endpoint_abort
+        # The ring has twice as many entries as there are slots: an entry is
+        # rewritten only once the daemon's host link has copied it, and the
+        # link copies only as far as every block has pulled (link.cuh).
+        self.ring_size = 2 * slots
+        abort_words = _align(max_endpoints, 4)  # the link copies 16 bytes at a time
         off = _align(sizeof(dfccl_control), 256)
         ring_off = off
-        off = _align(off + slots * sizeof(dfccl_task_desc), 256)
-        armed_off = off
-        off = _align(off + slots * 4, 256)
+        off = _align(off + self.ring_size * sizeof(dfccl_task_desc), 256)
         done_off = off
         off = _align(off + slots * 4, 256)
         results_off = off
         off = _align(off + slots * sizeof(dfccl_result), 256)
         abort_off = off
-        size = _align(off + max_endpoints * 4, 4096)
+        size = _align(off + abort_words * 4, 4096)
         host, dev = backend.alloc_mapped(size)
         self.mapped_host = host
         self.mapped_dev = dev
         self.ctrl = <dfccl_control *><uintptr_t>host
         self.ring = <dfccl_task_desc *><uintptr_t>(host + ring_off)
-        self.armed = <uint32_t *><uintptr_t>(host + armed_off)
         self.done = <uint32_t *><uintptr_t>(host + done_off)
         self.results = <dfccl_result *><uintptr_t>(host + results_off)
         self.ep_abort = <uint32_t *><uintptr_t>(host + abort_off)
         self.done_dev = dev + done_off
-        self.armed_dev = dev + armed_off
 
-        # Device memory: state | ctx[slot][block] | active[block][slot] | counters | errors | endpoints
+        # Device memory: state | ctx[slot][block] | active[block][slot] | per-slot words | device ring |
+        # abort flags | endpoints
         off = _align(sizeof(dfccl_daemon_state), 256)
         ctx_off = off
         off = _align(off + <uint64_t>slots * blocks * sizeof(dfccl_task_ctx), 256)
@@ -313,32 +328,47 @@ cdef class Context:
         off = _align(off + slots * 4, 256)
         error_off = off
         off = _align(off + slots * 4, 256)
+        waiting_off = off
+        off = _align(off + slots * 4, 256)
+        armed_off = off
+        off = _align(off + slots * 4, 256)
+        dev_ring_off = off
+        off = _align(off + self.ring_size * sizeof(dfccl_task_desc), 256)
+        abort_dev_off = off
+        off = _align(off + abort_words * 4, 256)
         ep_off = off
         size = _align(off + <uint64_t>max_endpoints * sizeof(dfccl_endpoint), 4096)
         self.device_mem = backend.alloc_device(size)
         base = self.device_mem
         self.endpoints_dev = base + ep_off
+        self.armed_dev = base + armed_off
+        self.waiting_dev = base + waiting_off
 
         self.args.control = <dfccl_control *><uintptr_t>dev
         self.args.ring = <dfccl_task_desc *><uintptr_t>(dev + ring_off)
-        self.args.armed = <uint32_t *><uintptr_t>(dev + armed_off)
+        self.args.dev_ring = <dfccl_task_desc *><uintptr_t>(base + dev_ring_off)
+        self.args.armed = <uint32_t *><uintptr_t>(base + armed_off)
         self.args.done = <uint32_t *><uintptr_t>(dev + done_off)
         self.args.results = <dfccl_result *><uintptr_t>(dev + results_off)
         self.args.endpoint_abort = <uint32_t *><uintptr_t>(dev + abort_off)
+        self.args.endpoint_abort_dev = <uint32_t *><uintptr_t>(base + abort_dev_off)
         self.args.state = <dfccl_daemon_state *><uintptr_t>base
         self.args.ctx = <dfccl_task_ctx *><uintptr_t>(base + ctx_off)
         self.args.active = <uint32_t *><uintptr_t>(base + active_off)
         self.args.slot_counter = <uint32_t *><uintptr_t>(base + counter_off)
         self.args.slot_error = <uint32_t *><uintptr_t>(base + error_off)
+        self.args.slot_waiting = <uint32_t *><uintptr_t>(base + waiting_off)
         self.args.endpoints = <dfccl_endpoint *><uintptr_t>(base + ep_off)
-        self.args.ring_size = slots
+        self.args.ring_size = self.ring_size
         self.args.nslots = slots
         self.args.nblocks = blocks
+        self.args.max_endpoints = abort_words
         self.args.epoch = 0
 
         self.ctrl.base_window_ns = policy.base_window_ns
         self.ctrl.max_window_ns = policy.max_window_ns
         self.ctrl.idle_quit_ns = policy.idle_quit_ns
+        self._seed_policy_copies()
         self.relaunch_backoff_ns = policy.relaunch_backoff_ns
 
         self.gens = <uint32_t *>calloc(slots, sizeof(uint32_t))
@@ -350,6 +380,27 @@ cdef class Context:
         self.slot_work = [None] * slots
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
         _progress.register(self)
+
+    cdef int _seed_policy_copies(self) except -1:
+        """The daemon reads the policy from the host link's copies in device
+        memory; they hold the initial policy before the first launch."""
+        cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
+        if st == NULL:
+            raise MemoryError
+        try:
+            st.base_window_ns = self.ctrl.base_window_ns
+            st.max_window_ns = self.ctrl.max_window_ns
+            st.idle_quit_ns = self.ctrl.idle_quit_ns
+            self.backend.copy_to_device(<uint64_t><uintptr_t>self.args.state, <uint64_t><uintptr_t>st,
+                                        sizeof(dfccl_daemon_state))
+        finally:
+            free(st)
+        return 0
+
+    cdef void _abort_flags_changed(self) noexcept:
+        """Tells the host link to copy the endpoints' abort flags again."""
+        dfccl_fence_seq_cst()
+        dfccl_store_release_u64(&self.ctrl.abort_epoch, self.ctrl.abort_epoch + 1)
 
     def __dealloc__(self):
         free(self.gens)
@@ -381,6 +432,7 @@ cdef class Context:
         self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
                                     <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
         self.ep_abort[idx] = 0
+        self._abort_flags_changed()
         return idx
 
     def remove_endpoint(self, int idx):
@@ -389,23 +441,24 @@ cdef class Context:
     def abort_endpoint(self, int idx):
         """Every pending and future collective of this endpoint fails with
         AbortedError; peers see PeerAbortedError."""
+        cdef uint32_t gen
         dfccl_store_release_u32(&self.ep_abort[idx], 1)
-        dfccl_fence_seq_cst()
+        self._abort_flags_changed()
         # Unarmed stream-ordered tasks would never run: arm them so they fail.
-        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        _acquire(self.lock)
         try:
-            for i in range(self.n_outstanding):
-                s = self.outstanding[i]
-                dfccl_store_release_u32(&self.armed[s], self.gens[s])
+            pending = [(self.outstanding[i], self.gens[self.outstanding[i]]) for i in range(self.n_outstanding)]
         finally:
             PyThread_release_lock(self.lock)
+        for slot, g in pending:
+            gen = g
+            self.backend.copy_to_device(self.armed_dev + 4 * <uint64_t>slot, <uint64_t><uintptr_t>&gen, 4)
         self._ensure_running()
 
     # -- submit --------------------------------------------------------------
-    def submit(self, Work work, uint32_t endpoint, uint32_t bucket, uint64_t tag_key, uint64_t instance,
-               uint64_t prev_instance, uint32_t prev_nchannels, int kind, int dtype, int op, int path, int root,
-               int nchannels, uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint64_t fifo_offset,
-               uint32_t slice_bytes, uint32_t fifo_slots, uint32_t flags, stream=None):
+    def submit(self, Work work, uint32_t endpoint, uint32_t bucket, uint64_t tag_key, uint64_t instance, int kind,
+               int dtype, int op, int path, int root, int nchannels, uint64_t send_addr, uint64_t recv_addr,
+               uint64_t count, uint64_t fifo_offset, uint32_t slice_bytes, uint32_t fifo_slots, uint32_t flags, stream=None):
         """Publishes one collective to the daemon (the host half of submit)."""
         cdef uint32_t slot, gen
         cdef dfccl_task_desc *d
@@ -422,13 +475,15 @@ cdef class Context:
         if gen == 0:
             gen = 1
         self.gens[slot] = gen
-        d = &self.ring[self.tail & (self.nslots - 1)]
+        if self.tail >= self.ring_size:
+            self._wait_ring_entry(self.tail - self.ring_size)
+        d = &self.ring[self.tail & (self.ring_size - 1)]
         d.send_addr = send_addr
         d.recv_addr = recv_addr
         d.count = count
         d.tag_key = tag_key
         d.instance = instance
-        d.prev_instance = prev_instance
+        d.reserved0 = 0
         d.fifo_offset = fifo_offset
         d.endpoint = endpoint
         d.bucket = bucket
@@ -443,21 +498,20 @@ cdef class Context:
         d.dtype = dtype
         d.op = op
         d.path = path
-        d.prev_nchannels = prev_nchannels
-        self.results[slot].waiting_on = 0  # live diagnostics of this use of the slot
+        d.reserved1 = 0
         work._ctx = self
         work._slot = slot
         work._gen = gen
         work._submitted_ns = dfccl_now_ns()
         try:
             if stream is None:
-                dfccl_store_release_u32(&self.armed[slot], gen)
+                d.flags = flags | DFCCL_TASK_ARMED
             else:
                 self.backend.stream_write32(stream, self.armed_dev + 4 * slot, gen)
         except BaseException:
             self.free_slots.append(slot)
             raise
-        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        _acquire(self.lock)
         self.slot_work[slot] = work
         self.position[slot] = self.n_outstanding
         self.outstanding[self.n_outstanding] = slot
@@ -470,6 +524,24 @@ cdef class Context:
         self._ensure_running()
         _progress.wake()
         return work
+
+    cdef int _wait_ring_entry(self, uint64_t position) except -1:
+        """Returns once the daemon's host link has copied the ring entry at
+        ``position`` (the one about to be rewritten).  It lags that far only
+        while one long run holds a block; this waits for it (at most a
+        second, the daemon kept running) rather than overwrite what it has
+        not read."""
+        cdef uint64_t deadline = 0
+        while dfccl_load_acquire_u64(&self.ctrl.sq_copied) <= position:
+            if deadline == 0:
+                deadline = dfccl_now_ns() + 1000000000
+            elif dfccl_now_ns() > deadline:
+                raise ResourceError(
+                    f"the daemon on {self.backend.name}:{self.backend.device} has not taken submission {position} "
+                    "for a second (a block is held by one long run); the submission ring cannot take more")
+            self._ensure_running()
+            with nogil:
+                dfccl_sleep_ns(2000)
 
     cdef int _ensure_running(self) except -1:
         """Launches the daemon if it has not been launched or is leaving."""
@@ -501,7 +573,7 @@ cdef class Context:
         cdef Work work
         cdef uint32_t last
         cdef uint64_t now = dfccl_now_ns()
-        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        _acquire(self.lock)
         try:
             obj = self.slot_work[slot]
             if obj is None or (expected is not None and obj is not expected):
@@ -537,7 +609,7 @@ cdef class Context:
         if self.n_outstanding == 0:
             return False
         finished = []
-        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        _acquire(self.lock)
         n = self.n_outstanding
         for i in range(n):
             s = self.outstanding[i]
@@ -574,6 +646,30 @@ cdef class Context:
         names = {0: "idle", 1: "running", 2: "quitting", 3: "exited"}
         return (v >> 2, names[v & 3])
 
+    def daemon_profile(self):
+        """Where each daemon block's time went since the context was created
+        (cuda/include/dfccl/abi.h, dfccl_block_profile): one dict per block
+        with passes, runs and the nanoseconds spent pulling, picking,
+        restoring, inside runs, saving and idle.  Read from device memory
+        while the daemon runs, so the figures of a busy block may be a pass
+        apart from one another."""
+        cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
+        cdef dfccl_block_profile *p
+        if st == NULL:
+            raise MemoryError
+        try:
+            self.backend.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.args.state,
+                                          sizeof(dfccl_daemon_state))
+            out = []
+            for b in range(self.nblocks):
+                p = &st.profile[b]
+                out.append({"passes": p.passes, "runs": p.runs, "pull_ns": p.pull_ns, "pick_ns": p.pick_ns,
+                            "restore_ns": p.restore_ns, "run_ns": p.run_ns, "save_ns": p.save_ns,
+                            "idle_ns": p.idle_ns})
+            return out
+        finally:
+            free(st)
+
     def set_policy_words(self, uint64_t base_window_ns, uint64_t max_window_ns, uint64_t idle_quit_ns):
         self.ctrl.base_window_ns = base_window_ns
         self.ctrl.max_window_ns = max_window_ns
@@ -588,6 +684,7 @@ cdef class Context:
         _progress.unregister(self)
         for idx in range(self.max_endpoints):
             self.ep_abort[idx] = 1
+        self._abort_flags_changed()
         dfccl_store_release_u64(&self.ctrl.quit_request, 1)
         dfccl_fence_seq_cst()
         deadline = time.monotonic() + timeout

@@ -1,0 +1,83 @@
+// The host link: the one place where the daemon reads host memory.
+//
+// A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU).  Such
+// reads do not pipeline well: with every block polling the host on its own,
+// they queue up and each one was measured to take tens of microseconds, which
+// every scheduler pass paid.  So host memory is read by one block at a time
+// (whichever idle block takes the link lock first, at most once per
+// kLinkPollNs), which copies what it finds into device memory:
+//   - the control words (submission tail, policy, quit request, abort epoch);
+//   - new submission-queue entries, into the device ring;
+//   - the endpoints' abort flags, when the abort epoch moved.
+// Every block then pulls, schedules and checks aborts from device memory.
+#pragma once
+
+#include "block_env.cuh"
+
+namespace dfccl {
+
+constexpr uint64_t kLinkPollNs = 1000;
+
+// Copies ring entries [from, to) host -> device.  One round trip per entry:
+// its six 16-byte words are independent loads.
+DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t to) {
+  constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
+  for (uint64_t i = from; i < to; ++i) {
+    const uint64_t pos = i & (a->ring_size - 1);
+    const char *src = reinterpret_cast<const char *>(&a->ring[pos]);
+    char *dst = reinterpret_cast<char *>(&a->dev_ring[pos]);
+    uint64_t lo[kWords], hi[kWords];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) load_host_words(src + 16 * w, lo[w], hi[w]);
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) store_pack(dst + 16 * w, pack16{lo[w], hi[w]});
+  }
+}
+
+// The leader of any block, once per scheduler pass.  Returns at once unless
+// this block gets the link and kLinkPollNs have passed since the last read.
+DFCCL_DEV void poll_host_link(const BlockEnv &env) {
+  const dfccl_daemon_args *a = env.args;
+  dfccl_daemon_state *st = a->state;
+  const uint64_t now = now_ns();
+  const uint64_t last = load_gpu(&st->link_poll_ns);
+  if (now >= last && now - last < kLinkPollNs) return;
+  if (!try_lock_gpu(&st->link_busy)) return;
+  store_gpu(&st->link_poll_ns, now);
+  // sq_tail .. abort_epoch: three independent 16-byte reads.
+  uint64_t w[6];
+  const char *ctrl = reinterpret_cast<const char *>(a->control);
+  load_host_words(ctrl, w[0], w[1]);
+  load_host_words(ctrl + 16, w[2], w[3]);
+  load_host_words(ctrl + 32, w[4], w[5]);
+  fence_system();  // acquire: the entries and flags the host wrote before them
+  const uint64_t tail = w[0];
+  store_gpu(&st->base_window_ns, w[1]);
+  store_gpu(&st->max_window_ns, w[2]);
+  store_gpu(&st->idle_quit_ns, w[3]);
+  store_gpu(&st->quit_request, w[4]);
+  if (w[5] != load_gpu(&st->abort_epoch)) {
+    for (uint32_t e = 0; e < a->max_endpoints; e += 4) {
+      uint64_t lo, hi;
+      load_host_words(a->endpoint_abort + e, lo, hi);
+      store_pack(a->endpoint_abort_dev + e, pack16{lo, hi});
+    }
+    store_gpu(&st->abort_epoch, w[5]);
+  }
+  // New entries, as far as every block has pulled the device-ring entries
+  // they would overwrite (a block lags only while a long run holds it).
+  const uint64_t avail = load_gpu(&st->sq_avail);
+  uint64_t upto = tail;
+  for (uint32_t b = 0; b < a->nblocks; ++b) {
+    const uint64_t limit = load_gpu(&st->sq_head[b]) + a->ring_size;
+    if (limit < upto) upto = limit;
+  }
+  if (upto > avail) {
+    copy_entries(a, avail, upto);
+    store_release_gpu(&st->sq_avail, upto);  // the copies before the count, for the pullers
+    store_relaxed(&a->control->sq_copied, upto);
+  }
+  store_release_gpu(&st->link_busy, 0u);
+}
+
+}  // namespace dfccl
