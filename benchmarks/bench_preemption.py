@@ -4,7 +4,9 @@ task, restore its context and re-check its wait.
 Rank 0 has P collectives whose peer has not arrived; its daemon cycles through
 them, giving each one window W before preempting it.  Over T seconds that is
 P_total preemptions, so one visit costs T / P_total, of which W is waiting:
-overhead = T / P_total - W.  Measured for several W (each in a fresh process:
+overhead = T / P_total - W.  The daemon's running_ns counters split a visit
+into time inside the run (its wait included) and time between runs
+(scheduler pass, save, pick, restore).  Measured for several W (each in a fresh process:
 windows are per process and device) on the first GPU; rank 1 (second GPU, or
 the same one) then submits everything and all results are checked.
 
@@ -21,7 +23,8 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, sys, time
+import faulthandler, json, sys, time
+faulthandler.dump_traceback_later(float(sys.argv[3]) + 40, exit=True)  # a stuck child shows where
 import numpy as np
 import dfccl
 from dfccl import runtime, scenarios as sc
@@ -34,18 +37,44 @@ comms = dfccl.Communicator.for_devices(devices, backend=backend, context_options
 rng = np.random.default_rng()
 specs = [sc.Spec(f"p{i}", "all_reduce", 256, "float32") for i in range(P)]
 insts = [sc.prepare(s, comms, rng) for s in specs]
+def block0():
+    return comms[0]._ctx.daemon_profile()[0]  # nchannels 1: block 0 runs every task
+p0 = block0()
 for inst in insts:
     sc.submit(inst, comms[0])
 time.sleep(T)
+p1 = block0()
+cycling = {k: p1[k] - p0[k] for k in p0}  # rank 0 alone, every run preempted
+per_run = {k.replace("_ns", "_us"): cycling[k] / max(1, cycling["runs"]) / 1e3 for k in cycling if k.endswith("_ns")}
+t1 = time.perf_counter()
 for inst in insts:
     sc.submit(inst, comms[1])
+works = [w for inst in insts for w in inst.works]
+while not all(w.done() for w in works) and time.perf_counter() - t1 < 20:
+    time.sleep(1e-3)
+settle = time.perf_counter() - t1
+if not all(w.done() for w in works):
+    stalled = []
+    for w in works:
+        if not w.done():
+            try:
+                w.synchronize(timeout=0)
+            except dfccl.CollectiveTimeoutError as exc:
+                stalled.append(str(exc))
+    print("STALL " + json.dumps({"window_ns": W, "pending": len(stalled), "first": stalled[:4],
+                                 "daemons": [c._ctx.daemon_state for c in comms],
+                                 "profile": block0()}), flush=True)
+    import os
+    os._exit(1)
 for inst in insts:
-    for w in inst.works:
-        w.synchronize(timeout=60)
     sc.verify(inst)
-pre = sum(inst.works[0].stats["preemptions"] for inst in insts)
+stats = [inst.works[0].stats for inst in insts]
+pre = sum(s["preemptions"] for s in stats)
+inside = sum(s["running_ns"] for s in stats) / 1e9
 print("RESULT " + json.dumps({"window_ns": W, "pending": P, "seconds": T, "preemptions": pre,
-                              "visit_us": T / pre * 1e6, "overhead_us": T / pre * 1e6 - W / 1e3}))
+                              "visit_us": T / pre * 1e6, "overhead_us": T / pre * 1e6 - W / 1e3,
+                              "inside_runs_us": inside / pre * 1e6, "between_runs_us": (T - inside) / pre * 1e6,
+                              "settle_ms": settle * 1e3, "runs": cycling["runs"], "per_run_us": per_run}))
 for c in comms:
     c.close()
 """
@@ -60,17 +89,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     rows = []
-    print(f"{'window us':>10} {'preemptions':>12} {'visit us':>9} {'overhead us':>12}")
+    print(f"{'window us':>10} {'preemptions':>12} {'visit us':>9} {'overhead us':>12} {'inside us':>10} "
+          f"{'between us':>11} {'settle ms':>10}")
     for w in [int(x) for x in args.windows.split(",")]:
         out = subprocess.run([sys.executable, "-c", CHILD, str(w), str(args.pending), str(args.seconds),
-                              args.backend], capture_output=True, text=True, timeout=300)
+                              args.backend], capture_output=True, text=True, timeout=args.seconds + 120)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not line:
-            print(out.stdout, out.stderr, file=sys.stderr)
+            print(f"window {w} ns did not complete:", out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
             return 1
         row = json.loads(line[0][7:])
         rows.append(row)
-        print(f"{w / 1e3:10.1f} {row['preemptions']:12d} {row['visit_us']:9.2f} {row['overhead_us']:12.2f}")
+        print(f"{w / 1e3:10.1f} {row['preemptions']:12d} {row['visit_us']:9.2f} {row['overhead_us']:12.2f} "
+              f"{row['inside_runs_us']:10.2f} {row['between_runs_us']:11.2f} {row['settle_ms']:10.1f}", flush=True)
+        pr = row["per_run_us"]
+        print(f"{'':>10} block 0 per run (us): pull {pr['pull_us']:.2f}  pick {pr['pick_us']:.2f}  restore "
+              f"{pr['restore_us']:.2f}  run {pr['run_us']:.2f}  save {pr['save_us']:.2f}  idle {pr['idle_us']:.2f}",
+              flush=True)
     os.makedirs(args.out, exist_ok=True)
     name = f"{datetime.date.today().isoformat()}-preemption-{args.backend}.json"
     with open(os.path.join(args.out, name), "w") as f:

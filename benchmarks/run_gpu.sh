@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
-#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests chaos bench preempt all
+#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests chaos latency bench preempt all
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}
@@ -34,6 +34,9 @@ fi
 if has chaos; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \
     step chaos ${CHAOS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=280 -k chaos
+fi
+if has latency; then
+  step latency ${LATENCY_LIMIT:-120} $PY benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-}
 fi
 if has bench; then
   step bench ${BENCH_LIMIT:-300} $PY benchmarks/bench_collectives.py --out "$OUT" ${BENCH_ARGS:-}
