@@ -144,10 +144,6 @@ DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   atomicMax((unsigned long long *)p, (unsigned long long)v);
 }
-DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
-  uint64_t old;
-  asm volatile("atom.max.release.gpu.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
-}
 // Words only this GPU's blocks share (daemon state, contexts): GPU scope, so
 // nothing waits on traffic to the host or to peers.
 DFCCL_DEV uint64_t load_gpu(const uint64_t *p) {
@@ -212,11 +208,6 @@ DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-  }
-}
-DFCCL_DEV void atomic_max_release(uint64_t *p, uint64_t v) {
-  uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
-  while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
   }
 }
 DFCCL_DEV uint64_t load_gpu(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }

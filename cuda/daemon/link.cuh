@@ -4,8 +4,8 @@
 // reads do not pipeline well: with every block polling the host on its own,
 // they queue up and each one was measured to take tens of microseconds, which
 // every scheduler pass paid.  So host memory is read by one block at a time
-// (whichever idle block takes the link lock first, at most once per
-// kLinkPollNs), which copies what it finds into device memory:
+// (whichever block's scheduler pass takes the link lock first, at most once
+// per kLinkPollNs), which copies what it finds into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
 //   - new submission-queue entries, into the device ring;
 //   - the endpoints' abort flags, when the abort epoch moved.
