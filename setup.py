@@ -76,6 +76,9 @@ def extensions():
 
 def compile_kernels(out_dir):
     """nvcc -> daemon.fatbin; returns False (and explains) where nvcc is absent."""
+    if os.environ.get("DFCCL_SKIP_KERNEL"):
+        print("dfccl: DFCCL_SKIP_KERNEL is set: the daemon fatbin is not built (NVRTC at run time)", file=sys.stderr)
+        return False
     nvcc = nvcc_path()
     if nvcc is None:
         print("dfccl: nvcc not found: the CUDA backend will compile the daemon with NVRTC at run time",

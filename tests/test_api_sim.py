@@ -852,16 +852,29 @@ def test_staging_exhausted(make):
     assert all(np.all(v == 2.0) for v in xs + ys)
 
 
-def test_staging_returned_after_completion(make):
+def test_staging_shared_by_a_tag_and_given_back_when_short(make):
     comms = make(2, "ring", staging_bytes=1 << 20)
     pool = comms[0]._endpoint.staging
-    for it in range(5):   # 512 KiB each: without freeing, the third would not fit
+    for it in range(5):   # 512 KiB each: a FIFO per instance would not fit twice
         xs = [np.ones(1 << 18, np.float32) for _ in range(2)]
         ws = [c.all_reduce(x, tag="reuse") for c, x in zip(comms, xs)]
         for w in ws:
             w.synchronize(timeout=TIMEOUT)
         assert all(np.all(x == 2.0) for x in xs)
-        assert pool.in_use == 0, f"iteration {it}: {pool.in_use} bytes of FIFO still held"
+        assert pool.in_use == 1 << 19, f"iteration {it}: the idle tag keeps exactly one FIFO ({pool.in_use} bytes)"
+    # Queued instances of one tag share the tag's FIFO: ten pending fit in 1 MiB.
+    xs = [[np.full(1 << 18, r + 1, np.float32) for _ in range(10)] for r in range(2)]
+    ws = [comms[r].all_reduce(x, tag="reuse") for r in range(2) for x in xs[r]]
+    assert pool.in_use == 1 << 19
+    for w in ws:
+        w.synchronize(timeout=TIMEOUT)
+    assert all(np.all(x == 3.0) for r in range(2) for x in xs[r])
+    # Two other tags need the whole pool: the idle tag's FIFO is given back.
+    ys = [[np.ones(1 << 18, np.float32) for _ in range(2)] for _ in range(2)]
+    ws = [comms[r].all_reduce(ys[r][i], tag=("other", i)) for r in range(2) for i in range(2)]
+    for w in ws:
+        w.synchronize(timeout=TIMEOUT)
+    assert all(np.all(y == 2.0) for yy in ys for y in yy)
 
 
 def test_staging_exhausted_leaves_pool_consistent(make):

@@ -8,7 +8,6 @@ peers."""
 
 from __future__ import annotations
 
-import functools
 import json
 import numbers
 import os
@@ -19,7 +18,7 @@ from typing import Sequence
 
 from dfccl import runtime
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                   KIND_REDUCE_SCATTER, STATUS_OK, Work)
+                                   KIND_REDUCE_SCATTER, TaskDescriptor, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.endpoint import Endpoint
 from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError
@@ -115,12 +114,12 @@ class Communicator:
         self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
-        self._seq = 0
         self._plans = 0
         self._closed = False
         self._aborted = False
-        self._pending: set[Work] = set()
-        self._lock = threading.Lock()
+        # Untagged collectives are the instances of one tag: the k-th untagged
+        # call on every rank is instance k (NCCL's matching by position).
+        self._seq_key = tag_key(comm_key, ("#seq",))
 
     def _finish_init(self, peers):
         self._channels = min([self._channels] + [p["blocks"] for p in peers])
@@ -238,9 +237,8 @@ class Communicator:
         synchronize() first to finish them).  Idempotent."""
         if self._closed:
             return
-        with self._lock:
-            pending = list(self._pending)
-        # done() may retire a work, whose hook takes self._lock: call it unlocked.
+        ep = self._endpoint
+        pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
         if pending:
             self.abort()
@@ -324,63 +322,38 @@ class Communicator:
             raise InvalidArgumentError(f"{what}: recv has {r.count} elements, expected {recv_scale} = {expect_recv}",
                                        rank=self._rank)
 
-    def _next_tag(self, tag):
-        """(tag, key, transient) of the next collective.  An untagged one takes
-        the next sequence number, committed only once it is submitted: a call
-        that fails must not shift this rank's sequence against its peers'."""
-        if tag is not None:
-            return tag, tag_key(self._comm_key, tag), False
-        seq = self._seq + 1
-        return seq, tag_key(self._comm_key, ("#seq", seq)), True
+    def _task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
+              geometry: Geometry | None = None, key=None) -> TaskDescriptor:
+        """The descriptor of one collective (validated buffers in hand)."""
+        if geometry is None:
+            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options)
+        if key is None:
+            key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
+        return TaskDescriptor(
+            kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
+            endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op), path=geometry.path,
+            root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
+            slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=geometry.flags,
+            staging_bytes=geometry.fifo_bytes, stream=None if stream is None else stream_handle(stream),
+            owners=(s.owner, r.owner))
 
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-                geometry: Geometry | None = None, key=None, transient=None, checked=False) -> Work:
+                geometry: Geometry | None = None, key=None) -> Work:
         self._check_open()
-        if key is None:
-            tag, key, transient = self._next_tag(tag)
         name = _KIND_NAMES[kind]
         if count == 0:
             return Work.completed(name, tag, self._rank)
-        if not checked:
-            _check_overlap(kind, s, r, count, self._rank, self._size, name)
-        if geometry is None:
-            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options)
-        ep = self._endpoint
-        bucket, instance = ep.tags.acquire(key, transient)
-        fifo = None
+        _check_overlap(kind, s, r, count, self._rank, self._size, name)
+        task = self._task(kind, s, r, count, op, root, tag, stream, geometry, key)
+        return self._submit_task(task)
+
+    def _submit_task(self, task: TaskDescriptor) -> Work:
         try:
-            if geometry.fifo_bytes:
-                fifo = ep.alloc_fifo(geometry.fifo_bytes)
-            work = Work()
-            work._describe(name, tag, self._rank, instance, (s.owner, r.owner),
-                           functools.partial(self._retired, key, fifo, geometry.fifo_bytes))
-            self._ctx.submit(work, ep.id, bucket, key, instance, kind, int(s.dtype), int(op),
-                             geometry.path, root, geometry.nchannels, s.ptr, r.ptr, count, fifo or 0,
-                             geometry.slice_bytes, geometry.fifo_slots, geometry.flags,
-                             stream if checked or stream is None else stream_handle(stream))
-        except BaseException as exc:
-            # Nothing reached the daemon: give back the instance and the FIFO.
-            ep.tags.cancel(key)
-            if fifo is not None:
-                ep.free_fifo(fifo, geometry.fifo_bytes)
-            if isinstance(exc, DfcclError) and exc.rank is None:
+            return self._ctx.submit(task)
+        except DfcclError as exc:
+            if exc.rank is None:
                 exc.rank = self._rank
             raise
-        if transient:
-            self._seq = tag
-        with self._lock:
-            self._pending.add(work)
-        return work
-
-    def _retired(self, key, fifo, fifo_bytes, work):
-        failed = work.status != STATUS_OK
-        self._endpoint.tags.release(key, failed)
-        # A failed instance's FIFO stays reserved: a peer that has not yet
-        # seen the failure may still write into it.
-        if fifo is not None and not failed:
-            self._endpoint.free_fifo(fifo, fifo_bytes)
-        with self._lock:
-            self._pending.discard(work)
 
 
 def _overlap(a: Buffer, b: Buffer) -> bool:
@@ -430,7 +403,7 @@ class Plan:
         s, r = c._pair(send, recv, self.kind)
         self._check(s, r)
         return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, self._geometry,
-                         self._key, False)
+                         self._key)
 
     def bind(self, send, recv=None, *, stream=None) -> "BoundPlan":
         """Fixes the buffers (and stream) too: calling the result submits one
@@ -463,12 +436,17 @@ class BoundPlan:
         plan._check(s, r)
         _check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
         self.plan = plan
-        self._args = (plan._kind, s, r, plan.count, plan.op, plan.root, plan.tag, stream_handle(stream)
-                      if stream is not None else None,
-                      plan._geometry, plan._key, False)
+        self._comm = c
+        self._task = None if plan.count == 0 else c._task(plan._kind, s, r, plan.count, plan.op, plan.root,
+                                                           plan.tag, stream, plan._geometry, plan._key)
 
     def __call__(self) -> Work:
-        return self.plan._comm._submit(*self._args, checked=True)
+        c = self._comm
+        if c._closed or c._aborted:
+            c._check_open()
+        if self._task is None:
+            return Work.completed(self.plan.kind, self.plan.tag, c._rank)
+        return c._submit_task(self._task)
 
     def __repr__(self) -> str:
         return f"<dfccl.BoundPlan {self.plan!r}>"

@@ -9,7 +9,7 @@ import socket
 
 from dfccl import runtime
 from dfccl._native.context import CHAN_STATE_BYTES, MAX_CHANNELS, RECORD_HEADER_BYTES
-from dfccl.errors import BackendError, ResourceError
+from dfccl.errors import BackendError
 from dfccl.staging import StagingPool
 from dfccl.tags import TagTable
 
@@ -33,11 +33,10 @@ class Endpoint:
         self.arena_size = self.table_bytes + options.staging_bytes
         self.arena = self.backend.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
-        self.tags = TagTable(self.capacity)
         self.staging = StagingPool(self.table_bytes, options.staging_bytes)
+        self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []
-        self.peer_arenas: list[int] = []
 
     # -- bootstrap ---------------------------------------------------------------
     def describe(self) -> dict:
@@ -86,23 +85,9 @@ class Endpoint:
                 ptr = self.backend.import_memory(info["arena"])
                 self._imported.append(ptr)
                 arenas.append(ptr)
-        self.peer_arenas = arenas
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
                                         arenas, arenas)
         return direct
-
-    # -- staging -------------------------------------------------------------------
-    def alloc_fifo(self, nbytes: int) -> int:
-        off = self.staging.alloc(nbytes)
-        if off is None:
-            raise ResourceError(
-                f"rank {self.rank}: ring-path staging memory exhausted ({self.staging.in_use} of "
-                f"{self.staging.size} bytes held by pending collectives, {nbytes} more needed); "
-                "raise CommOptions.staging_bytes or synchronize earlier collectives")
-        return off
-
-    def free_fifo(self, offset: int, nbytes: int) -> None:
-        self.staging.free(offset, nbytes)
 
     # -- teardown ----------------------------------------------------------------
     def abort(self) -> None:

@@ -57,7 +57,7 @@ def tag_key(comm_key: int, tag: object) -> int:
 
 
 class _TagState:
-    __slots__ = ("bucket", "submitted", "pending", "poisoned", "transient")
+    __slots__ = ("bucket", "submitted", "pending", "poisoned", "transient", "fifo", "fifo_bytes", "retired_fifos")
 
     def __init__(self, transient: bool):
         self.bucket = -1
@@ -65,31 +65,70 @@ class _TagState:
         self.pending = 0
         self.poisoned = False
         self.transient = transient
+        self.fifo = -1            # staging this tag's instances share (one at a time per channel)
+        self.fifo_bytes = 0
+        self.retired_fifos: list[tuple[int, int]] = []  # smaller FIFOs still used by pending instances
 
 
 class TagTable:
-    """Host mirror of one rank's tag table: which bucket holds which tag, and
-    how many instances of each tag this rank has submitted."""
+    """Host mirror of one rank's tag table: which bucket holds which tag, how
+    many instances of each tag this rank has submitted, and the staging each
+    tag's instances share.
 
-    def __init__(self, capacity: int):
+    A tag keeps its bucket (and its staging) while it is idle, so that the
+    next instance finds its record, its peers' cached record addresses and its
+    FIFO where the last one left them.  An idle bucket is handed to another
+    tag when that tag's probe sequence reaches it before a free one; idle
+    staging is given back when the pool runs short.  Instances of one tag run
+    one after the other on each channel (the daemon chains them,
+    cuda/daemon/submit.cuh), so one FIFO serves all of them."""
+
+    def __init__(self, capacity: int, staging=None):
         self.capacity = capacity
         self._owner: list[int] = [0] * capacity  # key bound to each bucket; 0 = free
         self._tags: dict[int, _TagState] = {}
-        self.used = 0
+        self._idle: dict[int, None] = {}  # persistent tags bound but with nothing pending, oldest first
+        self._staging = staging
+        self.used = 0  # buckets of tags with pending instances (or poisoned)
+
+    @property
+    def bound(self) -> int:
+        """Buckets bound to a tag, idle ones included."""
+        return self.used + len(self._idle)
 
     def acquire(self, key: int, transient: bool) -> tuple[int, int]:
-        """Registers the next instance of ``key``.  Returns (bucket, instance).
-        The daemon orders the instances of a tag on each channel itself: an
-        instance pulled while an earlier one is pending on that channel is
-        chained behind it (cuda/daemon/submit.cuh)."""
+        """Registers the next instance of ``key``.  Returns (bucket, instance)."""
+        bucket, instance, _ = self.acquire_staged(key, transient, 0)
+        return bucket, instance
+
+    def acquire_staged(self, key: int, transient: bool, staging_bytes: int) -> tuple[int, int, int]:
+        """Like acquire(), and reserves ``staging_bytes`` of staging for the
+        tag (shared with its other instances).  Returns (bucket, instance,
+        staging offset or 0)."""
         st = self._tags.get(key)
         if st is None:
             st = self._tags[key] = _TagState(transient)
-        if st.bucket < 0:
+        fresh = st.bucket < 0
+        if fresh:
             st.bucket = self._claim(key)
+        offset = 0
+        if staging_bytes:
+            try:
+                offset = self._reserve_staging(key, st, staging_bytes)
+            except BaseException:
+                if fresh:
+                    self._owner[st.bucket] = 0
+                    st.bucket = -1
+                    if st.submitted == 0:
+                        del self._tags[key]
+                raise
+        if st.pending == 0 and not st.poisoned:
+            if not fresh:
+                self._idle.pop(key, None)
+            self.used += 1
         st.submitted += 1
         st.pending += 1
-        return st.bucket, st.submitted
+        return st.bucket, st.submitted, offset
 
     def cancel(self, key: int) -> None:
         """Undoes the last acquire() of ``key`` (its submission failed before
@@ -103,26 +142,76 @@ class TagTable:
         st = self._tags[key]
         st.pending -= 1
         if failed:
+            # Its bucket and staging stay bound for good: a peer that has not
+            # seen the failure may still read the abort marker or write there.
             st.poisoned = True
-        if st.pending == 0 and not st.poisoned:
-            self._owner[st.bucket] = 0
-            self.used -= 1
-            st.bucket = -1
-            if st.transient:
-                del self._tags[key]
+        if st.pending or st.poisoned:
+            return
+        self.used -= 1
+        for off, n in st.retired_fifos:
+            self._staging.free(off, n)
+        st.retired_fifos = []
+        if st.transient:
+            self._unbind(key, st)
+            del self._tags[key]
+        else:
+            self._idle[key] = None
 
     def instances(self, key: int) -> int:
         st = self._tags.get(key)
         return 0 if st is None else st.submitted
 
+    def staging_of(self, key: int) -> tuple[int, int]:
+        """(offset, bytes) of the staging bound to ``key`` (-1, 0: none)."""
+        st = self._tags.get(key)
+        return (-1, 0) if st is None else (st.fifo, st.fifo_bytes)
+
+    # -- internals -------------------------------------------------------------------
+    def _unbind(self, key: int, st: _TagState) -> None:
+        self._owner[st.bucket] = 0
+        st.bucket = -1
+        if st.fifo >= 0:
+            self._staging.free(st.fifo, st.fifo_bytes)
+            st.fifo, st.fifo_bytes = -1, 0
+
+    def _evict(self, key: int) -> None:
+        st = self._tags[key]
+        del self._idle[key]
+        self._unbind(key, st)
+
     def _claim(self, key: int) -> int:
         cap = self.capacity
         b = home_bucket(key, cap)
         for _ in range(cap):
-            if self._owner[b] == 0:
+            owner = self._owner[b]
+            if owner == 0 or owner in self._idle:
+                if owner != 0:
+                    self._evict(owner)
                 self._owner[b] = key
-                self.used += 1
                 return b
             b = b + 1 if b + 1 < cap else 0
         raise ResourceError(f"all {cap} tag records of this rank are in use (tags pending at once); "
                             "raise CommOptions.max_tags")
+
+    def _reserve_staging(self, key: int, st: _TagState, nbytes: int) -> int:
+        if st.fifo >= 0 and st.fifo_bytes >= nbytes:
+            return st.fifo
+        off = self._staging.alloc(nbytes)
+        while off is None and self._idle:
+            # Give back the staging of idle tags, oldest first.
+            victim = next(iter(self._idle))
+            if victim == key:
+                break
+            self._evict(victim)
+            off = self._staging.alloc(nbytes)
+        if off is None:
+            raise ResourceError(f"staging memory exhausted ({self._staging.in_use} of {self._staging.size} bytes held by "
+                     f"tags with pending collectives, {nbytes} more needed); raise CommOptions.staging_bytes or "
+                     "synchronize earlier collectives")
+        if st.fifo >= 0:
+            if st.pending:
+                st.retired_fifos.append((st.fifo, st.fifo_bytes))
+            else:
+                self._staging.free(st.fifo, st.fifo_bytes)
+        st.fifo, st.fifo_bytes = off, nbytes
+        return off

@@ -3,6 +3,7 @@
 #ifndef DFCCL_HOST_ATOMICS_H
 #define DFCCL_HOST_ATOMICS_H
 
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -24,6 +25,7 @@ static inline void dfccl_sleep_ns(uint64_t ns) {
   ts.tv_nsec = (long)(ns % 1000000000ull);
   nanosleep(&ts, 0);
 }
+static inline void dfccl_yield(void) { sched_yield(); }
 static inline uint64_t dfccl_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

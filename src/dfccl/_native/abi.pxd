@@ -122,4 +122,5 @@ cdef extern from "dfccl/host_atomics.h":
     void dfccl_fence_seq_cst() nogil
     void dfccl_cpu_relax() nogil
     void dfccl_sleep_ns(uint64_t ns) nogil
+    void dfccl_yield() nogil
     uint64_t dfccl_now_ns() nogil

@@ -17,13 +17,13 @@ from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThr
                                WAIT_LOCK)
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from dfccl._native.abi cimport *
 from dfccl._native.backend cimport Backend
 
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError,
-                          MismatchError, PeerAbortedError, ResourceError)
+                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError)
 
 cdef enum:
     NO_SLOT = 0xffffffff
@@ -46,7 +46,6 @@ MAX_CHANNELS = DFCCL_MAX_CHANNELS
 MAX_RANKS = DFCCL_MAX_RANKS
 RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
 CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
-ENDPOINT_BYTES = sizeof(dfccl_endpoint)
 
 
 cdef inline void _acquire(PyThread_type_lock lock) noexcept:
@@ -63,35 +62,118 @@ cdef inline uint64_t _align(uint64_t x, uint64_t a):
 
 
 # ---------------------------------------------------------------------------
+# Task descriptors
+# ---------------------------------------------------------------------------
+cdef class TaskDescriptor:
+    """One collective as the daemon runs it: a dfccl_task_desc (abi.h) less
+    what each instance adds (slot, generation, instance number, tag record,
+    staging), plus what the host needs to name and retire it.  Built once per
+    bound plan, or once per plain call; Context.submit() turns it into a
+    running instance and its Work."""
+
+    cdef dfccl_task_desc desc
+    cdef readonly str kind
+    cdef readonly object tag
+    cdef readonly int rank
+    cdef readonly uint64_t key
+    cdef readonly bint transient
+    cdef readonly uint64_t staging_bytes
+    cdef bint has_stream
+    cdef uint64_t stream
+    cdef readonly object owners
+    cdef object tags
+
+    def __init__(self, *, str kind, object tag, int rank, uint64_t key, bint transient, object tags,
+                 uint32_t endpoint, int kind_code, int dtype, int op, int path, int root, int nchannels,
+                 uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint32_t slice_bytes=0,
+                 uint32_t fifo_slots=0, uint32_t flags=0, uint64_t staging_bytes=0, object stream=None,
+                 object owners=None):
+        memset(&self.desc, 0, sizeof(dfccl_task_desc))
+        self.desc.send_addr = send_addr
+        self.desc.recv_addr = recv_addr
+        self.desc.count = count
+        self.desc.tag_key = key
+        self.desc.endpoint = endpoint
+        self.desc.slice_bytes = slice_bytes
+        self.desc.fifo_slots = fifo_slots
+        self.desc.flags = flags
+        self.desc.root = root
+        self.desc.nchannels = nchannels
+        self.desc.kind = kind_code
+        self.desc.dtype = dtype
+        self.desc.op = op
+        self.desc.path = path
+        self.kind = kind
+        self.tag = tag
+        self.rank = rank
+        self.key = key
+        self.transient = transient
+        self.tags = tags
+        self.staging_bytes = staging_bytes
+        self.has_stream = stream is not None
+        self.stream = 0 if stream is None else <uint64_t>stream
+        self.owners = owners
+
+    @property
+    def nchannels(self):
+        return self.desc.nchannels
+
+    @property
+    def path(self):
+        return self.desc.path
+
+    @property
+    def flags(self):
+        return self.desc.flags
+
+    def __repr__(self):
+        return f"<dfccl.TaskDescriptor {self.kind} tag={self.tag!r} rank={self.rank} count={self.desc.count}>"
+
+
+# ---------------------------------------------------------------------------
 # Work
 # ---------------------------------------------------------------------------
+cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
+                         "max_wait_ns": 0, "host_ns": 0, "channels": 0}
+
+# How long Work.synchronize spins on the completion word before it starts to
+# yield the CPU between polls.  It never sleeps: a timed sleep overshoots by
+# tens of microseconds on virtualised hosts, far longer than a collective.
+cdef enum:
+    SPIN_BEFORE_YIELD_NS = 50000
+
+
 cdef class Work:
     """A submitted collective.  ``synchronize()`` waits on the host,
     ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
-    function on completion (on the progress thread)."""
+    function on completion (on the progress thread).  Works are created by
+    collectives; one constructed directly refers to nothing and says so."""
 
     cdef Context _ctx
     cdef uint32_t _slot
     cdef uint32_t _gen
     cdef bint _retired
+    cdef bint _has_result
     cdef uint32_t _status
     cdef int32_t _detail
-    cdef dict _stats
+    cdef dfccl_result _result
     cdef list _callbacks
     cdef object _keepalive
-    cdef object _on_retire
+    cdef object _tags
+    cdef uint64_t _key
+    cdef readonly uint32_t endpoint
     cdef readonly str kind
     cdef readonly object tag
     cdef readonly int rank
     cdef readonly int instance
     cdef uint64_t _submitted_ns
+    cdef uint64_t _retired_ns
     cdef object _error
 
     def __cinit__(self):
         self._slot = NO_SLOT
         self._status = DFCCL_STATUS_OK
         self._detail = -1
-        self._callbacks = []
         self.rank = -1
 
     @staticmethod
@@ -102,17 +184,13 @@ cdef class Work:
         w.tag = tag
         w.rank = rank
         w._retired = True
-        w._stats = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
-                    "max_wait_ns": 0, "host_ns": 0, "channels": 0}
         return w
 
-    def _describe(self, str kind, object tag, int rank, int instance, object keepalive, object on_retire):
-        self.kind = kind
-        self.tag = tag
-        self.rank = rank
-        self.instance = instance
-        self._keepalive = keepalive
-        self._on_retire = on_retire
+    cdef int _check_submitted(self) except -1:
+        if self._ctx is None and not self._retired:
+            raise InvalidArgumentError("this Work was not returned by a collective: it refers to nothing "
+                                       "(Works are created by Communicator collectives and plans)")
+        return 0
 
     cdef bint _device_done(self):
         return dfccl_load_acquire_u32(&self._ctx.done[self._slot]) == self._gen
@@ -121,6 +199,7 @@ cdef class Work:
         """True once the collective has completed (successfully or not)."""
         if self._retired:
             return True
+        self._check_submitted()
         if self._device_done():
             self._ctx._retire(self._slot, self)
             return True
@@ -131,30 +210,43 @@ cdef class Work:
         error, or CollectiveTimeoutError after ``timeout`` seconds (the
         collective then stays pending)."""
         cdef uint64_t deadline = 0
-        cdef uint64_t start
+        cdef uint64_t start, now
         cdef uint32_t *word
         cdef uint32_t gen
         cdef bint ok = True
         cdef uint32_t spins = 0
+        cdef double seconds
         if not self._retired:
+            self._check_submitted()
+            if timeout is not None:
+                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                    raise InvalidArgumentError(f"synchronize: timeout must be a number of seconds or None, "
+                                               f"not {timeout!r}", rank=self.rank, tag=self.tag)
+                seconds = float(timeout)
+                if seconds != seconds or seconds < 0:
+                    raise InvalidArgumentError(f"synchronize: timeout must be >= 0, not {timeout!r}",
+                                               rank=self.rank, tag=self.tag)
             word = &self._ctx.done[self._slot]
             gen = self._gen
             start = dfccl_now_ns()
             if timeout is not None:
-                deadline = start + <uint64_t>(max(0.0, float(timeout)) * 1e9)
+                deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
             with nogil:
                 while dfccl_load_acquire_u32(word) != gen:
                     spins += 1
-                    if spins < 2000:
+                    if (spins & 15) != 0:
                         dfccl_cpu_relax()
-                    else:
-                        dfccl_sleep_ns(20000)
-                    if deadline != 0 and (spins & 63) == 0 and dfccl_now_ns() >= deadline:
+                        continue
+                    now = dfccl_now_ns()
+                    if now - start >= SPIN_BEFORE_YIELD_NS:
+                        dfccl_yield()
+                    if deadline != 0 and now >= deadline:
                         ok = dfccl_load_acquire_u32(word) == gen
                         break
             if not ok:
                 raise self._timeout_error(timeout)
-            self._ctx._retire(self._slot, self)
+            if not self._retired:
+                self._ctx._retire(self._slot, self)
         if self._error is not None:
             raise self._error
 
@@ -166,15 +258,24 @@ cdef class Work:
             if self._error is not None:
                 raise self._error
             return
+        self._check_submitted()
         self._ctx._stream_wait(stream_handle(stream), self._slot, self._gen)
 
     def add_done_callback(self, fn):
         """Calls ``fn(work)`` once the collective is complete: at once if it
         already is, else on the progress thread."""
+        if not callable(fn):
+            raise InvalidArgumentError(f"add_done_callback: {fn!r} is not callable", rank=self.rank, tag=self.tag)
         if self._retired:
             fn(self)
-        else:
-            self._callbacks.append(fn)
+            return
+        self._check_submitted()
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(fn)
+        # The progress thread retires this work (and runs the callback) even
+        # if nobody synchronizes it.
+        _progress.wake()
 
     def exception(self):
         """The error of a completed collective, or None."""
@@ -186,7 +287,14 @@ cdef class Work:
         queued_ns (pulled -> first run), running_ns (inside runs), wall_ns
         (first run -> done), max_wait_ns (longest wait that ended with the
         peer arriving), host_ns (submit -> retired), channels."""
-        return None if self._stats is None else dict(self._stats)
+        if not self._retired:
+            return None
+        if not self._has_result:
+            return dict(_STATS_ZERO)
+        r = &self._result
+        return {"preemptions": r.preemptions, "resumes": r.resumes, "queued_ns": r.queued_ns,
+                "running_ns": r.running_ns, "wall_ns": r.wall_ns, "max_wait_ns": r.max_wait_ns,
+                "host_ns": self._retired_ns - self._submitted_ns, "channels": r.nchannels}
 
     @property
     def status(self):
@@ -194,8 +302,10 @@ cdef class Work:
 
     cdef object _timeout_error(self, timeout):
         cdef uint32_t word = 0
-        # Written live by the daemon into device memory (wait.cuh).
-        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word, self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
+        if not self._ctx.closed:
+            # Written live by the daemon into device memory (wait.cuh).
+            self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word,
+                                               self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
         waiting = <int>word - 1
         what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
         if waiting >= 0 and waiting < 0xfff0:
@@ -205,30 +315,44 @@ cdef class Work:
         return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag,
                                       waiting_on=waiting if 0 <= waiting < 0xfff0 else None)
 
-    cdef void _finish(self, dfccl_result *res, uint64_t now):
+    cdef void _finish(self, const dfccl_result *res, uint64_t now):
+        """The leader of retirement (Context._retire, under the context lock):
+        copies the result; the error object is built only on failure."""
+        self._result = res[0]
+        self._has_result = True
         self._status = res.status
         self._detail = res.detail
-        self._stats = {"preemptions": res.preemptions, "resumes": res.resumes, "queued_ns": res.queued_ns,
-                       "running_ns": res.running_ns, "wall_ns": res.wall_ns, "max_wait_ns": res.max_wait_ns,
-                       "host_ns": now - self._submitted_ns, "channels": res.nchannels}
+        self._retired_ns = now
         self._retired = True
         self._keepalive = None
-        if res.status == DFCCL_STATUS_MISMATCH:
-            self._error = MismatchError(
+
+    cdef void _fail_closed(self, uint64_t now):
+        """The context closed under this pending collective."""
+        memset(&self._result, 0, sizeof(dfccl_result))
+        self._result.status = DFCCL_STATUS_ABORTED
+        self._result.detail = -1
+        self._finish(&self._result, now)
+
+    cdef object _make_error(self):
+        cdef uint32_t status = self._status
+        cdef int32_t detail = self._detail
+        if status == DFCCL_STATUS_OK:
+            return None
+        if status == DFCCL_STATUS_MISMATCH:
+            return MismatchError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
-                f"{res.detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
-                rank=self.rank, tag=self.tag, peer=res.detail)
-        elif res.status == DFCCL_STATUS_PEER_ABORTED:
-            self._error = PeerAbortedError(
+                f"{detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
+                rank=self.rank, tag=self.tag, peer=detail)
+        if status == DFCCL_STATUS_PEER_ABORTED:
+            return PeerAbortedError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
-                f"{res.detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=res.detail)
-        elif res.status == DFCCL_STATUS_ABORTED:
-            self._error = AbortedError(
+                f"{detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=detail)
+        if status == DFCCL_STATUS_ABORTED:
+            return AbortedError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was aborted",
                 rank=self.rank, tag=self.tag)
-        elif res.status != DFCCL_STATUS_OK:
-            self._error = DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {res.status}",
-                                     rank=self.rank, tag=self.tag)
+        return DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {status}",
+                          rank=self.rank, tag=self.tag)
 
     def __repr__(self):
         state = "done" if self._retired else "pending"
@@ -266,7 +390,8 @@ cdef class Context:
     cdef uint32_t *outstanding
     cdef uint32_t *position
     cdef uint32_t n_outstanding
-    cdef list free_slots
+    cdef uint32_t *free_stack
+    cdef uint32_t n_free
     cdef list slot_work
     cdef list free_endpoints
     cdef PyThread_type_lock lock
@@ -374,9 +499,12 @@ cdef class Context:
         self.gens = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.outstanding = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.position = <uint32_t *>calloc(slots, sizeof(uint32_t))
-        if self.gens == NULL or self.outstanding == NULL or self.position == NULL:
+        self.free_stack = <uint32_t *>calloc(slots, sizeof(uint32_t))
+        if self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL:
             raise MemoryError
-        self.free_slots = list(range(slots - 1, -1, -1))
+        for i in range(slots):
+            self.free_stack[i] = slots - 1 - i
+        self.n_free = slots
         self.slot_work = [None] * slots
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
         _progress.register(self)
@@ -406,6 +534,7 @@ cdef class Context:
         free(self.gens)
         free(self.outstanding)
         free(self.position)
+        free(self.free_stack)
         if self.lock != NULL:
             PyThread_free_lock(self.lock)
 
@@ -456,61 +585,66 @@ cdef class Context:
         self._ensure_running()
 
     # -- submit --------------------------------------------------------------
-    def submit(self, Work work, uint32_t endpoint, uint32_t bucket, uint64_t tag_key, uint64_t instance, int kind,
-               int dtype, int op, int path, int root, int nchannels, uint64_t send_addr, uint64_t recv_addr,
-               uint64_t count, uint64_t fifo_offset, uint32_t slice_bytes, uint32_t fifo_slots, uint32_t flags, stream=None):
-        """Publishes one collective to the daemon (the host half of submit)."""
-        cdef uint32_t slot, gen
+    def submit(self, TaskDescriptor task):
+        """Publishes one instance of ``task`` to the daemon (the host half of
+        submit) and returns its Work.  Takes the tag's next instance and its
+        record (and staging) from the endpoint's tag table; nothing waits for
+        peers."""
+        cdef uint32_t slot, gen, bucket
+        cdef uint64_t instance, staging
         cdef dfccl_task_desc *d
+        cdef Work work
         if self.closed:
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
-        if not self.free_slots:
+        if self.n_free == 0:
             raise ResourceError(
                 f"{self.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
-                "raise Options.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
-        if nchannels < 1 or nchannels > <int>self.nblocks:
-            raise ValueError(f"nchannels {nchannels} outside 1..{self.nblocks}")
-        slot = self.free_slots.pop()
+                "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
+        if task.desc.nchannels < 1 or task.desc.nchannels > self.nblocks:
+            raise ValueError(f"nchannels {task.desc.nchannels} outside 1..{self.nblocks}")
+        bucket, instance, staging = task.tags.acquire_staged(task.key, task.transient, task.staging_bytes)
+        work = Work.__new__(Work)
+        work._ctx = self
+        work._keepalive = task.owners
+        work._tags = task.tags
+        work._key = task.key
+        work.endpoint = task.desc.endpoint
+        work.kind = task.kind
+        work.tag = task.tag if task.tag is not None else instance
+        work.rank = task.rank
+        work.instance = instance
+        _acquire(self.lock)
+        slot = self.free_stack[self.n_free - 1]
+        self.n_free -= 1
+        PyThread_release_lock(self.lock)
         gen = self.gens[slot] + 1
         if gen == 0:
             gen = 1
         self.gens[slot] = gen
-        if self.tail >= self.ring_size:
-            self._wait_ring_entry(self.tail - self.ring_size)
-        d = &self.ring[self.tail & (self.ring_size - 1)]
-        d.send_addr = send_addr
-        d.recv_addr = recv_addr
-        d.count = count
-        d.tag_key = tag_key
-        d.instance = instance
-        d.reserved0 = 0
-        d.fifo_offset = fifo_offset
-        d.endpoint = endpoint
-        d.bucket = bucket
-        d.slot = slot
-        d.gen = gen
-        d.slice_bytes = slice_bytes
-        d.fifo_slots = fifo_slots
-        d.flags = flags
-        d.root = root
-        d.nchannels = nchannels
-        d.kind = kind
-        d.dtype = dtype
-        d.op = op
-        d.path = path
-        d.reserved1 = 0
-        work._ctx = self
         work._slot = slot
         work._gen = gen
-        work._submitted_ns = dfccl_now_ns()
         try:
-            if stream is None:
-                d.flags = flags | DFCCL_TASK_ARMED
+            if self.tail >= self.ring_size:
+                self._wait_ring_entry(self.tail - self.ring_size)
+            d = &self.ring[self.tail & (self.ring_size - 1)]
+            memcpy(d, &task.desc, sizeof(dfccl_task_desc))
+            d.instance = instance
+            d.fifo_offset = staging
+            d.bucket = bucket
+            d.slot = slot
+            d.gen = gen
+            if task.has_stream:
+                self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
             else:
-                self.backend.stream_write32(stream, self.armed_dev + 4 * slot, gen)
+                d.flags = d.flags | DFCCL_TASK_ARMED
         except BaseException:
-            self.free_slots.append(slot)
+            _acquire(self.lock)
+            self.free_stack[self.n_free] = slot
+            self.n_free += 1
+            PyThread_release_lock(self.lock)
+            task.tags.cancel(task.key)
             raise
+        work._submitted_ns = dfccl_now_ns()
         _acquire(self.lock)
         self.slot_work[slot] = work
         self.position[slot] = self.n_outstanding
@@ -522,8 +656,24 @@ cdef class Context:
         # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
         dfccl_fence_seq_cst()
         self._ensure_running()
-        _progress.wake()
+        # The progress thread polls while work is outstanding; it needs a
+        # wake-up only when it may have gone to sleep (nothing was pending).
+        if self.n_outstanding == 1:
+            _progress.wake()
         return work
+
+    def pending_works(self, uint32_t endpoint):
+        """The Works of ``endpoint`` that have not been retired yet."""
+        _acquire(self.lock)
+        try:
+            out = []
+            for i in range(self.n_outstanding):
+                w = self.slot_work[self.outstanding[i]]
+                if w is not None and (<Work>w).endpoint == endpoint:
+                    out.append(w)
+            return out
+        finally:
+            PyThread_release_lock(self.lock)
 
     cdef int _wait_ring_entry(self, uint64_t position) except -1:
         """Returns once the daemon's host link has copied the ring entry at
@@ -581,23 +731,33 @@ cdef class Context:
             work = <Work>obj
             if dfccl_load_acquire_u32(&self.done[slot]) != work._gen:
                 return
-            self.slot_work[slot] = None
-            last = self.outstanding[self.n_outstanding - 1]
-            self.outstanding[self.position[slot]] = last
-            self.position[last] = self.position[slot]
-            self.n_outstanding -= 1
+            self._unlink(slot)
             work._finish(&self.results[slot], now)
-            self.free_slots.append(slot)
         finally:
             PyThread_release_lock(self.lock)
-        self.policy.observe(work._stats["preemptions"], work._stats["max_wait_ns"])
-        if work._on_retire is not None:
-            hook = work._on_retire
-            work._on_retire = None
-            hook(work)
+        self._after_retire(work)
+
+    cdef void _unlink(self, uint32_t slot) noexcept:
+        """Under the lock: takes ``slot`` off the outstanding list and frees it."""
+        cdef uint32_t last = self.outstanding[self.n_outstanding - 1]
+        self.slot_work[slot] = None
+        self.outstanding[self.position[slot]] = last
+        self.position[last] = self.position[slot]
+        self.n_outstanding -= 1
+        self.free_stack[self.n_free] = slot
+        self.n_free += 1
+
+    cdef int _after_retire(self, Work work) except -1:
+        """Outside the lock: the tag's bookkeeping, the policy, callbacks."""
+        work._error = work._make_error()
+        if work._tags is not None:
+            work._tags.release(work._key, work._status != DFCCL_STATUS_OK)
+            work._tags = None
+        self.policy.observe(work._result.preemptions, work._result.max_wait_ns)
         if work._callbacks:
-            _progress.run_callbacks(work, work._callbacks)
-            work._callbacks = []
+            callbacks, work._callbacks = work._callbacks, None
+            _progress.run_callbacks(work, callbacks)
+        return 0
 
     def _progress_step(self, uint64_t now):
         """Called by the progress thread: retires completed slots, relaunches an
@@ -670,14 +830,11 @@ cdef class Context:
         finally:
             free(st)
 
-    def set_policy_words(self, uint64_t base_window_ns, uint64_t max_window_ns, uint64_t idle_quit_ns):
-        self.ctrl.base_window_ns = base_window_ns
-        self.ctrl.max_window_ns = max_window_ns
-        self.ctrl.idle_quit_ns = idle_quit_ns
-
     def close(self, timeout=10.0):
-        """Stops the daemon (aborting whatever is still pending) and frees the
-        context's memory."""
+        """Stops the daemon (aborting whatever is still pending: those Works
+        complete with AbortedError) and frees the context's memory."""
+        cdef Work work
+        cdef uint32_t slot
         if self.closed:
             return
         self.closed = True
@@ -688,16 +845,39 @@ cdef class Context:
         dfccl_store_release_u64(&self.ctrl.quit_request, 1)
         dfccl_fence_seq_cst()
         deadline = time.monotonic() + timeout
+        exited = True
         if self.epoch != 0:
             while True:
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
                 if (state >> 2) == self.epoch and (state & 3) == DFCCL_DAEMON_EXITED:
                     break
                 if time.monotonic() > deadline:
-                    # The daemon did not leave: keep its memory mapped rather
-                    # than free it under a running kernel.
-                    return
+                    exited = False
+                    break
                 time.sleep(1e-4)
+        # Every Work still pending is retired now, with its result if the
+        # daemon finished it, else as aborted: nothing may read this context's
+        # memory after it is freed.
+        retired = []
+        _acquire(self.lock)
+        try:
+            while self.n_outstanding:
+                slot = self.outstanding[self.n_outstanding - 1]
+                work = <Work>self.slot_work[slot]
+                self._unlink(slot)
+                if exited and dfccl_load_acquire_u32(&self.done[slot]) == work._gen:
+                    work._finish(&self.results[slot], dfccl_now_ns())
+                else:
+                    work._fail_closed(dfccl_now_ns())
+                retired.append(work)
+        finally:
+            PyThread_release_lock(self.lock)
+        for work in retired:
+            self._after_retire(work)
+        if not exited:
+            # The daemon did not leave: keep its memory mapped rather than
+            # free it under a running kernel.
+            return
         self.backend.synchronize()
         self.backend.free_device(self.device_mem)
         self.backend.free_mapped(self.mapped_host)
