@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
-#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests chaos latency bench preempt all
+#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp chaos latency bench preempt all
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}
@@ -30,6 +30,9 @@ fi
 if has tests; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-10} \
     step tests ${TESTS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=120 -k "not chaos" ${PYTEST_ARGS:-}
+fi
+if has mp; then
+  step mp ${MP_LIMIT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_multiprocess.py --timeout=200 -m gpu
 fi
 if has chaos; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \

@@ -53,7 +53,7 @@ DFCCL_DEV uint64_t peer_record(const TaskRun &run, uint32_t index, uint32_t rank
 // Step 0 of every collective: make this rank's instance visible on this
 // channel.  Counters peers write into are zeroed first; peers write them only
 // after they have seen `ready`, which is released last.
-DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
+DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word, uint64_t send_word, uint64_t recv_word) {
   if (is_leader()) {
     dfccl_chan_state *m = run.mine;
     const dfccl_task_desc *d = run.d;
@@ -64,8 +64,8 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
     store_relaxed(&m->signature, task_signature(*d, run.ep->nranks));
     store_relaxed(&m->count, d->count);
     store_relaxed(&m->slice_bytes, d->slice_bytes);
-    store_relaxed(&m->send_addr, d->send_addr);
-    store_relaxed(&m->recv_addr, d->recv_addr);
+    store_relaxed(&m->send_addr, send_word);
+    store_relaxed(&m->recv_addr, recv_word);
     store_relaxed(&m->fifo, fifo_word);
     uint64_t own = record_at(run.ep, run.ep->rank, d->bucket);
     store_relaxed(&ptr<dfccl_record_header>(own)->key, d->tag_key);
@@ -74,19 +74,25 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word) {
 }
 
 // Waits until `peer` has published this instance on this channel and checks
-// that it names the same collective.  One remote read per poll: the record
-// found by probing is kept while its key matches, and the table is probed
-// afresh every 64 polls, because a bucket that held this tag earlier may still
-// carry its key while the live record appears elsewhere only when the peer
-// publishes.  The peer's abort marker is read every 16 polls.  Once `ready`
-// matches, the peer's published fields are read in one batch of independent
-// loads (one round trip, not one per field).  The leader caches the record and
-// the peer's buffer addresses (direct path) in the context, and returns the
-// peer's fifo word in *fifo_word.
+// that it names the same collective.  One remote read per poll.  The peer's
+// record is first looked for where this tag met it last time (the cache in
+// this rank's record header: a tag keeps its bucket while it is bound, so
+// successive instances skip the probe), else found by probing; the table is
+// probed afresh every 64 polls, because a bucket that held this tag earlier
+// may still carry its key while the live record appears elsewhere only when
+// the peer publishes.  The peer's abort marker is read every 16 polls.  Once
+// `ready` matches, the peer's published fields are read in one batch of
+// independent loads (one round trip, not one per field).  The leader caches
+// the record and the peer's buffer addresses (direct path) in the context and
+// the record header, and returns the peer's fifo word in *fifo_word.
 DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index, uint64_t *fifo_word) {
   uint64_t rec = 0, met = 0, send_addr = 0, recv_addr = 0;
   uint32_t polls = 0;
   const uint32_t c = env.block;
+  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  // The header caches by peer rank (ranks >= DFCCL_PEER_CACHE are probed).
+  if (is_leader() && peer < DFCCL_PEER_CACHE && load_own(&own->cache_key) == run.d->tag_key)
+    rec = load_own(&own->peer_rec[peer]);
   int r = block_wait(env, run, peer, [&]() -> int {
     ++polls;
     if (rec == 0 || (polls & 63u) == 0) {
@@ -128,6 +134,16 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     run.ctx->peer_rec[cache_index] = met;
     run.ctx->peer_send[cache_index] = send_addr;
     run.ctx->peer_recv[cache_index] = recv_addr;
+  }
+  if (is_leader() && met != 0 && peer < DFCCL_PEER_CACHE) {
+    // Every channel of the tag writes the same values: plain stores suffice.
+    // The key goes last: a reader that sees it finds this tag's records (a
+    // bucket changes tags only when nothing of the old tag is pending).
+    if (load_own(&own->cache_key) != run.d->tag_key) {
+      for (uint32_t i = 0; i < DFCCL_PEER_CACHE; ++i) own->peer_rec[i] = 0;
+    }
+    own->peer_rec[peer] = met;
+    own->cache_key = run.d->tag_key;
   }
   return r;
 }

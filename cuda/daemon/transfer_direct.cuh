@@ -11,6 +11,13 @@
 //
 // A rank completes only after WAIT2, so no peer touches its buffers or its
 // record afterwards: the record can be reused and the buffers handed back.
+//
+// Staged (DFCCL_TASK_STAGED: peers in other processes, which cannot map this
+// rank's buffers): PUBLISH first copies, on each channel, exactly the parts of
+// the input that the peers' same channel will read into this rank's arena
+// (which every peer maps), and publishes offsets there; a two-shot all-reduce
+// also writes its reduced segment there for the peers' WORK2.  Peers read the
+// copies, so this rank may write its output in place whenever it likes.
 #pragma once
 
 #include "transfer_common.cuh"
@@ -37,23 +44,39 @@ DFCCL_DEV DirectGeometry direct_geometry(const BlockEnv &env, const TaskRun &run
   return g;
 }
 
+DFCCL_DEV bool staged(const TaskRun &run) { return (run.d->flags & DFCCL_TASK_STAGED) != 0; }
+
 // A direct all-reduce runs in one phase when it is small (the host's
 // ONE_SHOT flag, equal on every rank) and no rank is in place: a rank that
 // writes its output over its input would overwrite what peers still read.
-// Whether any rank is in place is learnt while meeting them (pos[1]).
+// Whether any rank is in place is learnt while meeting them (pos[1]); staged
+// ranks publish as out of place (peers read their copies).
 DFCCL_DEV bool two_shot(const TaskRun &run) {
   return run.d->kind == DFCCL_ALL_REDUCE && ((run.d->flags & DFCCL_TASK_ONE_SHOT) == 0 || run.pos[1] != 0);
 }
+
+// Staged: offsets in this rank's arena of the input copy and of the output
+// copy (two-shot all-reduce); the host sized the staging the same way
+// (planning.py, staged_bytes).
+DFCCL_DEV uint64_t stage_in_offset(const TaskRun &run) { return run.d->fifo_offset; }
+DFCCL_DEV uint64_t stage_out_offset(const TaskRun &run, const DirectGeometry &g) {
+  const uint64_t in_elems = run.d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)g.n * run.d->count : run.d->count;
+  return run.d->fifo_offset + round_up(in_elems * g.esize, 256);
+}
+DFCCL_DEV uint64_t own_arena(const TaskRun &run) { return run.ep->peer_arena[run.ep->rank]; }
 
 // The leader: input / output address of rank p (this rank's from its descriptor,
 // a peer's from the record it published).
 DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint32_t p, bool output) {
   if (p == g.r) return output ? run.d->recv_addr : run.d->send_addr;
   uint32_t index = (p + g.n - g.r - 1) % g.n;
-  if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0)
-    return output ? run.ctx->peer_recv[index] : run.ctx->peer_send[index];
+  if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0) {
+    const uint64_t a = output ? run.ctx->peer_recv[index] : run.ctx->peer_send[index];
+    return staged(run) ? run.ep->peer_arena[p] + a : a;
+  }
   dfccl_chan_state *pc = record_chan(peer_record(run, index, p), g.c);
-  return load_relaxed(output ? &pc->recv_addr : &pc->send_addr);
+  const uint64_t a = load_relaxed(output ? &pc->recv_addr : &pc->send_addr);
+  return staged(run) ? run.ep->peer_arena[p] + a : a;
 }
 
 // Our output at dst_off = op over all ranks of their input at src_off.
@@ -83,7 +106,18 @@ DFCCL_DEV void direct_work1(BlockEnv &env, const TaskRun &run, const DirectGeome
       if (two_shot(run)) {
         Range seg = split(d->count, g.n, g.r, g.align);
         Range part = split(seg.len, g.nch, g.c, g.align);
-        reduce_all_inputs(env, run, g, seg.off + part.off, seg.off + part.off, part.len);
+        const uint64_t off = seg.off + part.off;
+        if (staged(run)) {
+          // The reduced segment goes to the output and to the copy peers read.
+          if (is_leader()) {
+            for (uint32_t p = 0; p < g.n; ++p) env.sm->srcs[p] = rank_buffer(run, g, p, false) + off * g.esize;
+            env.sm->dsts[0] = d->recv_addr + off * g.esize;
+            env.sm->dsts[1] = own_arena(run) + stage_out_offset(run, g) + off * g.esize;
+          }
+          move_data(env, run, g.n, 2, part.len, d->op == DFCCL_AVG ? g.n : 1);
+        } else {
+          reduce_all_inputs(env, run, g, off, off, part.len);
+        }
       } else {
         Range part = split(d->count, g.nch, g.c, g.align);
         reduce_all_inputs(env, run, g, part.off, part.off, part.len);
@@ -128,6 +162,50 @@ DFCCL_DEV void direct_work2(BlockEnv &env, const TaskRun &run, const DirectGeome
   }
 }
 
+// Staged PUBLISH: copy [off, off + len) of this rank's input to its arena copy.
+DFCCL_DEV void stage_part(BlockEnv &env, const TaskRun &run, const DirectGeometry &g, uint64_t off, uint64_t len) {
+  if (len == 0) return;
+  if (is_leader()) {
+    env.sm->srcs[0] = run.d->send_addr + off * g.esize;
+    env.sm->dsts[0] = own_arena(run) + stage_in_offset(run) + off * g.esize;
+  }
+  move_data(env, run, 1, 1, len, 1);
+}
+
+// Staged PUBLISH: what the peers' channel g.c will read of this rank's input.
+DFCCL_DEV void stage_input(BlockEnv &env, const TaskRun &run, const DirectGeometry &g) {
+  const dfccl_task_desc *d = run.d;
+  const Range part = split(d->count, g.nch, g.c, g.align);
+  switch (d->kind) {
+    case DFCCL_ALL_REDUCE:
+      if ((d->flags & DFCCL_TASK_ONE_SHOT) != 0) {
+        stage_part(env, run, g, part.off, part.len);
+      } else {
+        for (uint32_t p = 0; p < g.n; ++p) {
+          if (p == g.r) continue;
+          Range seg = split(d->count, g.n, p, g.align);
+          Range sp = split(seg.len, g.nch, g.c, g.align);
+          stage_part(env, run, g, seg.off + sp.off, sp.len);
+        }
+      }
+      break;
+    case DFCCL_REDUCE_SCATTER:
+      for (uint32_t p = 0; p < g.n; ++p)
+        if (p != g.r) stage_part(env, run, g, (uint64_t)p * d->count + part.off, part.len);
+      break;
+    case DFCCL_ALL_GATHER:
+      stage_part(env, run, g, part.off, part.len);
+      break;
+    case DFCCL_BROADCAST:
+      if (g.r == d->root) stage_part(env, run, g, part.off, part.len);
+      break;
+    default:  // DFCCL_REDUCE
+      if (g.r != d->root) stage_part(env, run, g, part.off, part.len);
+      break;
+  }
+  release_fence();  // the copies before `ready`
+}
+
 // Leader, after release_fence() (which makes these relaxed adds release the
 // phase's writes): tell every peer this phase is done.
 DFCCL_DEV void signal_peers(const TaskRun &run, const DirectGeometry &g, bool phase1) {
@@ -150,9 +228,15 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case D_PUBLISH:
-        publish_instance(run, run.d->send_addr == run.d->recv_addr ? 1 : 0);
+        if (staged(run)) {
+          stage_input(env, run, g);
+          publish_instance(run, 0, stage_in_offset(run), stage_out_offset(run, g));
+          run.pos[1] = 0;
+        } else {
+          publish_instance(run, run.d->send_addr == run.d->recv_addr ? 1 : 0, run.d->send_addr, run.d->recv_addr);
+          run.pos[1] = run.d->send_addr == run.d->recv_addr ? 1 : 0;
+        }
         run.pos[0] = 0;
-        run.pos[1] = run.d->send_addr == run.d->recv_addr ? 1 : 0;
         run.step = D_MEET;
         run.progressed = true;
         break;

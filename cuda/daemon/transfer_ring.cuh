@@ -218,7 +218,7 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case R_PUBLISH:
-        publish_instance(run, own_fifo_word(run, g.c));
+        publish_instance(run, own_fifo_word(run, g.c), run.d->send_addr, run.d->recv_addr);
         run.pos[0] = 0;
         run.step = R_MEET;
         run.progressed = true;

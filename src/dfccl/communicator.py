@@ -123,11 +123,15 @@ class Communicator:
 
     def _finish_init(self, peers):
         self._channels = min([self._channels] + [p["blocks"] for p in peers])
-        direct = self._endpoint.connect(peers, self._comm_key)
-        if self._options.path == "direct" and not direct:
-            raise InvalidArgumentError("path='direct' needs every rank in this process (with peer access between "
-                                       "its devices); use 'auto' or 'ring'")
-        self._direct = direct and self._options.path != "ring"
+        mode = self._endpoint.connect(peers, self._comm_key)
+        if self._options.path == "direct" and mode == "ring":
+            raise InvalidArgumentError("path='direct' needs every peer reachable (ranks of this process, or of this "
+                                       "host with peer access between the devices); use 'auto' or 'ring'")
+        if self._options.path == "ring":
+            mode = "ring"
+        self._mode = mode
+        self._direct = mode != "ring"
+        self._staged = mode == "staged"
 
     # -- properties --------------------------------------------------------------
     @property
@@ -148,8 +152,11 @@ class Communicator:
 
     @property
     def path(self) -> str:
-        """The data path collectives take: "direct" or "ring"."""
-        return "direct" if self._direct else "ring"
+        """The data path collectives take: "direct" (peers' buffers read in
+        place), "staged" (the direct path through copies in the arenas, for
+        peers in other processes, up to CommOptions.staged_max_bytes; the ring
+        above) or "ring"."""
+        return self._mode
 
     @property
     def channels(self) -> int:
@@ -326,7 +333,8 @@ class Communicator:
               geometry: Geometry | None = None, key=None) -> TaskDescriptor:
         """The descriptor of one collective (validated buffers in hand)."""
         if geometry is None:
-            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options)
+            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options,
+                                     staged=self._staged)
         if key is None:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         return TaskDescriptor(
@@ -396,7 +404,7 @@ class Plan:
         self.tag = tag
         self._key = tag_key(comm._comm_key, tag)
         self._geometry = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels, comm._direct,
-                                       comm._options)
+                                       comm._options, staged=comm._staged)
 
     def __call__(self, send, recv=None, *, stream=None) -> Work:
         c = self._comm

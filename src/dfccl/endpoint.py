@@ -50,6 +50,7 @@ class Endpoint:
             "arena_ptr": self.arena,
             "capacity": self.capacity,
             "stride": RECORD_STRIDE,
+            "bus_id": getattr(self.backend, "pci_bus_id", None),
         }
         if self.shareable:
             info["arena"] = self.backend.export_memory(self.arena)
@@ -57,10 +58,13 @@ class Endpoint:
 
     def connect(self, peers: list[dict], comm_key: int) -> bool:
         """Maps every peer's arena and registers this rank with the daemon.
-        Returns whether every peer's buffers are addressable in place (all
-        ranks in this process, with peer access between their devices)."""
+        Returns how peers reach each other for the direct path: "direct"
+        (every rank in this process, with peer access between their devices:
+        buffers are read in place), "staged" (some in other processes of this
+        host, every device pair with peer access: through copies in the
+        arenas) or "ring" (some peer out of reach)."""
         me = peers[self.rank]
-        direct = True
+        mode = "direct"
         arenas = []
         for p, info in enumerate(peers):
             if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
@@ -79,7 +83,8 @@ class Endpoint:
                 self.backend.enable_access(other)
                 arenas.append(info["arena_ptr"])
             else:
-                direct = False
+                if mode == "direct" or (mode == "staged" and not self._reachable(info, me)):
+                    mode = "staged" if self._reachable(info, me) else "ring"
                 if "arena" not in info:
                     raise BackendError(f"rank {p} is in another process but did not export its arena")
                 ptr = self.backend.import_memory(info["arena"])
@@ -87,7 +92,34 @@ class Endpoint:
                 arenas.append(ptr)
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
                                         arenas, arenas)
-        return direct
+        return mode
+
+    def _reachable(self, info: dict, me: dict) -> bool:
+        """Whether this device can load, store and add atomically into the
+        peer's device memory (IPC-mapped), the direct path's needs."""
+        if info["host"] != me["host"]:
+            return False
+        if self.backend.name != "cuda":
+            return True  # the simulator's arenas are shared memory
+        bus = info.get("bus_id")
+        if not bus:
+            return False
+        if bus == me.get("bus_id"):
+            return True
+        from cuda.bindings import driver
+
+        err, dev = driver.cuDeviceGetByPCIBusId(bus.encode() if isinstance(bus, str) else bus)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, mine = driver.cuDeviceGet(self.backend.device)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, ok = driver.cuDeviceCanAccessPeer(mine, dev)
+        if err != driver.CUresult.CUDA_SUCCESS or not ok:
+            return False
+        attr = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+        err, atomics = driver.cuDeviceGetP2PAttribute(attr, mine, dev)
+        return err == driver.CUresult.CUDA_SUCCESS and bool(atomics)
 
     # -- teardown ----------------------------------------------------------------
     def abort(self) -> None:

@@ -49,8 +49,11 @@ class ContextOptions:
 class CommOptions:
     """How one communicator moves data.  Must be equal on every rank.
 
-    path: "auto" (direct where every peer's buffers are addressable, i.e. all
-        ranks in one process; else ring), "direct" or "ring".
+    path: "auto" (direct where every peer is reachable: ranks in this process
+        read each other's buffers in place, ranks in other processes of the
+        host through copies in each rank's arena up to staged_max_bytes;
+        ring otherwise and above that size), "direct" (like auto, but an
+        error where a peer is not reachable) or "ring".
     channels: most channels one collective uses; None: all daemon blocks.
     max_tags: tag records per rank (tags pending at once); None: twice
         max_outstanding.
@@ -61,6 +64,9 @@ class CommOptions:
         every peer's whole input in one phase instead of two.
     bytes_per_channel: a collective uses one channel per this many bytes
         (at least one, at most `channels`).
+    staged_max_bytes: largest collective (bytes one rank moves) that takes
+        the direct path across processes; larger ones take the ring.  Each
+        tag holds up to twice this much staging while it is bound.
     """
 
     path: str = "auto"
@@ -71,6 +77,7 @@ class CommOptions:
     max_slice_bytes: int | None = None
     one_shot_bytes: int | None = None
     bytes_per_channel: int | None = None
+    staged_max_bytes: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -94,4 +101,5 @@ class CommOptions:
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else (512 << 10 if gpu else 64 << 10),
             one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
+            staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
         )

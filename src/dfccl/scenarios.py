@@ -291,3 +291,75 @@ def run(comms, specs: list[Spec], orders: list[list[int]], *, rng=None, threads:
                 res[inst.spec.tag] += w.stats["resumes"]
     return Report(time.perf_counter() - t0, len(specs) * rounds, pre, res,
                   [[specs[i].tag for i in order] for order in orders])
+
+
+# -- one rank per process ------------------------------------------------------------
+def rank_inputs(spec: Spec, nranks: int, seed: int) -> list[np.ndarray]:
+    """Every rank's input of ``spec``, the same in every process for one seed."""
+    rng = np.random.default_rng(seed)
+    in_count = spec.count * (nranks if spec.kind == "reduce_scatter" else 1)
+    return [random_input(rng, spec.dtype, in_count, spec.op) for _ in range(nranks)]
+
+
+def expected_output(spec: Spec, inputs: list[np.ndarray], rank: int) -> np.ndarray | None:
+    """What ``rank`` must hold after ``spec`` (None: its output is not written)."""
+    if spec.kind == "all_reduce":
+        return reduce_reference(inputs, spec.op)
+    if spec.kind == "all_gather":
+        return np.concatenate(inputs)
+    if spec.kind == "reduce_scatter":
+        return reduce_reference(inputs, spec.op)[rank * spec.count:(rank + 1) * spec.count]
+    if spec.kind == "broadcast":
+        return inputs[spec.root]
+    return reduce_reference(inputs, spec.op) if rank == spec.root else None
+
+
+class RankInstance:
+    """One rank's part of ``spec`` in a communicator whose other ranks live in
+    other processes: fresh inputs drawn from ``seed``, poisoned output."""
+
+    def __init__(self, spec: Spec, comm, seed: int, in_place: bool = False):
+        n, r = comm.world_size, comm.rank
+        self.spec, self.comm = spec, comm
+        self.inputs = rank_inputs(spec, n, seed)
+        out_count = spec.count * (n if spec.kind == "all_gather" else 1)
+        self.in_place = in_place and spec.kind != "reduce"
+        if self.in_place:
+            if spec.kind == "all_gather":
+                full = np.full(out_count, SENTINEL, dtype=spec.dtype)
+                full[r * spec.count:(r + 1) * spec.count] = self.inputs[r]
+                self.recv = arrays.from_numpy(comm.backend, comm.device, full)
+                self.send = self.recv[r * spec.count:(r + 1) * spec.count]
+            else:
+                self.send = arrays.from_numpy(comm.backend, comm.device, self.inputs[r])
+                self.recv = self.send[r * spec.count:(r + 1) * spec.count] if spec.kind == "reduce_scatter" \
+                    else self.send
+        else:
+            self.send = arrays.from_numpy(comm.backend, comm.device, self.inputs[r])
+            self.recv = arrays.empty(comm.backend, comm.device, out_count, spec.dtype, fill=SENTINEL)
+        self.work = None
+
+    def submit(self):
+        s, c = self.spec, self.comm
+        if s.kind == "all_reduce":
+            self.work = c.all_reduce(self.send, self.recv, op=s.op, tag=s.tag)
+        elif s.kind == "all_gather":
+            self.work = c.all_gather(self.send, self.recv, tag=s.tag)
+        elif s.kind == "reduce_scatter":
+            self.work = c.reduce_scatter(self.send, self.recv, op=s.op, tag=s.tag)
+        elif s.kind == "broadcast":
+            self.work = c.broadcast(self.send, self.recv, root=s.root, tag=s.tag)
+        else:
+            self.work = c.reduce(self.send, self.recv, op=s.op, root=s.root, tag=s.tag)
+        return self.work
+
+    def verify(self) -> None:
+        s, r, n = self.spec, self.comm.rank, self.comm.world_size
+        want = expected_output(s, self.inputs, r)
+        got = arrays.to_numpy(self.recv)
+        if want is None:
+            if not np.all(got == np.array(SENTINEL, dtype=s.dtype)):
+                raise AssertionError(f"{s.tag}: reduce wrote the output of non-root rank {r}")
+            return
+        assert_close(got, want, s.dtype, s.op, n, f"{s.kind} {s.tag!r} {s.dtype} {s.op} count={s.count} rank {r}"
+                     f"{' in place' if self.in_place else ''} path {self.comm.path}")

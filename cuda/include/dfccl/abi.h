@@ -70,6 +70,9 @@ enum dfccl_status {
 #define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce small enough for one phase; taken
                                        only if every rank is out of place */
 #define DFCCL_TASK_ARMED 2u         /* may run at once (not stream-ordered) */
+#define DFCCL_TASK_STAGED 4u        /* direct path across processes: peers read copies of this
+                                       rank's buffers in its arena (fifo_offset), not the
+                                       buffers themselves, which they cannot map */
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -81,7 +84,8 @@ typedef struct dfccl_task_desc {
   uint64_t tag_key;       /* 64-bit hash of (communicator, tag) */
   uint64_t instance;      /* this rank's k-th use of the tag, from 1 */
   uint64_t reserved0;     /* zero */
-  uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena */
+  uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena;
+                             staged direct path: its staging (input copy, then output copy) */
   uint32_t endpoint;      /* index into the endpoint table */
   uint32_t bucket;        /* this rank's tag record index */
   uint32_t slot;          /* completion slot */
@@ -238,7 +242,11 @@ typedef struct dfccl_daemon_args {
  * owner waits on is written by a peer (flags live at the waiter). */
 typedef struct dfccl_record_header {
   uint64_t key;           /* tag key; 0 = never used */
-  uint64_t pad[15];
+  /* owner's daemon only: where the peers' records of this tag were last met
+     (as mapped here), valid while cache_key is the record's key */
+  uint64_t cache_key;
+  uint64_t peer_rec[DFCCL_PEER_CACHE];
+  uint64_t pad[6];
 } dfccl_record_header;
 
 typedef struct dfccl_chan_state {
@@ -246,8 +254,8 @@ typedef struct dfccl_chan_state {
   uint64_t ready;         /* token(key, instance) once the fields below are valid */
   uint64_t signature;     /* kind|dtype|op|root|nchannels|nranks */
   uint64_t count;
-  uint64_t send_addr;     /* direct path */
-  uint64_t recv_addr;     /* direct path */
+  uint64_t send_addr;     /* direct path (staged: offset in the owner's arena) */
+  uint64_t recv_addr;     /* direct path (staged: offset in the owner's arena) */
   uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO;
                              direct path: 1 if this rank's collective is in place */
   uint64_t chain_token;   /* owner's daemon only: token of the latest instance of
