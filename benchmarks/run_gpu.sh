@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
-#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp chaos latency bench mpbench preempt all
+#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp chaos latency bench mpbench hostpath preempt all
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}
@@ -46,6 +46,9 @@ if has bench; then
 fi
 if has mpbench; then
   step mpbench ${MPBENCH_LIMIT:-240} $PY benchmarks/bench_processes.py --out "$OUT" ${MPBENCH_ARGS:-}
+fi
+if has hostpath; then
+  step hostpath ${HOSTPATH_LIMIT:-120} $PY benchmarks/bench_host_path.py --out "$OUT/hostpath.json" ${HOSTPATH_ARGS:-}
 fi
 if has preempt; then
   step preempt ${PREEMPT_LIMIT:-120} $PY benchmarks/bench_preemption.py --out "$OUT" ${PREEMPT_ARGS:-}
