@@ -5,7 +5,9 @@
 // they queue up and each one was measured to take tens of microseconds, which
 // every scheduler pass paid.  So host memory is read by one block at a time
 // (whichever block's scheduler pass takes the link lock first, at most once
-// per kLinkPollNs), which copies what it finds into device memory:
+// per kLinkPollNs; a block that is running collectives takes it only when no
+// idle block has for kLinkBusyPollNs, so the PCIe round trips stay off the
+// critical path of a run), which copies what it finds into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
 //   - new submission-queue entries, into the device ring;
 //   - the endpoints' abort flags, when the abort epoch moved.
@@ -17,6 +19,7 @@
 namespace dfccl {
 
 constexpr uint64_t kLinkPollNs = 1000;
+constexpr uint64_t kLinkBusyPollNs = 20000;
 
 // Copies ring entries [from, to) host -> device.  One round trip per entry:
 // its six 16-byte words are independent loads.
@@ -35,13 +38,14 @@ DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t 
 }
 
 // The leader of any block, once per scheduler pass.  Returns at once unless
-// this block gets the link and kLinkPollNs have passed since the last read.
-DFCCL_DEV void poll_host_link(const BlockEnv &env) {
+// this block gets the link and kLinkPollNs (kLinkBusyPollNs for a block that
+// ran a task in its last pass) have passed since the last read.
+DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   const uint64_t now = now_ns();
   const uint64_t last = load_gpu(&st->link_poll_ns);
-  if (now >= last && now - last < kLinkPollNs) return;
+  if (now >= last && now - last < (busy && a->nblocks > 1 ? kLinkBusyPollNs : kLinkPollNs)) return;
   if (!try_lock_gpu(&st->link_busy)) return;
   store_gpu(&st->link_poll_ns, now);
   // sq_tail .. abort_epoch: three independent 16-byte reads.

@@ -200,10 +200,11 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   }
   dfccl_block_profile *prof = &st->profile[block];
   uint64_t picked_ns = 0;
+  bool busy = false;  // leader: this block ran a task in its last pass
   for (;;) {
     if (is_leader()) {
       const uint64_t t0 = now_ns();
-      poll_host_link(env);
+      poll_host_link(env, busy);
       if (++policy.passes >= kPolicyRefreshPasses) {
         policy.passes = 0;
         policy.base_window_ns = load_gpu(&st->base_window_ns);
@@ -215,6 +216,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
       sm->quit = should_quit(env, policy, now) ? 1u : 0u;
       sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
+      busy = sm->pick != kNoTask;
       picked_ns = now_ns();
       prof->passes += 1;
       prof->pull_ns += now - t0;
