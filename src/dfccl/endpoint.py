@@ -91,6 +91,13 @@ class Endpoint:
                                         arenas, arenas)
         return direct
 
+    def unlink_export(self) -> None:
+        """Drops the name peers in other processes open this rank's arena by
+        (a shared-memory file in the simulator), once they all have mapped it:
+        nothing is left behind however this process ends."""
+        if self.shareable and self.arena:
+            self.backend.unlink_export(self.arena)
+
     # -- staging -------------------------------------------------------------------
     def alloc_fifo(self, nbytes: int) -> int:
         off = self.staging.alloc(nbytes)
@@ -118,6 +125,7 @@ class Endpoint:
             except Exception:
                 pass
         self._imported = []
+        self.unlink_export()
         if self.id is not None:
             self.ctx.remove_endpoint(self.id)
             self.id = None
