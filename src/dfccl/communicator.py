@@ -96,6 +96,10 @@ def _check_options(backend, options, context_options) -> None:
         raise InvalidArgumentError("context_options must be a dfccl.ContextOptions or None, not "
                                    f"{type(context_options).__name__}")
 
+# Marks an argument that a kind of collective does not take (None is a value
+# users pass, and must be rejected as a root or op).
+_UNUSED = object()
+
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
                KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce"}
 
@@ -382,18 +386,18 @@ class Communicator:
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
-        return self._prepare(KIND_ALL_REDUCE, count, dtype, op, None, tag)
+        return self._prepare(KIND_ALL_REDUCE, count, dtype, op, _UNUSED, tag)
 
     def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
         """``count``: elements each rank contributes."""
-        return self._prepare(KIND_ALL_GATHER, count, dtype, None, None, tag)
+        return self._prepare(KIND_ALL_GATHER, count, dtype, _UNUSED, _UNUSED, tag)
 
     def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
         """``count``: elements each rank receives."""
-        return self._prepare(KIND_REDUCE_SCATTER, count, dtype, op, None, tag)
+        return self._prepare(KIND_REDUCE_SCATTER, count, dtype, op, _UNUSED, tag)
 
     def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
-        return self._prepare(KIND_BROADCAST, count, dtype, None, root, tag)
+        return self._prepare(KIND_BROADCAST, count, dtype, _UNUSED, root, tag)
 
     def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
         return self._prepare(KIND_REDUCE, count, dtype, op, root, tag)
@@ -401,7 +405,9 @@ class Communicator:
     def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
         what = f"prepare_{_KIND_NAMES[kind]}"
         self._check_open()
-        if root is not None:
+        if root is _UNUSED:
+            root = 0
+        else:
             self._check_root(root, what)
         self._check_tag(tag, what)
         try:
@@ -410,7 +416,7 @@ class Communicator:
         except InvalidArgumentError as exc:
             exc.rank = self._rank
             raise
-        return Plan(self, kind, count, dtype, ReduceOp.SUM if op is None else self._op(op, what), root or 0, tag)
+        return Plan(self, kind, count, dtype, ReduceOp.SUM if op is _UNUSED else self._op(op, what), root, tag)
 
     # -- lifetime ------------------------------------------------------------------------
     def abort(self) -> None:
