@@ -9,7 +9,7 @@ rank that blocks on a collective its peer has not issued waits forever
 (device_sync).  Unlike NCCL on a GPU, gloo runs each group's collectives on
 that group's own threads, so the two-group scenarios complete.
 
-The module is loaded from its file so that these tests need neither the
+The installed module is loaded from its file so that these tests need neither the
 compiled dfccl extensions nor a GPU; they need torch (CPU build is enough) and
 skip without it."""
 
@@ -26,7 +26,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-_PATH = Path(__file__).resolve().parents[1] / "src" / "dfccl" / "nccl_reference.py"
+# The installed module's file, found without importing the dfccl package.
+_PATH = Path(next(iter(importlib.util.find_spec("dfccl").submodule_search_locations))) / "nccl_reference.py"
 _spec = importlib.util.spec_from_file_location("_nccl_reference_under_test", _PATH)
 nr = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = nr

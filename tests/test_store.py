@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import multiprocessing
 import pickle
 import secrets
@@ -12,27 +13,26 @@ import sys
 import threading
 import time
 import types
-from pathlib import Path
 
 import pytest
 
-_SRC = Path(__file__).resolve().parents[1] / "src"
-
-
 def _import_modules():
-    """Imports dfccl.store and dfccl.unique_id, falling back to a bare package
-    when the package ``__init__`` cannot be imported in this environment."""
-    if str(_SRC) not in sys.path:
-        sys.path.insert(0, str(_SRC))
+    """Imports dfccl.store and dfccl.unique_id from the installed dfccl (any
+    kind of install), falling back to a bare package over the installed
+    sources when the package ``__init__`` cannot be imported here (no
+    compiled extensions): these modules are pure Python."""
     names = ("dfccl.errors", "dfccl.store", "dfccl.unique_id")
     try:
         return [importlib.import_module(n) for n in names]
     except Exception:
+        spec = importlib.util.find_spec("dfccl")   # locates the package without running its __init__
+        if spec is None or not spec.submodule_search_locations:
+            raise
         for name in list(sys.modules):
             if name == "dfccl" or name.startswith("dfccl."):
                 del sys.modules[name]
         pkg = types.ModuleType("dfccl")
-        pkg.__path__ = [str(_SRC / "dfccl")]
+        pkg.__path__ = list(spec.submodule_search_locations)
         sys.modules["dfccl"] = pkg
         return [importlib.import_module(n) for n in names]
 

@@ -507,7 +507,9 @@ def test_as_buffer_shapes():
     assert as_buffer(a[1]).ptr == a.ctypes.data + 5 * 4
     assert as_buffer(a[1:3]).count == 10
     assert as_buffer(a[:, None, :]).count == 20, "size-1 dimensions do not break contiguity"
-    assert as_buffer(np.float64(3.0) * np.ones(())).count == 1
+    assert as_buffer(np.full((), 3.0)).count == 1, "a 0-d array owns its memory"
+    with pytest.raises(InvalidArgumentError, match="numpy scalar"):
+        as_buffer(np.float64(3.0) * np.ones(()))   # a numpy scalar: its export is a temporary copy
     assert as_buffer(np.zeros((0, 3), np.int8)[:, ::2]).count == 0
     for bad in (np.asfortranarray(a), a[:, 1], a[::2], a.T, np.zeros(10, np.int32)[::-1]):
         with pytest.raises(InvalidArgumentError, match="contiguous"):

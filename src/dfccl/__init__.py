@@ -9,7 +9,8 @@ from dfccl._native.context import Work
 from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
-                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError)
+                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError,
+                          StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.runtime import default_backend, device_count, device_synchronize, shutdown
 from dfccl.types import DataType, ReduceOp
@@ -38,6 +39,7 @@ __all__ = [
     "PeerAbortedError",
     "AbortedError",
     "CollectiveTimeoutError",
+    "StartupTimeoutError",
     "ResourceError",
     "BackendError",
     "ClosedError",

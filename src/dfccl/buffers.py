@@ -4,6 +4,8 @@ arrays (``__cuda_array_interface__``: CuPy, PyTorch, Numba) and DLPack."""
 from __future__ import annotations
 
 import ctypes
+import numbers
+import sys
 from dataclasses import dataclass
 
 from dfccl.errors import InvalidArgumentError
@@ -40,10 +42,16 @@ class Buffer:
         held until then)."""
         from dfccl.types import as_data_type
 
-        if count < 0 or ptr < 0:
-            raise InvalidArgumentError("ptr and count must be >= 0")
+        for name, value in (("ptr", ptr), ("count", count)) + ((("device", device),) if device is not None else ()):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InvalidArgumentError(f"Buffer.from_pointer: {name} must be an int, not "
+                                           f"{type(value).__name__} ({value!r})")
+            if value < 0:
+                raise InvalidArgumentError(f"Buffer.from_pointer: {name} must be >= 0, not {value}")
+        if ptr == 0 and count > 0:
+            raise InvalidArgumentError(f"Buffer.from_pointer: ptr is NULL but count is {count}")
         return cls(int(ptr), int(count), as_data_type(dtype), CPU if device is None else CUDA,
-                   -1 if device is None else int(device), readonly, owner)
+                   -1 if device is None else int(device), bool(readonly), owner)
 
     def view(self, offset_elems: int, count: int) -> "Buffer":
         return Buffer(self.ptr + offset_elems * self.dtype.itemsize, count, self.dtype, self.kind, self.device,
@@ -82,10 +90,23 @@ def _from_cuda_array_interface(obj, cai, what: str) -> Buffer:
     return Buffer(int(ptr), count, dtype, CUDA, device, bool(readonly), obj)
 
 
+def _is_numpy_scalar(obj) -> bool:
+    np = sys.modules.get("numpy")   # a numpy scalar implies numpy is imported
+    return np is not None and isinstance(obj, np.generic)
+
+
 def _from_array_interface(obj, ai, what: str) -> Buffer:
     descr = getattr(getattr(obj, "dtype", None), "name", None)
     dtype = dtype_from_typestr(ai["typestr"], descr)
-    ptr, readonly = ai["data"]
+    data = ai.get("data")
+    # The protocol also allows data as a buffer object (or None: the object's
+    # own buffer); such a view can be a copy, so only (pointer, read-only) is
+    # trusted to be the object's own memory.
+    if not (isinstance(data, tuple) and len(data) == 2):
+        raise InvalidArgumentError(f"{what}: {type(obj).__name__} does not expose a pointer to its memory "
+                                   "(__array_interface__ 'data' is not a (pointer, read-only) pair); pass a numpy "
+                                   "array")
+    ptr, readonly = data
     count = _contiguous_count(ai["shape"], ai.get("strides"), dtype.itemsize, what)
     return Buffer(int(ptr), count, dtype, CPU, -1, bool(readonly), obj)
 
@@ -137,6 +158,13 @@ def as_buffer(obj: object, what: str = "buffer") -> Buffer:
     dfccl cannot use (non-contiguous, unsupported dtype, unknown object)."""
     if isinstance(obj, Buffer):
         return obj
+    if _is_numpy_scalar(obj):
+        # Its array interface exports a temporary copy: a collective would
+        # write into (or read from) memory freed at once, and never update
+        # the scalar.
+        raise InvalidArgumentError(f"{what}: a numpy scalar ({type(obj).__name__}) has no memory a collective can "
+                                   "use; pass an array (e.g. np.array([x]) or a 0-d np.asarray(x)) and read the "
+                                   "result from it")
     try:
         cai = obj.__cuda_array_interface__
     except (AttributeError, TypeError):
@@ -149,4 +177,5 @@ def as_buffer(obj: object, what: str = "buffer") -> Buffer:
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(obj, what)
     raise InvalidArgumentError(f"{what}: {type(obj).__name__} is not an array (expected an object with "
-                               "__cuda_array_interface__, __array_interface__ or __dlpack__)")
+                               "__cuda_array_interface__, __array_interface__ or __dlpack__); pass an array, e.g. "
+                               "a numpy array, not a Python number, bytes or list")

@@ -9,8 +9,9 @@ peers."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import numbers
-import os
 import secrets
 import threading
 import time
@@ -18,17 +19,85 @@ from typing import Sequence
 
 from dfccl import runtime
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                   KIND_REDUCE_SCATTER, TaskDescriptor, Work)
+                                   KIND_REDUCE_SCATTER, MAX_RANKS, TaskDescriptor, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.endpoint import Endpoint
-from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError
+from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
+                          PeerAbortedError, StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
+from dfccl.store import StoreUnreachableError
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
 from dfccl.types import DataType, ReduceOp, as_data_type, as_reduce_op
+from dfccl.unique_id import UniqueId
 
-__all__ = ["Communicator", "Plan", "BoundPlan"]
+__all__ = ["Communicator", "Plan", "BoundPlan", "DEFAULT_STARTUP_TIMEOUT"]
+
+_log = logging.getLogger("dfccl")
+
+#: Seconds a communicator's start-up may take by default.  Long enough for
+#: ranks that a job launcher starts tens of seconds apart (interpreter, CUDA
+#: and framework start-up), short enough that a rank that never comes is
+#: reported within two minutes rather than looking like a hang.
+DEFAULT_STARTUP_TIMEOUT = 120.0
+#: Seconds between start-up progress lines (logger "dfccl", INFO).
+STARTUP_LOG_INTERVAL = 5.0
+
+
+def _check_int(name: str, value, minimum: int | None = None) -> int:
+    """An int (numpy integers too), never a bool or a float that happens to be whole."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, not {value}")
+    return value
+
+
+def _check_seconds(name: str, value, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number of seconds, not {type(value).__name__} ({value!r})")
+    t = float(value)
+    if not math.isfinite(t) or t < 0 or (positive and t == 0):
+        raise InvalidArgumentError(f"{name} must be finite and {'> 0' if positive else '>= 0'} seconds, not {value!r}")
+    return t
+
+
+def _publish_failure(store, prefix: str, rank: int, exc: BaseException, ep: bool) -> None:
+    """Tells the other ranks that this one's start-up failed, so that they
+    fail at once (PeerAbortedError naming it) instead of at their deadline."""
+    failure = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+    try:
+        if ep:
+            store.set(f"{prefix}/ep/{rank}", failure)
+        store.set(f"{prefix}/ready/{rank}", failure)
+    except Exception:
+        pass  # the store is gone too: peers will time out, naming this rank
+
+
+def _tell_peers(unique_id: UniqueId, rank: int, exc: BaseException, deadline: float) -> None:
+    """_publish_failure for a rank that failed before reaching the store."""
+    try:
+        with unique_id.connect(timeout=min(max(deadline - time.monotonic(), 0.05), 5.0)) as store:
+            _publish_failure(store, f"comm/{unique_id.comm_key():016x}", rank, exc, True)
+    except Exception:
+        pass
+
+
+def _check_options(backend, options, context_options) -> None:
+    if backend is not None and not isinstance(backend, str):
+        raise InvalidArgumentError(f"backend must be 'cuda', 'sim' or None, not {type(backend).__name__} "
+                                   f"({backend!r})")
+    if options is not None and not isinstance(options, CommOptions):
+        raise InvalidArgumentError(f"options must be a dfccl.CommOptions or None, not {type(options).__name__}")
+    if context_options is not None and not isinstance(context_options, ContextOptions):
+        raise InvalidArgumentError("context_options must be a dfccl.ContextOptions or None, not "
+                                   f"{type(context_options).__name__}")
+
+# Marks an argument that a kind of collective does not take (None is a value
+# users pass, and must be rejected as a root or op).
+_UNUSED = object()
 
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
                KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce"}
@@ -60,23 +129,118 @@ class Communicator:
     them; without a tag, the k-th untagged collective of this communicator.
     """
 
-    def __init__(self, unique_id, rank: int, world_size: int, *, device: int | None = None,
+    def __init__(self, unique_id: UniqueId, rank: int, world_size: int, *, device: int | None = None,
                  backend: str | None = None, options: CommOptions | None = None,
-                 context_options: ContextOptions | None = None, timeout: float = 300.0):
-        if not 0 <= rank < world_size:
-            raise InvalidArgumentError(f"rank {rank} is outside 0..{world_size - 1}")
+                 context_options: ContextOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
+        """``timeout``: seconds that start-up may take in all (reaching the
+        store, every rank arriving, every rank mapping its peers); past it,
+        StartupTimeoutError names the ranks that did not arrive."""
+        if not isinstance(unique_id, UniqueId):
+            raise InvalidArgumentError(f"unique_id must be a dfccl.UniqueId, not {type(unique_id).__name__} "
+                                       "(decode a shared string with UniqueId.from_string)")
+        world_size = _check_int("world_size", world_size, 1)
+        if world_size > MAX_RANKS:
+            raise InvalidArgumentError(f"world_size {world_size} is above the {MAX_RANKS} ranks a communicator "
+                                       "supports")
+        rank = _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise InvalidArgumentError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
+        if device is not None:
+            device = _check_int("device", device, 0)
+        _check_options(backend, options, context_options)
+        timeout = _check_seconds("timeout", timeout, positive=True)
+        deadline = time.monotonic() + timeout
         backend = runtime.resolve_backend(backend)
         if device is None:
             device = rank % runtime.device_count(backend) if backend == "cuda" else rank
-        self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
-                         shareable=True)
-        with unique_id.connect(timeout=timeout) as store:
-            prefix = f"comm/{unique_id.comm_key():016x}"
-            store.set(f"{prefix}/ep/{rank}", json.dumps(self._endpoint.describe()).encode())
-            peers = [json.loads(store.get(f"{prefix}/ep/{p}", timeout=timeout)) for p in range(world_size)]
+        try:
+            self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
+                             shareable=True)
+        except DfcclError as exc:
+            _tell_peers(unique_id, rank, exc, deadline)
+            raise
         self._group = _Group(1)
         self._group_closes_memory = False  # peers in other processes may still map our arena
-        self._finish_init(peers)
+        published = [False]
+        try:
+            self._bootstrap(unique_id, timeout, deadline, published)
+        except BaseException:
+            # Once published, peers may hold our arena's address: keep the
+            # memory, drop only the shared-memory name.
+            self._closed = True
+            self._endpoint.release(free_memory=not published[0])
+            raise
+        # Every peer has mapped our arena: its name is no longer needed.
+        self._endpoint.unlink_export()
+
+    def _bootstrap(self, unique_id: UniqueId, timeout: float, deadline: float, published: list) -> None:
+        """Exchanges arena descriptors through the store, maps every peer, and
+        waits until every peer has mapped us, all before ``deadline``.  A rank
+        that fails tells the others through the store, so they fail at once
+        instead of at their deadline."""
+        rank = self._rank
+        prefix = f"comm/{unique_id.comm_key():016x}"
+        try:
+            store = unique_id.connect(timeout=max(deadline - time.monotonic(), 0.05))
+        except StoreUnreachableError as exc:
+            raise StartupTimeoutError(
+                f"rank {rank}: communicator start-up timed out after {timeout:g} s: could not reach the rendezvous "
+                f"store at {unique_id.host}:{unique_id.port}; it runs in the process that called UniqueId.create(), "
+                f"which has not started it yet or has exited ({exc})", rank=rank) from None
+        with store:
+            try:
+                store.set(f"{prefix}/ep/{rank}", json.dumps(self._endpoint.describe()).encode())
+                published[0] = True
+                peers = self._gather(store, prefix, "ep", timeout, deadline)
+                self._finish_init(peers)
+                store.set(f"{prefix}/ready/{rank}", b"{}")
+                self._gather(store, prefix, "ready", timeout, deadline)
+            except BaseException as exc:
+                _publish_failure(store, prefix, rank, exc, not published[0])
+                raise
+
+    def _gather(self, store, prefix: str, phase: str, timeout: float, deadline: float) -> list[dict]:
+        """Every rank's value of ``phase``, waiting until ``deadline`` at most
+        (one deadline for the whole start-up, not one per peer), logging who is
+        still missing every few seconds."""
+        rank, n = self._rank, self._size
+        keys = [f"{prefix}/{phase}/{p}" for p in range(n)]
+        got: dict[int, dict] = {}
+        start = deadline - timeout
+        next_log = time.monotonic() + STARTUP_LOG_INTERVAL
+        doing, did = ("arrive", "arrived") if phase == "ep" else ("map their peers' memory", "mapped its peers")
+        while True:
+            pending = [p for p in range(n) if p not in got]
+            try:
+                store.wait([keys[p] for p in pending],
+                           timeout=max(0.0, min(deadline, next_log) - time.monotonic()))
+            except CollectiveTimeoutError:
+                pass
+            for p in pending:   # which of them are here now
+                try:
+                    value = json.loads(store.get(keys[p], timeout=0))
+                except CollectiveTimeoutError:
+                    continue
+                if "error" in value:
+                    raise PeerAbortedError(f"rank {rank}: communicator start-up failed on rank {p}: {value['error']}",
+                                           rank=rank, origin=p)
+                got[p] = value
+                _log.debug("rank %d: communicator start-up: rank %d %s (%.1f s)", rank, p, did,
+                           time.monotonic() - start)
+            missing = [p for p in range(n) if p not in got]
+            if not missing:
+                return [got[p] for p in range(n)]
+            now = time.monotonic()
+            if now >= deadline:
+                arrived = sorted(got)
+                what = "have not arrived" if phase == "ep" else "arrived but have not mapped their peers' memory"
+                raise StartupTimeoutError(
+                    f"rank {rank}: communicator start-up timed out after {timeout:g} s: ranks {missing} {what} "
+                    f"(ranks {arrived} have)", rank=rank, missing_ranks=missing, arrived_ranks=arrived)
+            if now >= next_log:
+                _log.info("rank %d: communicator start-up: waiting for ranks %s to %s (%.0f s of %g s)", rank,
+                          missing, doing, now - start, timeout)
+                next_log = now + STARTUP_LOG_INTERVAL
 
     @classmethod
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
@@ -84,9 +248,20 @@ class Communicator:
         """One communicator per entry of ``devices``, all in this process (rank
         i on devices[i]; a device may appear several times).  Like
         ncclCommInitAll."""
-        devices = list(devices)
+        try:
+            if isinstance(devices, (str, bytes)):
+                raise TypeError
+            devices = list(devices)
+        except TypeError:
+            raise InvalidArgumentError(f"devices must be a sequence of device numbers, not {type(devices).__name__}") \
+                from None
+        devices = [_check_int(f"devices[{i}]", d, 0) for i, d in enumerate(devices)]
         if not devices:
             raise InvalidArgumentError("for_devices needs at least one device")
+        if len(devices) > MAX_RANKS:
+            raise InvalidArgumentError(f"for_devices got {len(devices)} devices; a communicator has at most "
+                                       f"{MAX_RANKS} ranks")
+        _check_options(backend, options, context_options)
         backend = runtime.resolve_backend(backend)
         comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
         comms = []
@@ -173,13 +348,15 @@ class Communicator:
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        self._check_tag(tag, "all_reduce")
         s, r = self._pair(send, recv, "all_reduce")
         self._same_shape(s, r, s.count, "all_reduce")
-        return self._submit(KIND_ALL_REDUCE, s, r, s.count, self._op(op), 0, tag, stream)
+        return self._submit(KIND_ALL_REDUCE, s, r, s.count, self._op(op, "all_reduce"), 0, tag, stream)
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
         In place when send is that slice of recv."""
+        self._check_tag(tag, "all_gather")
         s, r = self._pair(send, recv, "all_gather")
         self._same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
         return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
@@ -187,16 +364,18 @@ class Communicator:
     def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv
         size).  In place when recv is that slice of send."""
+        self._check_tag(tag, "reduce_scatter")
         s, r = self._pair(send, recv, "reduce_scatter")
         if s.count != r.count * self._size:
             raise InvalidArgumentError(f"reduce_scatter: send has {s.count} elements, expected {self._size} x recv "
                                        f"({r.count}) = {r.count * self._size}", rank=self._rank, tag=tag)
         self._check_dtype(s, r, "reduce_scatter")
-        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op), 0, tag, stream)
+        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op, "reduce_scatter"), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
         """recv = send of ``root``.  recv=None: in place (send is the buffer)."""
         self._check_root(root, "broadcast")
+        self._check_tag(tag, "broadcast")
         s, r = self._pair(send, recv, "broadcast")
         self._same_shape(s, r, s.count, "broadcast")
         return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
@@ -205,29 +384,45 @@ class Communicator:
         """recv on ``root`` = op over ranks of send; other ranks' recv is not
         written (may be None).  recv=None on root: in place."""
         self._check_root(root, "reduce")
-        s, r = self._pair(send, recv, "reduce")
+        self._check_tag(tag, "reduce")
+        # Only the root's recv is written: another rank's may be read-only.
+        s, r = self._pair(send, recv, "reduce", writes_recv=root == self._rank)
         self._same_shape(s, r, s.count, "reduce")
-        return self._submit(KIND_REDUCE, s, r, s.count, self._op(op), root, tag, stream)
+        return self._submit(KIND_REDUCE, s, r, s.count, self._op(op, "reduce"), root, tag, stream)
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
-        return Plan(self, KIND_ALL_REDUCE, count, dtype, self._op(op), 0, tag)
+        return self._prepare(KIND_ALL_REDUCE, count, dtype, op, _UNUSED, tag)
 
     def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
         """``count``: elements each rank contributes."""
-        return Plan(self, KIND_ALL_GATHER, count, dtype, ReduceOp.SUM, 0, tag)
+        return self._prepare(KIND_ALL_GATHER, count, dtype, _UNUSED, _UNUSED, tag)
 
     def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
         """``count``: elements each rank receives."""
-        return Plan(self, KIND_REDUCE_SCATTER, count, dtype, self._op(op), 0, tag)
+        return self._prepare(KIND_REDUCE_SCATTER, count, dtype, op, _UNUSED, tag)
 
     def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
-        self._check_root(root, "broadcast")
-        return Plan(self, KIND_BROADCAST, count, dtype, ReduceOp.SUM, root, tag)
+        return self._prepare(KIND_BROADCAST, count, dtype, _UNUSED, root, tag)
 
     def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
-        self._check_root(root, "reduce")
-        return Plan(self, KIND_REDUCE, count, dtype, self._op(op), root, tag)
+        return self._prepare(KIND_REDUCE, count, dtype, op, root, tag)
+
+    def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
+        what = f"prepare_{_KIND_NAMES[kind]}"
+        self._check_open()
+        if root is _UNUSED:
+            root = 0
+        else:
+            self._check_root(root, what)
+        self._check_tag(tag, what)
+        try:
+            count = _check_int(f"{what}: count", count, 0)
+            dtype = as_data_type(dtype)
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+        return Plan(self, kind, count, dtype, ReduceOp.SUM if op is _UNUSED else self._op(op, what), root, tag)
 
     # -- lifetime ------------------------------------------------------------------------
     def abort(self) -> None:
@@ -242,6 +437,7 @@ class Communicator:
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
         synchronize() first to finish them).  Idempotent."""
+        timeout = _check_seconds("close: timeout", timeout)
         if self._closed:
             return
         ep = self._endpoint
@@ -280,17 +476,28 @@ class Communicator:
             raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
 
     def _check_root(self, root, what):
-        if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < self._size:
+        if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+            raise InvalidArgumentError(f"{what}: root must be an int rank, not {type(root).__name__} ({root!r})",
+                                       rank=self._rank)
+        if not 0 <= root < self._size:
             raise InvalidArgumentError(f"{what}: root {root!r} is outside 0..{self._size - 1}", rank=self._rank)
 
-    def _op(self, op) -> ReduceOp:
+    def _check_tag(self, tag, what: str) -> None:
+        # str and int tags are the common case: no hashing twice for them.
+        if tag is None or type(tag) is str or type(tag) is int:
+            return
+        try:
+            tag_key(self._comm_key, tag)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{what}: tag {tag!r} is not valid: {exc}", rank=self._rank) from None
+
+    def _op(self, op, what: str | None = None) -> ReduceOp:
         try:
             return as_reduce_op(op)
         except InvalidArgumentError as exc:
-            exc.rank = self._rank
-            raise
+            raise InvalidArgumentError(f"{what + ': ' if what else ''}op: {exc}", rank=self._rank) from None
 
-    def _pair(self, send, recv, what) -> tuple[Buffer, Buffer]:
+    def _pair(self, send, recv, what, writes_recv: bool = True) -> tuple[Buffer, Buffer]:
         try:
             s = as_buffer(send, f"{what} send")
             r = s if recv is None else as_buffer(recv, f"{what} recv")
@@ -299,8 +506,9 @@ class Communicator:
             raise
         for b, name in ((s, "send"), (r, "recv")):
             self._check_memory(b, f"{what} {name}")
-        if r.readonly:
-            raise InvalidArgumentError(f"{what}: the output buffer is read-only", rank=self._rank)
+        if r.readonly and writes_recv:
+            raise InvalidArgumentError(f"{what}: the output buffer ({'send, in place' if r is s else 'recv'}) is "
+                                       "read-only; it must be writable", rank=self._rank)
         return s, r
 
     def _check_memory(self, b: Buffer, what: str):
@@ -389,8 +597,7 @@ class Plan:
     on every rank, or pass a tag."""
 
     def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
-        if count < 0:
-            raise InvalidArgumentError(f"count must be >= 0, not {count}")
+        count = _check_int(f"prepare_{_KIND_NAMES[kind]}: count", count, 0)
         self._comm = comm
         self.kind = _KIND_NAMES[kind]
         self._kind = kind
@@ -408,7 +615,7 @@ class Plan:
 
     def __call__(self, send, recv=None, *, stream=None) -> Work:
         c = self._comm
-        s, r = c._pair(send, recv, self.kind)
+        s, r = c._pair(send, recv, self.kind, writes_recv=self._kind != KIND_REDUCE or self.root == c._rank)
         self._check(s, r)
         return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, self._geometry,
                          self._key)
@@ -440,7 +647,7 @@ class BoundPlan:
 
     def __init__(self, plan: Plan, send, recv, stream):
         c = plan._comm
-        s, r = c._pair(send, recv, plan.kind)
+        s, r = c._pair(send, recv, plan.kind, writes_recv=plan._kind != KIND_REDUCE or plan.root == c._rank)
         plan._check(s, r)
         _check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
         self.plan = plan

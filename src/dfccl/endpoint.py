@@ -121,6 +121,13 @@ class Endpoint:
         err, atomics = driver.cuDeviceGetP2PAttribute(attr, mine, dev)
         return err == driver.CUresult.CUDA_SUCCESS and bool(atomics)
 
+    def unlink_export(self) -> None:
+        """Drops the name peers in other processes open this rank's arena by
+        (a shared-memory file in the simulator), once they all have mapped it:
+        nothing is left behind however this process ends."""
+        if self.shareable and self.arena:
+            self.backend.unlink_export(self.arena)
+
     # -- teardown ----------------------------------------------------------------
     def abort(self) -> None:
         if self.id is not None:
@@ -135,6 +142,7 @@ class Endpoint:
             except Exception:
                 pass
         self._imported = []
+        self.unlink_export()
         if self.id is not None:
             self.ctx.remove_endpoint(self.id)
             self.id = None

@@ -13,6 +13,7 @@ __all__ = [
     "PeerAbortedError",
     "AbortedError",
     "CollectiveTimeoutError",
+    "StartupTimeoutError",
     "ResourceError",
     "BackendError",
     "ClosedError",
@@ -84,6 +85,19 @@ class CollectiveTimeoutError(DfcclError, TimeoutError):
     def __init__(self, message: str, *, rank: int | None = None, tag: object = None, waiting_on: int | None = None) -> None:
         super().__init__(message, rank=rank, tag=tag)
         self.waiting_on = waiting_on
+
+
+class StartupTimeoutError(CollectiveTimeoutError):
+    """Communicator start-up ran out of time.  ``missing_ranks`` are the ranks
+    that had not arrived (or had not finished connecting) when the deadline
+    passed, ``arrived_ranks`` those that had; ``missing_ranks`` is None when
+    the rendezvous store itself could not be reached."""
+
+    def __init__(self, message: str, *, rank: int | None = None, missing_ranks: list[int] | None = None,
+                 arrived_ranks: list[int] | None = None) -> None:
+        super().__init__(message, rank=rank, waiting_on=missing_ranks[0] if missing_ranks else None)
+        self.missing_ranks = missing_ranks
+        self.arrived_ranks = arrived_ranks
 
 
 class ResourceError(DfcclError):

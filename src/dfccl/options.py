@@ -11,6 +11,15 @@ from dfccl.errors import InvalidArgumentError
 __all__ = ["ContextOptions", "CommOptions"]
 
 
+def _check_ints(obj, names: tuple[str, ...]) -> None:
+    """Integer fields are ints (or None where allowed), never bools or floats."""
+    cls = type(obj).__name__
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidArgumentError(f"{cls}.{name} must be an int, not {type(value).__name__} ({value!r})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContextOptions:
     """How the daemon of one device runs.
@@ -38,11 +47,21 @@ class ContextOptions:
     max_endpoints: int = 256
 
     def __post_init__(self):
+        _check_ints(self, ("blocks", "max_outstanding", "base_window_ns", "max_window_ns", "idle_quit_ns",
+                           "relaunch_backoff_ns", "max_endpoints"))
+        for name in ("preemption", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"ContextOptions.{name} must be a bool, not {getattr(self, name)!r}")
         n = self.max_outstanding
         if n < 8 or n & (n - 1):
-            raise InvalidArgumentError(f"max_outstanding must be a power of two >= 8, not {n}")
+            raise InvalidArgumentError(f"ContextOptions.max_outstanding must be a power of two >= 8, not {n}")
         if self.blocks is not None and not 1 <= self.blocks <= 32:
-            raise InvalidArgumentError(f"blocks must be in 1..32, not {self.blocks}")
+            raise InvalidArgumentError(f"ContextOptions.blocks must be in 1..32, not {self.blocks}")
+        if self.max_endpoints < 1:
+            raise InvalidArgumentError(f"ContextOptions.max_endpoints must be >= 1, not {self.max_endpoints}")
+        for name in ("base_window_ns", "max_window_ns", "idle_quit_ns", "relaunch_backoff_ns"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InvalidArgumentError(f"ContextOptions.{name} must be >= 0, not {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,15 +101,25 @@ class CommOptions:
 
     def __post_init__(self):
         if self.path not in ("auto", "direct", "ring"):
-            raise InvalidArgumentError(f"path must be 'auto', 'direct' or 'ring', not {self.path!r}")
+            raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
+        _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
+                           "one_shot_bytes", "bytes_per_channel"))
         # One slot deadlocks the ring: a step that receives and sends needs the
         # next rank to free its slot first, and the next rank waits likewise.
         if not 2 <= self.ring_slots <= 64:
-            raise InvalidArgumentError(f"ring_slots must be in 2..64, not {self.ring_slots}")
+            raise InvalidArgumentError(f"CommOptions.ring_slots must be in 2..64, not {self.ring_slots}")
         if self.max_slice_bytes is not None and (self.max_slice_bytes < 256 or self.max_slice_bytes % 16):
-            raise InvalidArgumentError(f"max_slice_bytes must be a multiple of 16 and >= 256, not {self.max_slice_bytes}")
+            raise InvalidArgumentError("CommOptions.max_slice_bytes must be a multiple of 16 and >= 256, not "
+                                       f"{self.max_slice_bytes}")
         if self.channels is not None and not 1 <= self.channels <= 32:
-            raise InvalidArgumentError(f"channels must be in 1..32, not {self.channels}")
+            raise InvalidArgumentError(f"CommOptions.channels must be in 1..32, not {self.channels}")
+        if self.max_tags is not None and self.max_tags < 1:
+            raise InvalidArgumentError(f"CommOptions.max_tags must be >= 1, not {self.max_tags}")
+        for name in ("staging_bytes", "one_shot_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InvalidArgumentError(f"CommOptions.{name} must be >= 0, not {getattr(self, name)}")
+        if self.bytes_per_channel is not None and self.bytes_per_channel < 1:
+            raise InvalidArgumentError(f"CommOptions.bytes_per_channel must be >= 1, not {self.bytes_per_channel}")
 
     def resolved(self, backend: str) -> "CommOptions":
         """Fills backend defaults (GPU sizes differ from the simulator's)."""

@@ -77,7 +77,7 @@ INFINITE_NS = 1 << 62
 
 def default_policy(backend: str, options) -> WindowPolicy:
     """Defaults per backend.  GPU: a peer flag round trip is ~2.5 us
-    (DESIGN.md, section 6), so a 20 us base tolerates jitter without holding
+    (measured on 2 x H200: docs/gpu.md), so a 20 us base tolerates jitter without holding
     the SMs long for an absent peer.  Simulator: host threads share few cores
     and are descheduled for milliseconds, so its windows are longer."""
     gpu = backend == "cuda"

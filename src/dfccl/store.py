@@ -38,7 +38,7 @@ from collections.abc import Iterable
 
 from dfccl.errors import BackendError, ClosedError, CollectiveTimeoutError, InvalidArgumentError
 
-__all__ = ["StoreServer", "StoreClient", "MAX_FRAME_SIZE", "MAX_KEY_LENGTH", "PROTOCOL_VERSION"]
+__all__ = ["StoreServer", "StoreClient", "StoreUnreachableError", "MAX_FRAME_SIZE", "MAX_KEY_LENGTH", "PROTOCOL_VERSION"]
 
 PROTOCOL_VERSION = 1
 #: Largest frame either side accepts (tag + header + value).
@@ -77,6 +77,12 @@ _MAX_WAIT = 7 * 24 * 3600.0
 _RESPONSE_GRACE = 30.0
 _MAX_WAIT_KEYS = 65536
 _MIN_SECRET_LEN = 16
+
+
+class StoreUnreachableError(BackendError):
+    """The store could not be reached before the connect timeout (refused,
+    unreachable, never answered): retrying later may succeed, unlike a
+    rejected secret."""
 
 
 class _ProtocolError(Exception):
@@ -624,7 +630,7 @@ class StoreClient:
                     sock.close()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise BackendError(
+                    raise StoreUnreachableError(
                         f"could not connect to the store at {self._addr} within {self._timeout:g} s: {e}"
                     ) from e
                 time.sleep(min(delay, remaining))

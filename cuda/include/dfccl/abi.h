@@ -51,7 +51,7 @@ enum dfccl_op {
   DFCCL_NUM_OPS = 5
 };
 
-/* Data path of one collective (DESIGN.md, "Two data paths"). */
+/* Data path of one collective (docs/architecture.md, "Two data paths"). */
 enum dfccl_path {
   DFCCL_PATH_DIRECT = 0,  /* peers read each other's buffers in place */
   DFCCL_PATH_RING = 1     /* chunks move through per-tag FIFOs, credit flow control */

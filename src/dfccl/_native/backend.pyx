@@ -54,6 +54,12 @@ cdef class Backend:
     def release_import(self, uint64_t ptr):
         raise NotImplementedError
 
+    def unlink_export(self, uint64_t ptr):
+        """Removes the name other processes map exported memory by (call once
+        they all have); the memory stays mapped.  A no-op where exporting
+        leaves no name behind."""
+        pass
+
     # -- peers -------------------------------------------------------------
     def can_access(self, Backend other):
         """Can this device's daemon address ``other``'s memory in place?"""

@@ -33,6 +33,13 @@ cdef uint64_t _buffer_address(object mm) except? 0:
     return <uint64_t><uintptr_t>&view[0]
 
 
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _shm_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
@@ -93,10 +100,7 @@ cdef class SimBackend(Backend):
             free(<void *><uintptr_t>ptr)
             return
         mm, path, _ = entry
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
         try:
             mm.close()
         except BufferError:
@@ -114,10 +118,21 @@ cdef class SimBackend(Backend):
             raise InvalidArgumentError("sim backend: only memory allocated with shareable=True can be exported")
         return {"kind": "sim-shm", "path": entry[1], "size": entry[2]}
 
+    def unlink_export(self, uint64_t ptr):
+        # The file only names the memory for peers still to map it; the pages
+        # live on in every existing mapping, ours included.
+        entry = self._shared.get(ptr)
+        if entry is not None:
+            _unlink(entry[1])
+
     def import_memory(self, desc):
         if desc.get("kind") != "sim-shm":
             raise InvalidArgumentError(f"sim backend cannot map memory of kind {desc.get('kind')!r}")
-        fd = os.open(desc["path"], os.O_RDWR)
+        try:
+            fd = os.open(desc["path"], os.O_RDWR)
+        except FileNotFoundError:
+            raise BackendError(f"sim backend: the shared memory {desc['path']} of a peer is gone (the peer closed, "
+                               "failed or exited during start-up)") from None
         try:
             mm = mmap.mmap(fd, int(desc["size"]))
         finally:
@@ -152,6 +167,10 @@ cdef class SimBackend(Backend):
             with nogil:
                 dfccl_sim_device_destroy(self.dev)
             self.dev = NULL
+        # Runs at interpreter exit (runtime.shutdown): no shared-memory file
+        # may outlive the process.  The mappings stay (views may be alive).
+        for _mm, path, _n in self._shared.values():
+            _unlink(path)
 
     def __dealloc__(self):
         if self.dev != NULL:
