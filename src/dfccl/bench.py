@@ -527,11 +527,18 @@ class _CupyNccl:
         """In place: every thread checks, then times its own loop between barriers."""
         import cupy
 
-        barrier = threading.Barrier(self.n)
+        barrier = threading.Barrier(self.n, timeout=_TIMEOUT_S)
         results: list[dict] = [{} for _ in range(self.n)]
         inputs = case.inputs(_seed(base_seed, case.kind, case, "nccl")) if cfg.check else None
 
         def rank_job(r: int) -> None:
+            try:
+                one_rank(r)
+            except BaseException:
+                barrier.abort()  # the other threads must not wait for this one
+                raise
+
+        def one_rank(r: int) -> None:
             dev = self.devices[r]
             cupy.cuda.Device(dev).use()
             buf = mem.empty(dev, case.out_count if case.kind == "all_gather" else case.in_count, case.dtype)
@@ -662,6 +669,7 @@ def _worker_body(rank: int, cfg: BenchConfig, uid, use_nccl: bool, torch_port: i
             for placement in ("oop", "ip"):
                 row[placement] = _dfccl_rank_case(case, comm, rank, dev, mem, cfg, base_seed, placement, wait)
             if use_nccl:
+                dfccl.device_synchronize(cfg.backend, dev)  # NCCL runs on a GPU the daemon has left
                 row["nccl"] = _torch_rank_case(case, rank, dev, mem, cfg, base_seed, wait)
             results.put(("case", rank, (kind, case.count, row)))
     wait()
@@ -957,6 +965,9 @@ def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple
             for case in case_sizes(cfg, kind):
                 measured = _dfccl_thread_case(case, comms, mem, cfg.devices, cfg, base_seed)
                 if nccl is not None:
+                    # The daemons leave the GPUs when idle; NCCL runs on GPUs they have left.
+                    for dev in sorted(set(cfg.devices)):
+                        dfccl.device_synchronize(cfg.backend, dev)
                     measured["nccl"] = nccl.run_case(case, mem, cfg, base_seed)
                 row = _finish_row(kind, case, measured)
                 rows.append(row)
