@@ -173,3 +173,43 @@ def test_inputs_are_the_same_in_every_process():
             "print(c.inputs(bench._seed(5, 'all_reduce', c, 'oop'))[1].tolist())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(other) == case.inputs(bench._seed(5, "all_reduce", case, "oop"))[1].tolist()
+
+
+def test_submitter_waits_for_the_oldest_when_resources_run_out():
+    """Back-to-back submissions beyond the daemon's slots or staging wait for
+    the oldest pending collective instead of failing."""
+    from dfccl.errors import ResourceError
+
+    pending: list = []
+    log: list[str] = []
+
+    class FakeWork:
+        def __init__(self, i: int):
+            self.i = i
+
+        def synchronize(self, timeout: float) -> None:
+            log.append(f"wait {self.i}")
+            pending.remove(self)
+
+    class FakePlan:
+        submitted = 0
+
+        def __call__(self):
+            if len(pending) >= 2:
+                raise ResourceError("full")
+            FakePlan.submitted += 1
+            w = FakeWork(FakePlan.submitted)
+            pending.append(w)
+            return w
+
+    sub = bench._Submitter([FakePlan()])
+    for _ in range(4):
+        sub.submit()
+    assert log == ["wait 1", "wait 2"]
+    sub.finish()
+    assert log == ["wait 1", "wait 2", "wait 3", "wait 4"] and not pending
+
+    # With nothing of ours pending, the error is real.
+    pending.extend([FakeWork(-1), FakeWork(-2)])
+    with pytest.raises(ResourceError):
+        bench._Submitter([FakePlan()]).submit()

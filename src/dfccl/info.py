@@ -43,8 +43,7 @@ def nccl_version() -> str:
     try:
         import torch
 
-        if torch.cuda.is_available() or hasattr(torch.cuda, "nccl"):
-            found.append(("torch", ".".join(str(x) for x in torch.cuda.nccl.version())))
+        found.append(("torch", ".".join(str(x) for x in torch.cuda.nccl.version())))
     except Exception:
         pass
     try:
