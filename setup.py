@@ -6,6 +6,8 @@
 - Where nvcc is missing the fatbin is skipped; at run time the CUDA backend then
   compiles the shipped sources with NVRTC (cuda.bindings.nvrtc).
 - DFCCL_CUDA_ARCHS overrides the architectures, e.g. "90" or "80;90".
+- DFCCL_SKIP_KERNEL=1 skips the fatbin even where nvcc is present (faster
+  builds, CI without GPUs); the sources are still shipped for NVRTC.
 """
 
 import os
@@ -75,9 +77,15 @@ def extensions():
 
 
 def compile_kernels(out_dir):
-    """nvcc -> daemon.fatbin; returns False (and explains) where nvcc is absent."""
-    if os.environ.get("DFCCL_SKIP_KERNEL"):
-        print("dfccl: DFCCL_SKIP_KERNEL is set: the daemon fatbin is not built (NVRTC at run time)", file=sys.stderr)
+    """nvcc -> daemon.fatbin; returns False (and explains) where nvcc is absent
+    or DFCCL_SKIP_KERNEL is set."""
+    if os.environ.get("DFCCL_SKIP_KERNEL", "") not in ("", "0"):
+        stale = os.path.join(out_dir, "daemon.fatbin")
+        if os.path.exists(stale):
+            # An older build's fatbin would no longer match the shipped sources.
+            os.remove(stale)
+        print("dfccl: DFCCL_SKIP_KERNEL is set: the CUDA backend will compile the daemon with NVRTC at run time",
+              file=sys.stderr)
         return False
     nvcc = nvcc_path()
     if nvcc is None:
@@ -123,6 +131,12 @@ class BuildPy(build_py):
     def run(self):
         super().run()
         copy_kernel_sources(os.path.join(self.build_lib, "dfccl", "_kernels"))
+
+    def find_data_files(self, package, src_dir):
+        # Cython's generated C++ sits next to the .pyx sources; it is a build
+        # product, not part of the installed package.
+        files = super().find_data_files(package, src_dir)
+        return [f for f in files if not f.endswith((".cpp", ".c"))]
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt, "build_py": BuildPy})

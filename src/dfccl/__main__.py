@@ -1,8 +1,8 @@
-"""``python -m dfccl demo`` (also the ``dfccl`` console script)."""
+"""``python -m dfccl demo | bench | info`` (also the ``dfccl`` console script)."""
 
 import sys
 
-from dfccl.demo import main
+from dfccl.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

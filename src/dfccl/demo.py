@@ -7,9 +7,7 @@ correct results, how many times collectives were preempted, and the time."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import numpy as np
 
@@ -93,20 +91,7 @@ def run_demo(backend: str | None = None, devices: list[int] | None = None, path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dfccl", description="dfccl: deadlock-free collective communication")
-    sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="run the deadlock scenarios on the visible GPUs (or the simulator)")
-    demo.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
-    demo.add_argument("--devices", type=str, default=None,
-                      help="comma-separated device numbers, one rank each (default: all GPUs / 4 simulated)")
-    demo.add_argument("--path", choices=("auto", "direct", "ring"), default="auto")
-    demo.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.command != "demo":
-        parser.print_help()
-        return 0 if args.command is None else 2
-    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
-    t0 = time.perf_counter()
-    ok = run_demo(args.backend, devices, args.path, args.seed)
-    print(f"total {time.perf_counter() - t0:.2f} s")
-    return 0 if ok else 1
+    """The ``dfccl`` command (kept here for callers of ``dfccl.demo.main``)."""
+    from dfccl.cli import main as cli_main
+
+    return cli_main(argv)

@@ -1,0 +1,190 @@
+"""The ``dfccl`` command (also ``python -m dfccl``): ``demo``, ``bench``,
+``info`` and ``--version``.
+
+Bad arguments and setup failures (no GPU for ``--backend cuda``, an unknown
+device) end with one line, ``error: ...``, and exit code 2: no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import NoReturn
+
+__all__ = ["main", "build_parser", "UsageError"]
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad command line or a setup the command cannot run on."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr, not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _device_list(text: str) -> list[int]:
+    try:
+        devices = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of device numbers") from None
+    if any(d < 0 for d in devices):
+        raise argparse.ArgumentTypeError(f"device numbers must be >= 0: {text!r}")
+    return devices
+
+
+def _size(text: str) -> int:
+    from dfccl.bench import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _flag01(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 or 1, not {text!r}")
+    return text == "1"
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dfccl import __version__
+    from dfccl.bench import DTYPES, KINDS, OPS
+
+    parser = _Parser(prog="dfccl", description="dfccl: deadlock-free collective communication")
+    parser.add_argument("--version", action="version", version=f"dfccl {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="run the deadlock scenarios on the visible GPUs (or the simulator)")
+    demo.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
+    demo.add_argument("--devices", type=_device_list, default=None,
+                      help="comma-separated device numbers, one rank each (default: all GPUs / 4 simulated)")
+    demo.add_argument("--path", choices=("auto", "direct", "ring"), default="auto")
+    demo.add_argument("--seed", type=int, default=None)
+
+    bench = sub.add_parser("bench", help="collective latency and bandwidth against NCCL (like nccl-tests)",
+                           description="Sweeps sizes from minbytes to maxbytes, checks every size against numpy "
+                                       "and times dfccl (out of place and in place) and NCCL (in place).")
+    bench.add_argument("kind_pos", nargs="?", metavar="KIND", default=None,
+                       help=f"collective: {', '.join(KINDS)} or all (default all_reduce)")
+    bench.add_argument("-k", "--kind", default=None, help="same as KIND")
+    bench.add_argument("-b", "--minbytes", type=_size, default=_size("32M"), help="smallest size (default 32M)")
+    bench.add_argument("-e", "--maxbytes", type=_size, default=_size("32M"), help="largest size (default 32M)")
+    bench.add_argument("-f", "--stepfactor", type=_positive, default=2, help="size multiplier (default 2)")
+    bench.add_argument("-n", "--iters", type=_positive, default=20, help="timed iterations (default 20)")
+    bench.add_argument("-w", "--warmup_iters", type=_positive, default=5, help="warm-up iterations (default 5)")
+    bench.add_argument("-c", "--check", type=_flag01, default=True, help="check results: 0 or 1 (default 1)")
+    bench.add_argument("-d", "--dtype", choices=DTYPES, default="float32")
+    bench.add_argument("-o", "--op", choices=OPS, default="sum")
+    bench.add_argument("-r", "--root", type=_positive, default=0, help="root of broadcast and reduce")
+    bench.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
+    bench.add_argument("--devices", type=_device_list, default=None,
+                       help="comma-separated device numbers, one rank each (default: all GPUs / 2 simulated)")
+    bench.add_argument("--mode", "--procs", dest="mode", choices=("thread", "process"), default="thread",
+                       help="thread: this process drives every GPU; process: one worker process per GPU")
+    bench.add_argument("--path", choices=("auto", "direct", "ring"), default="auto", help="dfccl data path")
+    bench.add_argument("--out", default=".", help="directory of the JSON and PNG results (default .)")
+    bench.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
+
+    sub.add_parser("info", help="versions, GPUs, peer access, kernel image and defaults")
+    return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from dfccl.demo import run_demo
+
+    t0 = time.perf_counter()
+    ok = run_demo(args.backend, args.devices, args.path, args.seed)
+    print(f"total {time.perf_counter() - t0:.2f} s")
+    return 0 if ok else 1
+
+
+def _bench_config(args: argparse.Namespace):
+    from dfccl import runtime
+    from dfccl.bench import KINDS, BenchConfig
+
+    if args.kind_pos is not None and args.kind is not None and args.kind_pos != args.kind:
+        raise UsageError(f"two collectives given: {args.kind_pos!r} and {args.kind!r}")
+    kind = args.kind or args.kind_pos or "all_reduce"
+    kinds = list(KINDS) if kind == "all" else [k.strip() for k in kind.split(",")]
+    backend = runtime.resolve_backend(args.backend)
+    devices = args.devices
+    if devices is None:
+        devices = list(range(runtime.cuda_device_count())) if backend == "cuda" else [0, 1]
+    if backend == "cuda":
+        visible = runtime.cuda_device_count()
+        missing = [d for d in devices if d >= visible]
+        if missing:
+            raise UsageError(f"cuda device {missing[0]} does not exist ({visible} visible)")
+    cfg = BenchConfig(kinds=kinds, min_bytes=args.minbytes, max_bytes=args.maxbytes, step_factor=args.stepfactor,
+                      iters=args.iters, warmup=args.warmup_iters, check=args.check, dtype=args.dtype, op=args.op,
+                      root=args.root, backend=backend, devices=devices, mode=args.mode, path=args.path,
+                      out=args.out, nccl=not args.no_nccl, plot=not args.no_plot, progress=not args.no_progress,
+                      seed=args.seed)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return cfg
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from dfccl.bench import run_bench
+
+    doc = run_bench(_bench_config(args))
+    return 0 if doc["wrong_total"] == 0 else 1
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from dfccl.info import print_info
+
+    print_info()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dfccl.bench import WorkerError
+    from dfccl.errors import BackendError, InvalidArgumentError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        run = {"demo": _run_demo, "bench": _run_bench, "info": _run_info}[args.command]
+        return run(args)
+    except (UsageError, BackendError, InvalidArgumentError) as exc:
+        # One line: the first line of the message is the reason.
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    except WorkerError as exc:
+        # A failure inside a worker process: its traceback is the useful part.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``dfccl info``: versions, GPUs, peer access, the daemon kernel image and
+the defaults the daemon runs with.  Prints what it can on a machine without
+a GPU (the simulator's defaults) and never fails on a missing piece."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata, resources
+from typing import TextIO
+
+__all__ = ["collect_info", "print_info", "kernel_image_info", "nccl_version"]
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version() -> str:
+    try:
+        from cuda.bindings import driver
+
+        err, = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return f"not available ({err.name if hasattr(err, 'name') else err})"
+        err, v = driver.cuDriverGetVersion()
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return "unknown"
+        return f"{v // 1000}.{v % 1000 // 10}"
+    except Exception as exc:  # no libcuda, no cuda-bindings
+        return f"not available ({type(exc).__name__})"
+
+
+def nccl_version() -> str:
+    """NCCL as torch, CuPy or an nvidia-nccl wheel provides it, else "not found"."""
+    found = []
+    try:
+        import torch
+
+        found.append(("torch", ".".join(str(x) for x in torch.cuda.nccl.version())))
+    except Exception:
+        pass
+    try:
+        from cupy.cuda import nccl
+
+        v = nccl.get_version()
+        found.append(("cupy", f"{v // 10000}.{v // 100 % 100}.{v % 100}"))
+    except Exception:
+        pass
+    for wheel in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        v = _dist_version(wheel)
+        if v:
+            found.append((wheel, v))
+    if not found:
+        return "not found (torch, cupy and nvidia-nccl are absent)"
+    return ", ".join(f"{v} (via {src})" for src, v in found)
+
+
+def kernel_image_info() -> dict:
+    """Where the daemon fatbin is and which architectures it holds."""
+    path = resources.files("dfccl") / "_kernels" / "daemon.fatbin"
+    if not path.is_file():
+        return {"path": None, "architectures": [],
+                "note": "no fatbin built (nvcc was missing or DFCCL_SKIP_KERNEL=1): the cuda backend compiles "
+                        "the daemon with NVRTC at run time"}
+    info = {"path": str(path), "architectures": [], "note": ""}
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        info["note"] = "architectures unknown (cuobjdump not found)"
+        return info
+    archs: set[str] = set()
+    for flag in ("--list-elf", "--list-ptx"):
+        try:
+            out = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        kind = "ptx" if flag == "--list-ptx" else "sass"
+        archs.update(f"{m} ({kind})" for m in re.findall(r"sm_\d+[a-z]?", out))
+    info["architectures"] = sorted(archs)
+    if not archs:
+        info["note"] = "architectures unknown (cuobjdump listed none)"
+    if os.environ.get("DFCCL_FORCE_NVRTC"):
+        info["note"] = "DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead"
+    return info
+
+
+def _gpus() -> tuple[list[dict], list[list[bool]]]:
+    from dfccl import runtime
+
+    n = runtime.cuda_device_count()
+    if n == 0:
+        return [], []
+    from cuda.bindings import driver
+
+    driver.cuInit(0)
+    attr = driver.CUdevice_attribute
+    gpus, handles = [], []
+    for d in range(n):
+        _, dev = driver.cuDeviceGet(d)
+        handles.append(dev)
+        _, raw = driver.cuDeviceGetName(96, dev)
+        _, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+        _, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+        _, sms = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+        _, mem = driver.cuDeviceTotalMem(dev)
+        gpus.append({"index": d, "name": raw.split(b"\0", 1)[0].decode(), "cc": f"{major}.{minor}", "sms": sms,
+                     "memory_gib": round(mem / (1 << 30), 1), "default_blocks": max(1, min(32, sms // 4))})
+    peer = [[i == j or bool(driver.cuDeviceCanAccessPeer(handles[i], handles[j])[1]) for j in range(n)]
+            for i in range(n)]
+    return gpus, peer
+
+
+def _defaults(backend: str) -> dict:
+    from dfccl.options import CommOptions, ContextOptions
+    from dfccl.policy import default_policy
+
+    pol = default_policy(backend, ContextOptions())
+    comm = CommOptions().resolved(backend)
+    return {"blocks": "a quarter of the SMs, at most 32" if backend == "cuda" else "2",
+            "base_window_us": pol.base_window_ns / 1000, "window_range_us": (pol.min_base_ns / 1000,
+                                                                              pol.max_base_ns / 1000),
+            "max_window_us": pol.max_window_ns / 1000, "idle_quit_us": pol.idle_quit_ns / 1000,
+            "max_outstanding": ContextOptions().max_outstanding, "staging_mib": comm.staging_bytes / (1 << 20),
+            "one_shot_kib": comm.one_shot_bytes / 1024, "bytes_per_channel_kib": comm.bytes_per_channel / 1024}
+
+
+def collect_info() -> dict:
+    import dfccl
+    from dfccl import runtime
+
+    try:
+        gpus, peer = _gpus()
+        gpu_error = None
+    except Exception as exc:
+        gpus, peer, gpu_error = [], [], f"{type(exc).__name__}: {exc}"
+    try:
+        default = runtime.default_backend()
+    except Exception as exc:
+        default = f"unknown ({exc})"
+    return {
+        "versions": {"dfccl": dfccl.__version__, "python": sys.version.split()[0],
+                     "numpy": _dist_version("numpy"), "cuda-bindings": _dist_version("cuda-bindings"),
+                     "cuda driver": _driver_version(), "nccl": nccl_version(),
+                     "ml_dtypes": _dist_version("ml-dtypes") or "not installed (numpy bfloat16 needs it)"},
+        "default_backend": default,
+        "gpus": gpus,
+        "gpu_error": gpu_error,
+        "peer_access": peer,
+        "kernel": kernel_image_info(),
+        "defaults": {b: _defaults(b) for b in (("cuda", "sim") if gpus else ("sim",))},
+    }
+
+
+def print_info(out: TextIO = sys.stdout) -> dict:
+    info = collect_info()
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p("versions:")
+    for name, v in info["versions"].items():
+        p(f"  {name:14} {v if v is not None else 'not installed'}")
+    p(f"default backend: {info['default_backend']}")
+    if info["gpus"]:
+        p(f"GPUs: {len(info['gpus'])}")
+        for g in info["gpus"]:
+            p(f"  cuda:{g['index']}  {g['name']}  cc {g['cc']}  {g['sms']} SMs  {g['memory_gib']} GiB  "
+              f"default daemon blocks {g['default_blocks']}")
+        n = len(info["gpus"])
+        p("peer access (row: from, column: to):")
+        p("        " + " ".join(f"{j:>4}" for j in range(n)))
+        for i, row in enumerate(info["peer_access"]):
+            p(f"  {i:>4}  " + " ".join(f"{'yes' if ok else 'no':>4}" for ok in row))
+    else:
+        p("GPUs: none visible" + (f" ({info['gpu_error']})" if info["gpu_error"] else "")
+          + "; the sim backend runs simulated GPUs on host threads")
+    k = info["kernel"]
+    p(f"kernel image: {k['path'] or 'none'}")
+    if k["architectures"]:
+        p(f"  architectures: {', '.join(k['architectures'])}")
+    if k["note"]:
+        p(f"  {k['note']}")
+    for backend, d in info["defaults"].items():
+        p(f"defaults ({backend}):")
+        p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")
+        p(f"  preemption window: base {d['base_window_us']:g} us (adapts within {d['window_range_us'][0]:g}.."
+          f"{d['window_range_us'][1]:g} us), at most {d['max_window_us']:g} us; idle quit {d['idle_quit_us']:g} us")
+        p(f"  ring staging {d['staging_mib']:g} MiB per rank; one-shot all_reduce up to {d['one_shot_kib']:g} KiB; "
+          f"one channel per {d['bytes_per_channel_kib']:g} KiB")
+    return info

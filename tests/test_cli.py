@@ -1,0 +1,215 @@
+"""The ``dfccl`` command: bench (both modes, on the simulator), info, --version
+and one-line errors for bad arguments."""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dfccl import bench
+
+SWEEP = ["--backend", "sim", "-b", "8", "-e", "1M", "-f", "8", "-n", "2", "-w", "1", "--no-progress"]
+SIZES = [8, 64, 512, 4096, 32768, 262144]
+
+
+def dfccl_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dfccl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, kinds: list[str]) -> dict:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    text = proc.stdout
+    for col in ("out-of-place", "in-place", "algbw", "busbw", "#wrong", "redop", "root", "ratio"):
+        assert col in text
+    assert "NCCL: not available (no GPU/torch)" in text
+    assert "# Out of bounds values : 0 OK" in text
+    [path] = glob.glob(os.path.join(out_dir, "dfccl-bench-*.json"))
+    doc = json.load(open(path))
+    assert doc["mode"] == mode and doc["backend"] == "sim" and doc["devices"] == [0, 1]
+    assert doc["versions"]["dfccl"] == importlib.metadata.version("dfccl")
+    assert doc["host"] and doc["date"] and len(doc["gpus"]) == 2
+    assert [r["kind"] for r in doc["rows"]] == [k for k in kinds for _ in SIZES]
+    # all_gather / reduce_scatter sizes are whole per-rank buffers: the sweep's sizes survive for 2 ranks.
+    assert [r["size"] for r in doc["rows"]] == SIZES * len(kinds)
+    data_rows = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(data_rows) == len(doc["rows"])
+    for row in doc["rows"]:
+        for placement in ("out_of_place", "in_place"):
+            assert row[placement]["wrong"] == 0, row
+            assert row[placement]["time_us"] > 0 and row[placement]["busbw"] >= 0
+        assert row["nccl"] is None and row["ratio"] is None
+    pngs = glob.glob(os.path.join(out_dir, "dfccl-bench-*.png"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(pngs) == 1 and open(pngs[0], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not pngs and "plot skipped" in text
+    return doc
+
+
+def test_bench_thread_mode(tmp_path):
+    proc = dfccl_cmd("bench", "all", *SWEEP, "--devices", "0,1", "--out", str(tmp_path))
+    check_bench_output(proc, tmp_path, "thread", list(bench.KINDS))
+
+
+def test_bench_process_mode(tmp_path):
+    proc = dfccl_cmd("bench", "-k", "all_reduce", *SWEEP, "--mode", "process", "--devices", "0,1",
+                     "--out", str(tmp_path))
+    doc = check_bench_output(proc, tmp_path, "process", ["all_reduce"])
+    assert doc["dfccl"]["path"] == "ring"  # ranks in different processes
+
+
+def test_bench_unchecked_reports_na(tmp_path):
+    proc = dfccl_cmd("bench", "broadcast", "--backend", "sim", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                     "-c", "0", "--no-plot", "--no-progress", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    [row] = [line for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert row.split()[:5] == ["1024", "256", "float32", "none", "0"]
+    assert "N/A" in row
+
+
+@pytest.mark.parametrize("args", [
+    ["demo", "--devices", "a"],
+    ["demo", "--backend", "gpu"],
+    ["bench", "--backend", "sim", "-b", "1X"],
+    ["bench", "--backend", "sim", "nope"],
+    ["bench", "--backend", "sim", "-c", "2"],
+    ["bench", "--backend", "sim", "-b", "1M", "-e", "1K"],
+    ["bench", "--backend", "sim", "--devices", "0"],
+    ["bench", "--backend", "sim", "--mode", "process", "--path", "direct"],
+    ["bench", "--backend", "sim", "-d", "complex64"],
+    ["nosuchcommand"],
+])
+def test_bad_arguments_are_one_line(args):
+    proc = dfccl_cmd(*args, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+def test_cuda_backend_without_gpu_is_one_line():
+    from dfccl import runtime
+
+    if runtime.cuda_device_count() > 0:
+        pytest.skip("a GPU is visible")
+    for args in (["bench", "--backend", "cuda"], ["demo", "--backend", "cuda"]):
+        proc = dfccl_cmd(*args, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == ["error: the cuda backend needs a visible GPU and the CUDA driver"]
+
+
+def test_version_matches_metadata():
+    proc = dfccl_cmd("--version", timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"dfccl {importlib.metadata.version('dfccl')}"
+    import dfccl
+
+    assert dfccl.__version__ == importlib.metadata.version("dfccl")
+
+
+def test_info_without_traceback():
+    proc = dfccl_cmd("info", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert f"dfccl          {importlib.metadata.version('dfccl')}" in out
+    assert "cuda-bindings" in out and "kernel image:" in out and "defaults (sim):" in out
+    assert "daemon blocks per device: 2" in out
+
+
+# -- units -----------------------------------------------------------------------------------
+def test_parse_and_format_size():
+    assert [bench.parse_size(s) for s in ("8", "1K", "64k", "1M", "2G", "1MB", "1MiB", "1.5K")] == \
+        [8, 1024, 65536, 1 << 20, 2 << 30, 1 << 20, 1 << 20, 1536]
+    for bad in ("", "x", "1X", "0", "0.5"):
+        with pytest.raises(ValueError):
+            bench.parse_size(bad)
+    assert [bench.format_size(n) for n in (8, 1024, 3 << 20, 1000)] == ["8", "1K", "3M", "1000"]
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bench.bus_factor("all_reduce", 4) == 1.5
+    assert bench.bus_factor("all_gather", 4) == bench.bus_factor("reduce_scatter", 4) == 0.75
+    assert bench.bus_factor("broadcast", 8) == bench.bus_factor("reduce", 8) == 1.0
+
+
+def test_sweep_drops_sizes_that_round_alike():
+    cfg = bench.BenchConfig(kinds=["all_gather"], min_bytes=1, max_bytes=64, step_factor=2, devices=[0, 1, 2, 3])
+    cases = bench.case_sizes(cfg, "all_gather")
+    # float32 on 4 ranks: below 16 bytes every size is one element per rank.
+    assert [c.nbytes for c in cases] == [16, 32, 64]
+    assert [c.count for c in cases] == [1, 2, 4]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint64", "float16", "float32", "float64"])
+@pytest.mark.parametrize("kind", bench.KINDS)
+def test_poisoned_outputs_are_all_wrong(kind, dtype):
+    """An output nobody writes must count every element wrong; the right
+    answer none."""
+    case = bench.Case.for_size(kind, 256, 2, dtype, "sum", 0)
+    inputs = case.inputs(np.random.SeedSequence(7))
+    assert all(np.any(x != 0) for x in inputs)
+    want = case.expected(inputs, 0)
+    _, recv = case.initial(inputs, 0, False, want)
+    assert bench.count_wrong(recv, want, dtype, "sum", 2) == want.size
+    assert bench.count_wrong(want.copy(), want, dtype, "sum", 2) == 0
+    if kind == "all_gather":
+        buf, _ = case.initial(inputs, 1, True, case.expected(inputs, 1))
+        assert bench.count_wrong(buf, case.expected(inputs, 1), dtype, "sum", 2) == case.count  # rank 0's part
+
+
+def test_inputs_are_the_same_in_every_process():
+    case = bench.Case.for_size("all_reduce", 64, 2, "int32", "sum", 0)
+    code = ("import numpy as np; from dfccl import bench; "
+            "c = bench.Case.for_size('all_reduce', 64, 2, 'int32', 'sum', 0); "
+            "print(c.inputs(bench._seed(5, 'all_reduce', c, 'oop'))[1].tolist())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(other) == case.inputs(bench._seed(5, "all_reduce", case, "oop"))[1].tolist()
+
+
+def test_submitter_waits_for_the_oldest_when_resources_run_out():
+    """Back-to-back submissions beyond the daemon's slots or staging wait for
+    the oldest pending collective instead of failing."""
+    from dfccl.errors import ResourceError
+
+    pending: list = []
+    log: list[str] = []
+
+    class FakeWork:
+        def __init__(self, i: int):
+            self.i = i
+
+        def synchronize(self, timeout: float) -> None:
+            log.append(f"wait {self.i}")
+            pending.remove(self)
+
+    class FakePlan:
+        submitted = 0
+
+        def __call__(self):
+            if len(pending) >= 2:
+                raise ResourceError("full")
+            FakePlan.submitted += 1
+            w = FakeWork(FakePlan.submitted)
+            pending.append(w)
+            return w
+
+    sub = bench._Submitter([FakePlan()])
+    for _ in range(4):
+        sub.submit()
+    assert log == ["wait 1", "wait 2"]
+    sub.finish()
+    assert log == ["wait 1", "wait 2", "wait 3", "wait 4"] and not pending
+
+    # With nothing of ours pending, the error is real.
+    pending.extend([FakeWork(-1), FakeWork(-2)])
+    with pytest.raises(ResourceError):
+        bench._Submitter([FakePlan()]).submit()
