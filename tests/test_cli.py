@@ -64,7 +64,7 @@ def test_bench_process_mode(tmp_path):
     proc = dfccl_cmd("bench", "-k", "all_reduce", *SWEEP, "--mode", "process", "--devices", "0,1",
                      "--out", str(tmp_path))
     doc = check_bench_output(proc, tmp_path, "process", ["all_reduce"])
-    assert doc["dfccl"]["path"] == "ring"  # ranks in different processes
+    assert doc["dfccl"]["path"] == "staged"  # ranks in different processes: the direct path through the arenas
 
 
 def test_bench_unchecked_reports_na(tmp_path):
