@@ -140,7 +140,8 @@ def _all_reduce_ops(rank, ws):
     assert isinstance(pg, dt.ProcessGroupDfccl)
     assert pg.getBackendName() == "dfccl" and dist.get_backend() == "dfccl"
     assert pg.group_name  # torch set it through setGroupName
-    assert pg.communicator().backend == "sim"
+    # The GPU tests run these scenarios with CUDA as torch's default device.
+    assert pg.communicator().backend == ("cuda" if torch.get_default_device().type == "cuda" else "sim")
     ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64):
@@ -259,6 +260,8 @@ def _async_and_futures(rank, ws):
         tensors.append(t)
     for i in reversed(range(8)):  # waited in the opposite order
         assert works[i].wait()
+        if tensors[i].is_cuda:  # wait() made the stream wait; the host catches up here
+            torch.cuda.current_stream().synchronize()
         assert works[i].is_completed() and works[i].is_success()
         assert torch.equal(tensors[i], torch.full((1000,), float(sum(r + i for r in range(ws)))))
     t = torch.full((3,), float(rank))
@@ -318,7 +321,8 @@ class _Net(torch.nn.Module):
 
 def _batch(rank):
     g = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    x, y = torch.randn(6, 8, generator=g, device="cpu"), torch.randn(6, 4, generator=g, device="cpu")
+    return x.to(torch.get_default_device()), y.to(torch.get_default_device())
 
 
 def _ddp(rank, ws, hook: bool):
