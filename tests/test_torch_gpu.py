@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from test_torch_sim import (_all_reduce_ops, _async_and_futures, _ddp_default, _ddp_hook,  # noqa: E402
-                            _functional, _gather_scatter, _unsupported)
+                            _fsdp2, _functional, _gather_scatter, _unsupported)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(120),
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -185,6 +185,10 @@ def test_ddp_gpu():
 
 def test_ddp_tagged_hook_gpu():
     run_gpus(_ddp_hook)
+
+
+def test_fsdp2_gpu():
+    run_gpus(_fsdp2)
 
 
 def test_unsupported_gpu():

@@ -363,6 +363,36 @@ def _ddp_hook(rank, ws):
     _ddp(rank, ws, hook=True)
 
 
+def _fsdp2(rank, ws):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = _Net()
+    torch.manual_seed(0)
+    model = _Net()
+    for layer in (model.a, model.b, model.c):
+        fully_shard(layer)
+    fully_shard(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _batch(rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(ws):
+            xr, yr = _batch(r)
+            (torch.nn.functional.mse_loss(ref(xr), yr) / ws).backward()
+        ref_opt.step()
+    # Parameters are sharded DTensors: gather them (all-gather) and compare.
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+
+
 def _timeouts(rank, ws):
     import dfccl
     import dfccl.torch as dt
@@ -453,6 +483,10 @@ def test_ddp_gradients_match_reference():
 
 def test_ddp_tagged_hook_gradients_match_reference():
     run_ranks(_ddp_hook, 2)
+
+
+def test_fsdp2_matches_reference():
+    run_ranks(_fsdp2, 2)
 
 
 def test_timeouts_are_typed_and_recoverable():
