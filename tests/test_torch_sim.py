@@ -220,6 +220,12 @@ def _gather_scatter(rank, ws):
         dist.reduce(t, dst=root, op=dist.ReduceOp.SUM)
         if rank == root:
             assert torch.equal(t, torch.full((4,), float(sum(range(1, ws + 1)))))
+    # all_gather_coalesced: lists[r][i] receives input i of rank r.
+    lists = [[torch.empty(2), torch.empty(3)] for _ in range(ws)]
+    dist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((3,), -float(rank))])
+    for r in range(ws):
+        assert torch.equal(lists[r][0], torch.full((2,), float(r)))
+        assert torch.equal(lists[r][1], torch.full((3,), -float(r)))
     # Coalesced forms through the coalescing manager.
     a_out, b_out = torch.empty(ws * 2), torch.empty(ws * 3)
     with dist._coalescing_manager(async_ops=True) as cm:
@@ -334,8 +340,9 @@ def _ddp(rank, ws, hook: bool):
     torch.manual_seed(rank)  # different initial weights: DDP must broadcast rank 0's
     net = _Net()
     model = DDP(net, bucket_cap_mb=0.0005)  # tiny buckets: several per step
+    state = dt.TaggedAllreduceState()
     if hook:
-        model.register_comm_hook(dt.TaggedAllreduceState(), dt.tagged_allreduce_hook)
+        model.register_comm_hook(state, dt.tagged_allreduce_hook)
     for p, q in zip(model.module.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -353,6 +360,8 @@ def _ddp(rank, ws, hook: bool):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
         opt.step()
         ref_opt.step()
+    # The hook counted the steps (the last bucket of each step ends it).
+    assert state.step == (3 if hook else 0)
 
 
 def _ddp_default(rank, ws):

@@ -599,7 +599,15 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> DfcclWork:
-        return self._gather_lists(output_lists, input_list, opts, "allgather_coalesced")
+        # Here output_lists[rank][i] receives input i of that rank (allgather's
+        # lists are the other way round: outputs[i][rank]).
+        if len(output_lists) != self._size or any(len(o) != len(input_list) for o in output_lists):
+            raise InvalidArgumentError(f"allgather_coalesced: expected {self._size} output lists of "
+                                       f"{len(input_list)} tensors", rank=self._rank)
+        per_input = [[output_lists[r][i] for r in range(self._size)] for i in range(len(input_list))]
+        work = self._gather_lists(per_input, input_list, opts, "allgather_coalesced")
+        work._result_fn = lambda: [list(o) for o in output_lists]
+        return work
 
     # -- reduce-scatter ---------------------------------------------------------------
     def _scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
