@@ -1,0 +1,806 @@
+"""``torch.distributed`` backend: ``import dfccl.torch`` then
+``dist.init_process_group(backend="dfccl")``.
+
+Each process group gets one dfccl :class:`~dfccl.Communicator` per kind of
+memory it moves: "cuda" for CUDA tensors (device = the tensor's ordinal) and
+"sim" for CPU tensors (simulated GPU = this process's global rank).  Ranks of a
+group share a :class:`~dfccl.UniqueId` through the group's store.
+
+Stream semantics (CUDA): a collective is ordered after the current stream at
+call time and never blocks the host; ``Work.wait()`` makes the current stream
+wait for it.  CPU tensors (the simulator) have no streams: ``wait()`` blocks
+until the collective completes.  See docs/torch.md.
+"""
+
+# No "from __future__ import annotations": DDP inspects the hook's annotations
+# and wants the classes themselves.
+import hashlib
+import itertools
+import os
+import queue
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+import dfccl
+from dfccl.buffers import Buffer
+from dfccl.errors import (CollectiveTimeoutError, DfcclError, ErrorCode, InvalidArgumentError)
+from dfccl.types import as_data_type
+
+__all__ = [
+    "BACKEND_NAME",
+    "ProcessGroupDfccl",
+    "DfcclWork",
+    "TaggedAllreduceState",
+    "tagged_allreduce_hook",
+    "NotSupportedError",
+    "TorchCollectiveTimeoutError",
+    "create_process_group",
+]
+
+BACKEND_NAME = "dfccl"
+
+#: Environment variable forcing the memory kind of a group's first
+#: communicator ("cuda" or "sim"); default: "cuda" where torch and dfccl see a
+#: GPU, else "sim".
+BACKEND_ENV = "DFCCL_TORCH_BACKEND"
+
+_UID_KEY = "dfccl/uid"
+_DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class NotSupportedError(DfcclError, NotImplementedError):
+    """An operation torch.distributed offers that dfccl does not implement
+    (point-to-point, all-to-all, bitwise reductions, graph capture)."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class TorchCollectiveTimeoutError(CollectiveTimeoutError, dist.DistBackendError):
+    """A collective did not complete within the timeout: both dfccl's
+    :class:`~dfccl.CollectiveTimeoutError` and torch's ``DistBackendError``
+    (what torch's own backends raise on timeouts)."""
+
+
+# -- reductions ------------------------------------------------------------------
+
+_OPS = {
+    dist.ReduceOp.RedOpType.SUM: "sum",
+    dist.ReduceOp.RedOpType.PRODUCT: "prod",
+    dist.ReduceOp.RedOpType.MIN: "min",
+    dist.ReduceOp.RedOpType.MAX: "max",
+    dist.ReduceOp.RedOpType.AVG: "avg",
+}
+
+
+def _reduce_op(op: Any) -> tuple[str, float | None]:
+    """(dfccl op, premultiply factor or None) for a torch ReduceOp."""
+    kind = op.op if hasattr(op, "op") else op
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise InvalidArgumentError("PREMUL_SUM needs a factor (use dist._make_nccl_premul_sum(factor))")
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return "sum", float(factor)
+    try:
+        return _OPS[kind], None
+    except (KeyError, TypeError):
+        raise NotSupportedError(f"reduction {kind} is not supported by dfccl (supported: SUM, PRODUCT, MIN, MAX, "
+                                "AVG, PREMUL_SUM; bitwise BAND/BOR/BXOR are not)") from None
+
+
+# -- tensors ---------------------------------------------------------------------
+
+def _buffer(t: torch.Tensor, what: str) -> Buffer:
+    """dfccl view of a contiguous tensor, built from data_ptr so that neither
+    DLPack's stream handshake nor a missing bfloat16 typestr gets in the way."""
+    try:
+        dtype = as_data_type(str(t.dtype))
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"{what}: dtype {t.dtype} is not supported by dfccl (supported: int8, uint8, "
+                                   "int32, uint32, int64, uint64, float16, bfloat16, float32, float64)") from None
+    device = t.device.index if t.is_cuda else None
+    return Buffer.from_pointer(t.data_ptr(), t.numel(), dtype, device=device, owner=t)
+
+
+def _contiguous(t: torch.Tensor, copy_back: list) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy; outputs that got a
+    copy are recorded in ``copy_back`` to be written back after completion."""
+    if t.is_contiguous():
+        return t
+    tmp = t.contiguous()
+    copy_back.append((t, tmp))
+    return tmp
+
+
+def _seconds(timeout: Any) -> float | None:
+    """Seconds of a timedelta; None for torch's 'unset' values (0 or negative)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
+def _map_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, CollectiveTimeoutError) and not isinstance(exc, TorchCollectiveTimeoutError):
+        mapped = TorchCollectiveTimeoutError(str(exc), rank=exc.rank, tag=exc.tag, waiting_on=exc.waiting_on)
+        mapped.__cause__ = exc
+        return mapped
+    return exc
+
+
+# -- completion thread -----------------------------------------------------------
+
+class _Completer:
+    """Completes torch futures of CPU (simulator) collectives.  Runs apart from
+    dfccl's progress thread: future callbacks are user code and may block."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dfccl-torch-completer", daemon=True)
+                self._thread.start()
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception as exc:  # never let the thread die
+                import warnings
+                warnings.warn(f"dfccl.torch completion: {exc!r}", RuntimeWarning)
+
+
+_completer = _Completer()
+
+
+# -- work ------------------------------------------------------------------------
+
+class DfcclWork(dist._Work):
+    """The torch Work of one torch collective (one or more dfccl collectives).
+
+    Keeps every tensor the collective touches alive until completion is
+    observed.  CUDA: ``wait()`` makes the current stream wait, without
+    blocking the host (with an explicit timeout it blocks the host, like
+    torch's NCCL backend).  CPU: ``wait()`` blocks until completion."""
+
+    def __init__(self, works: list, outputs: list[torch.Tensor], *, cuda: bool, device: int | None,
+                 finish: Callable[[], None] | None = None, keepalive: object = None,
+                 timeout: float | None = None, host_blocking: bool = False,
+                 result: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+        self._cuda = cuda
+        self._device = device
+        self._finish = finish
+        self._keepalive = keepalive
+        self._timeout = timeout
+        self._host_blocking = host_blocking
+        self._result_fn = result
+        self._finished = False
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future | None = None
+        self._error: BaseException | None = None
+
+    # Post-processing (copy-back of non-contiguous outputs, list outputs) runs
+    # once: on CUDA on the stream that waited, on CPU after completion.
+    def _run_finish(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            fn, self._finish = self._finish, None
+        if fn is not None:
+            fn()
+        self._keepalive = None
+
+    def _synchronize(self, timeout: float | None) -> None:
+        try:
+            for w in self._works:
+                w.synchronize(timeout)
+        except BaseException as exc:
+            raise _map_error(exc) from exc.__cause__
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = _seconds(timeout)
+        if not self._cuda or self._host_blocking or seconds is not None:
+            self._synchronize(seconds if seconds is not None else self._timeout)
+        if self._cuda:
+            stream = torch.cuda.current_stream(self._device)
+            for w in self._works:
+                w.wait(stream)
+        self._run_finish()
+        return True
+
+    def synchronize(self) -> None:
+        """Blocks the host until the collective completes (and, on CUDA, until
+        the current stream has caught up with it)."""
+        self.wait()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def is_completed(self) -> bool:
+        return all(w.done() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(w.exception() is None for w in self._works)
+
+    def exception(self) -> BaseException | None:  # type: ignore[override]
+        for w in self._works:
+            exc = w.exception()
+            if exc is not None:
+                return _map_error(exc)
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def _value(self) -> Any:
+        return self._result_fn() if self._result_fn is not None else self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            if self._cuda:
+                # Stream-ordered: the future's value is ready once the current
+                # stream (which waits for the collective) reaches this point.
+                fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+            else:
+                fut = torch.futures.Future()
+            self._future = fut
+        if self._cuda:
+            self.wait()
+            fut.set_result(self._value())
+            return fut
+        remaining = [len(self._works)]
+        count_lock = threading.Lock()
+
+        def complete() -> None:
+            exc = self.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+                return
+            try:
+                self._run_finish()
+            except BaseException as e:
+                fut.set_exception(e)
+                return
+            fut.set_result(self._value())
+
+        def one_done(_w: Any) -> None:
+            with count_lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                _completer.post(complete)
+
+        if not self._works:
+            _completer.post(complete)
+        for w in self._works:
+            w.add_done_callback(one_done)
+        return fut
+
+    @property
+    def dfccl_works(self) -> list:
+        """The dfccl :class:`~dfccl.Work` objects behind this work (stats, tags)."""
+        return list(self._works)
+
+
+# -- the process group -------------------------------------------------------------
+
+def _derived_uid(uid: dfccl.UniqueId, kind: str) -> dfccl.UniqueId:
+    """Same store, another communicator: one UniqueId (one store server) per
+    group serves both its cuda and its sim communicator."""
+    sub = hashlib.blake2b(uid.uid + kind.encode(), digest_size=16).digest()
+    return dfccl.UniqueId(uid.host, uid.port, uid.secret, sub)
+
+
+def _default_kind() -> str:
+    env = os.environ.get(BACKEND_ENV, "").strip()
+    if env:
+        if env not in ("cuda", "sim"):
+            raise InvalidArgumentError(f"{BACKEND_ENV} must be 'cuda' or 'sim', not {env!r}")
+        return env
+    if torch.cuda.is_available():
+        try:
+            if dfccl.runtime.cuda_device_count() > 0:
+                return "cuda"
+        except DfcclError:
+            pass
+    return "sim"
+
+
+class ProcessGroupDfccl(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose collectives run on dfccl.
+
+    Created by ``dist.init_process_group("dfccl")`` / ``dist.new_group(...,
+    backend="dfccl")``; the communicator for the group's default memory kind
+    is created at once (a collective rendezvous, as group creation is), the
+    other kind's on first use."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta | None = None) -> None:
+        # The (store, rank, size) constructor refuses Python subclasses in
+        # torch 2.13 ("not an alias instance"); the store is kept here instead.
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._store = store
+        self._timeout = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 \
+            else _DEFAULT_TIMEOUT
+        self._group_name = ""
+        self._group_desc = ""
+        self._comms: dict[str, dfccl.Communicator] = {}
+        self._comm_lock = threading.Lock()
+        self._closed = False
+        self._uid = self._exchange_uid()
+        self._default_kind = _default_kind()
+        self._communicator(self._default_kind, self._default_device(self._default_kind))
+
+    # -- identity ------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupDfccl {self._group_name or '?'} rank {self._rank}/{self._size}>"
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    # -- communicators -------------------------------------------------------------
+    def _exchange_uid(self) -> dfccl.UniqueId:
+        if self._rank == 0:
+            uid = dfccl.UniqueId.create()
+            self._store.set(_UID_KEY, str(uid))
+            return uid
+        self._store.wait([_UID_KEY], self._timeout)
+        value = self._store.get(_UID_KEY)
+        return dfccl.UniqueId.from_string(value.decode() if isinstance(value, bytes) else value)
+
+    def _default_device(self, kind: str) -> int:
+        if kind == "cuda":
+            return torch.cuda.current_device()
+        # One simulated GPU per process (like one GPU per process on CUDA): every
+        # group of this process shares its daemon context.
+        return dist.get_rank() if dist.is_initialized() else self._rank
+
+    def _communicator(self, kind: str, device: int) -> dfccl.Communicator:
+        key = kind
+        with self._comm_lock:
+            if self._closed:
+                raise dfccl.ClosedError(f"process group {self._group_name!r} is shut down", rank=self._rank)
+            comm = self._comms.get(key)
+            if comm is None:
+                uid = self._uid if kind == self._default_kind else _derived_uid(self._uid, kind)
+                comm = dfccl.Communicator(uid, self._rank, self._size, device=device, backend=kind,
+                                          timeout=self._timeout.total_seconds())
+                self._comms[key] = comm
+        if comm.device != device:
+            raise InvalidArgumentError(f"process group {self._group_name!r} runs on {kind}:{comm.device}; got a "
+                                       f"tensor on {kind}:{device} (one device per rank, like NCCL)",
+                                       rank=self._rank)
+        return comm
+
+    def _comm_for(self, t: torch.Tensor) -> dfccl.Communicator:
+        if t.is_cuda:
+            return self._communicator("cuda", t.device.index)
+        if t.device.type == "cpu":
+            return self._communicator("sim", self._default_device("sim"))
+        raise InvalidArgumentError(f"dfccl moves CUDA tensors (and CPU tensors in the simulator), not "
+                                   f"{t.device.type} tensors", rank=self._rank)
+
+    def communicator(self, device: torch.device | str | None = None) -> dfccl.Communicator:
+        """The dfccl communicator of this group for ``device`` (default: the
+        group's default kind), for the low-level API (tags, plans, stats)."""
+        if device is None:
+            return self._communicator(self._default_kind, self._default_device(self._default_kind))
+        device = torch.device(device)
+        if device.type == "cuda":
+            return self._communicator("cuda", device.index if device.index is not None
+                                      else torch.cuda.current_device())
+        return self._communicator("sim", self._default_device("sim"))
+
+    # -- submission ------------------------------------------------------------------
+    def _launch(self, name: str, tensors: Sequence[torch.Tensor],
+                submit: Callable[[dfccl.Communicator, dict], list], outputs: list[torch.Tensor],
+                opts: Any = None, finish: Callable[[], None] | None = None, keepalive: object = None,
+                host_blocking: bool = False, result: Callable[[], Any] | None = None) -> DfcclWork:
+        """Checks ``tensors`` (all on one device), calls ``submit(comm, kw)``
+        (kw: the stream argument) and wraps the dfccl works it returns."""
+        if not tensors:
+            raise InvalidArgumentError(f"{name}: no tensors", rank=self._rank)
+        first = tensors[0]
+        for t in tensors:
+            if t.device != first.device:
+                raise InvalidArgumentError(f"{name}: tensors on {first.device} and {t.device}; a collective "
+                                           "moves one device's memory", rank=self._rank)
+        comm = self._comm_for(first)
+        cuda = first.is_cuda
+        kw: dict = {}
+        if cuda:
+            if torch.cuda.is_current_stream_capturing():
+                raise NotSupportedError(
+                    f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its "
+                    "own completion word, which a replayed graph would not renew); issue the collective outside "
+                    "torch.cuda.graph", rank=self._rank)
+            kw["stream"] = torch.cuda.current_stream(first.device.index)
+        works = submit(comm, kw)
+        timeout = _seconds(getattr(opts, "timeout", None)) if opts is not None else None
+        return DfcclWork(works, outputs, cuda=cuda, device=first.device.index if cuda else None, finish=finish,
+                         keepalive=keepalive, timeout=timeout or self._timeout.total_seconds(),
+                         host_blocking=host_blocking, result=result)
+
+    @staticmethod
+    def _copy_back(copy_back: list, extra: Callable[[], None] | None = None) -> Callable[[], None] | None:
+        if not copy_back and extra is None:
+            return None
+
+        def finish() -> None:
+            if extra is not None:
+                extra()
+            for dst, src in copy_back:
+                dst.copy_(src)
+        return finish
+
+    def _one(self, tensors: Sequence[torch.Tensor], name: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise InvalidArgumentError(f"{name}: dfccl takes one tensor per rank (got {len(tensors)}); multi-GPU "
+                                       "per process lists are deprecated in torch", rank=self._rank)
+        return tensors[0]
+
+    # -- all-reduce -------------------------------------------------------------------
+    def _all_reduce(self, tensors: Sequence[torch.Tensor], op: Any, opts: Any, tag: Any = None,
+                    name: str = "allreduce") -> DfcclWork:
+        dop, factor = _reduce_op(op)
+        copy_back: list = []
+        bufs = [_contiguous(t, copy_back) for t in tensors]
+
+        def submit(comm, kw):
+            if factor is not None:
+                for b in bufs:  # on the current stream, so before the collective
+                    b.mul_(factor)
+            return [comm.all_reduce(_buffer(b, name), op=dop, tag=tag, **kw) for b in bufs]
+        return self._launch(name, list(tensors), submit, list(tensors), opts, self._copy_back(copy_back),
+                            keepalive=bufs)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
+        t = self._one(tensors, "allreduce")
+        return self._all_reduce([t], opts.reduceOp if opts is not None else dist.ReduceOp.SUM, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
+        return self._all_reduce(list(tensors), opts.reduceOp if opts is not None else dist.ReduceOp.SUM, opts,
+                                name="allreduce_coalesced")
+
+    def tagged_allreduce(self, tensor: torch.Tensor, tag: Any, op: Any = dist.ReduceOp.SUM) -> DfcclWork:
+        """All-reduce matched by ``tag`` instead of call order: the k-th use of
+        a tag on one rank meets the k-th use on every rank, whatever else the
+        ranks issue in between.  The tag (a str, an int, or a tuple of those)
+        must be the same on all ranks."""
+        return self._all_reduce([tensor], op, None, tag=tag, name="tagged_allreduce")
+
+    # -- broadcast / reduce -----------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
+        t = self._one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        copy_back: list = []
+        b = _contiguous(t, copy_back)
+
+        def submit(comm, kw):
+            return [comm.broadcast(_buffer(b, "broadcast"), root=root, **kw)]
+        return self._launch("broadcast", [t], submit, [t], opts, self._copy_back(copy_back), keepalive=b)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
+        t = self._one(tensors, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        dop, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        copy_back: list = []
+        b = _contiguous(t, copy_back)
+
+        def submit(comm, kw):
+            if factor is not None:
+                b.mul_(factor)
+            return [comm.reduce(_buffer(b, "reduce"), op=dop, root=root, **kw)]
+        return self._launch("reduce", [t], submit, [t], opts, self._copy_back(copy_back), keepalive=b)
+
+    # -- all-gather -------------------------------------------------------------------
+    def _gather_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
+                     name: str) -> DfcclWork:
+        pairs = []
+        copy_back: list = []
+        for out, inp in zip(outputs, inputs, strict=True):
+            if out.numel() != inp.numel() * self._size:
+                raise InvalidArgumentError(f"{name}: output has {out.numel()} elements, expected world size "
+                                           f"{self._size} x input ({inp.numel()})", rank=self._rank)
+            pairs.append((_contiguous(out, copy_back), inp.contiguous()))
+
+        def submit(comm, kw):
+            return [comm.all_gather(_buffer(i, name), _buffer(o, name), **kw) for o, i in pairs]
+        return self._launch(name, list(outputs) + list(inputs), submit, list(outputs), opts,
+                            self._copy_back(copy_back), keepalive=pairs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DfcclWork:
+        return self._gather_into([output], [input], opts, "all_gather_into_tensor")
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> DfcclWork:
+        return self._gather_into(list(outputs), list(inputs), opts, "allgather_into_tensor_coalesced")
+
+    # torch >= 2.13 names (dist.all_gather_single / all_gather_into_tensor and
+    # their coalesced forms); earlier releases call the two methods above.
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DfcclWork:
+        return self._gather_into([output], [input], opts, "all_gather_single")
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> DfcclWork:
+        return self._gather_into(list(outputs), list(inputs), opts, "all_gather_single_coalesced")
+
+    def _gather_lists(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any,
+                      name: str) -> DfcclWork:
+        # Each list goes through a flat temporary: one dfccl all-gather per input.
+        flats = []
+        for outs, inp in zip(output_lists, inputs, strict=True):
+            if len(outs) != self._size:
+                raise InvalidArgumentError(f"{name}: {len(outs)} output tensors, expected world size {self._size}",
+                                           rank=self._rank)
+            for o in outs:
+                if o.numel() != inp.numel() or o.dtype != inp.dtype:
+                    raise InvalidArgumentError(f"{name}: every output must match the input ({inp.numel()} x "
+                                               f"{inp.dtype}); got {o.numel()} x {o.dtype}", rank=self._rank)
+            flat = torch.empty(inp.numel() * self._size, dtype=inp.dtype, device=inp.device)
+            flats.append((flat, inp.contiguous(), outs))
+
+        def submit(comm, kw):
+            return [comm.all_gather(_buffer(i, name), _buffer(f, name), **kw) for f, i, _ in flats]
+
+        def finish():
+            for flat, inp, outs in flats:
+                n = inp.numel()
+                for r, o in enumerate(outs):
+                    o.copy_(flat[r * n:(r + 1) * n].view(o.shape))
+        outputs = [o for outs in output_lists for o in outs]
+        return self._launch(name, outputs + list(inputs), submit, outputs, opts, finish, keepalive=flats,
+                            result=lambda: [list(outs) for outs in output_lists])
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> DfcclWork:
+        self._one(input_tensors, "allgather")
+        return self._gather_lists(output_tensors, input_tensors, opts, "allgather")
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> DfcclWork:
+        # Here output_lists[rank][i] receives input i of that rank (allgather's
+        # lists are the other way round: outputs[i][rank]).
+        if len(output_lists) != self._size or any(len(o) != len(input_list) for o in output_lists):
+            raise InvalidArgumentError(f"allgather_coalesced: expected {self._size} output lists of "
+                                       f"{len(input_list)} tensors", rank=self._rank)
+        per_input = [[output_lists[r][i] for r in range(self._size)] for i in range(len(input_list))]
+        work = self._gather_lists(per_input, input_list, opts, "allgather_coalesced")
+        work._result_fn = lambda: [list(o) for o in output_lists]
+        return work
+
+    # -- reduce-scatter ---------------------------------------------------------------
+    def _scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
+                      name: str) -> DfcclWork:
+        dop, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        pairs = []
+        copy_back: list = []
+        for out, inp in zip(outputs, inputs, strict=True):
+            if inp.numel() != out.numel() * self._size:
+                raise InvalidArgumentError(f"{name}: input has {inp.numel()} elements, expected world size "
+                                           f"{self._size} x output ({out.numel()})", rank=self._rank)
+            # The premultiplied input is a copy: the caller's input stays intact.
+            src = inp.contiguous() if factor is None else inp.contiguous().clone()
+            pairs.append((_contiguous(out, copy_back), src))
+
+        def submit(comm, kw):
+            works = []
+            for o, i in pairs:
+                if factor is not None:
+                    i.mul_(factor)
+                works.append(comm.reduce_scatter(_buffer(i, name), _buffer(o, name), op=dop, **kw))
+            return works
+        return self._launch(name, list(outputs) + list(inputs), submit, list(outputs), opts,
+                            self._copy_back(copy_back), keepalive=pairs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DfcclWork:
+        return self._scatter_into([output], [input], opts, "reduce_scatter_tensor")
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> DfcclWork:
+        return self._scatter_into(list(outputs), list(inputs), opts, "reduce_scatter_tensor_coalesced")
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> DfcclWork:
+        return self._scatter_into([output], [input], opts, "reduce_scatter_single")
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> DfcclWork:
+        return self._scatter_into(list(outputs), list(inputs), opts, "reduce_scatter_single_coalesced")
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> DfcclWork:
+        out = self._one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise InvalidArgumentError(f"reduce_scatter: expected one list of {self._size} input tensors",
+                                       rank=self._rank)
+        for i in input_tensors[0]:
+            if i.numel() != out.numel() or i.dtype != out.dtype:
+                raise InvalidArgumentError(f"reduce_scatter: every input must match the output ({out.numel()} x "
+                                           f"{out.dtype}); got {i.numel()} x {i.dtype}", rank=self._rank)
+        # A flat temporary holding the inputs back to back (torch.cat copies on
+        # the current stream, before the collective).
+        flat = torch.cat([i.reshape(-1) for i in input_tensors[0]])
+        return self._scatter_into([out], [flat], opts, "reduce_scatter")
+
+    # -- barrier ----------------------------------------------------------------------
+    def barrier(self, opts: Any = None) -> DfcclWork:
+        device = getattr(opts, "device", None) if opts is not None else None
+        kind = self._default_kind
+        if device is not None and device.type == "cpu":
+            kind = "sim"
+        if kind == "cuda":
+            index = device.index if device is not None and device.type == "cuda" and device.index is not None \
+                else torch.cuda.current_device()
+            t = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+        else:
+            t = torch.zeros(1, dtype=torch.int32)
+
+        def submit(comm, kw):
+            return [comm.all_reduce(_buffer(t, "barrier"), **kw)]
+        # A barrier blocks the host in wait(), as torch's other backends do.
+        return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=True)
+
+    # -- what dfccl does not have (yet) -------------------------------------------------
+    def _missing(self, what: str) -> NotSupportedError:
+        return NotSupportedError(f"{what} is not implemented by dfccl yet (dfccl has all_reduce, all_gather, "
+                                 "reduce_scatter, broadcast and reduce; point-to-point and all-to-all are "
+                                 "missing)", rank=self._rank)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> DfcclWork:
+        raise self._missing("point-to-point send (dist.send / isend / batch_isend_irecv)")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> DfcclWork:
+        raise self._missing("point-to-point recv (dist.recv / irecv / batch_isend_irecv)")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> DfcclWork:
+        raise self._missing("point-to-point recv from any source")
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> DfcclWork:
+        raise self._missing("all-to-all (dist.all_to_all_single)")
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> DfcclWork:
+        raise self._missing("all-to-all (dist.all_to_all_single)")
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> DfcclWork:
+        raise self._missing("all-to-all (dist.all_to_all)")
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> DfcclWork:
+        raise self._missing("gather (rooted, point-to-point based)")
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> DfcclWork:
+        raise self._missing("scatter (rooted, point-to-point based)")
+
+    # -- lifetime ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Closes this group's communicators (collectives still pending are
+        aborted)."""
+        with self._comm_lock:
+            self._closed = True
+            comms, self._comms = list(self._comms.values()), {}
+        for c in comms:
+            c.close()
+        if self._rank == 0:
+            self._uid.close()
+
+    def abort(self) -> None:
+        """Fails every pending collective of this group on this rank without
+        waiting for peers, then closes the communicators."""
+        with self._comm_lock:
+            comms = list(self._comms.values())
+        for c in comms:
+            c.abort()
+        self.shutdown()
+
+
+def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupDfccl:
+    """The creator torch calls for ``backend="dfccl"`` (registered on import)."""
+    return ProcessGroupDfccl(store, rank, size, timeout)
+
+
+# -- DDP communication hook ------------------------------------------------------------
+
+_ddp_ids = itertools.count()
+
+
+class TaggedAllreduceState:
+    """State of :func:`tagged_allreduce_hook`: the process group, the DDP
+    instance id and the step counter.
+
+    ``ddp_id`` names the DDP model in the tags; by default the n-th state
+    created in this process gets n, so create states in the same order on all
+    ranks, or pass the same explicit ``ddp_id`` (an int or str) on all ranks."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, ddp_id: int | str | None = None) -> None:
+        self.process_group = process_group
+        self.ddp_id = next(_ddp_ids) if ddp_id is None else ddp_id
+        self.step = 0
+
+
+# States for hooks registered with a process group (or None) as state.
+_implicit_states: "weakref.WeakKeyDictionary[Any, TaggedAllreduceState]" = weakref.WeakKeyDictionary()
+_implicit_default: dict[int, TaggedAllreduceState] = {}
+
+
+def _state_of(state: Any) -> TaggedAllreduceState:
+    if isinstance(state, TaggedAllreduceState):
+        return state
+    if state is None:
+        pg = dist.distributed_c10d._get_default_group()
+        st = _implicit_default.get(id(pg))
+        if st is None:
+            st = _implicit_default[id(pg)] = TaggedAllreduceState(pg, ddp_id="default")
+        return st
+    st = _implicit_states.get(state)
+    if st is None:
+        st = _implicit_states[state] = TaggedAllreduceState(state, ddp_id=f"pg:{state.group_name}")
+    return st
+
+
+def tagged_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: averages each gradient bucket with an
+    all-reduce tagged ``("ddp", ddp_id, step, bucket index)``, so buckets (and
+    other groups' collectives) may complete in any order.
+
+    ``state``: a :class:`TaggedAllreduceState` (recommended), a dfccl process
+    group or None (the default group).  Tags must be the same on all ranks,
+    which holds when every rank registers the hook on the same model in the
+    same order.  Returns a future resolving to the averaged flat bucket."""
+    st = _state_of(state)
+    pg = st.process_group if st.process_group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupDfccl):
+        raise InvalidArgumentError(f"tagged_allreduce_hook needs a dfccl process group, got {type(pg).__name__} "
+                                   "(init_process_group(backend='dfccl'))")
+    tag = ("ddp", st.ddp_id, st.step, bucket.index())
+    if bucket.is_last():
+        st.step += 1
+    buf = bucket.buffer()
+    work = pg.tagged_allreduce(buf, tag, op=dist.ReduceOp.AVG)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cuda", "cpu"])

@@ -1,0 +1,211 @@
+"""The torch.distributed backend on 2 GPUs, one process per GPU: the
+simulator scenarios with CUDA tensors, plus what only CUDA has: stream
+ordering, a host that never blocks, side streams, timeouts and graph capture."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from test_torch_sim import (_all_reduce_ops, _async_and_futures, _ddp_default, _ddp_hook,  # noqa: E402
+                            _fsdp2, _functional, _gather_scatter, _unsupported)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(120),
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 GPUs visible to torch")]
+
+WORLD = 2
+
+
+def _worker(fn, rank, world_size, store_path, results):
+    try:
+        import dfccl.torch  # noqa: F401
+
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("dfccl", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=30))
+        try:
+            fn(rank, world_size)
+            torch.cuda.synchronize()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        errors = {}
+        try:
+            for _ in procs:
+                rank, err = results.get(timeout=join_s)
+                if err is not None:
+                    errors[rank] = err
+        except Exception:
+            errors["harness"] = f"a rank did not report within {join_s} s"
+        finally:
+            for p in procs:
+                p.join(timeout=20)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items(), key=str))
+
+
+# -- CUDA-only scenarios -----------------------------------------------------------
+
+def _streams(rank, ws):
+    dev = torch.device("cuda", rank)
+    store = dist.distributed_c10d._get_default_store()
+    total = float(sum(range(1, ws + 1)))
+    # Ordered after the current stream: the fill runs after a long kernel, and
+    # the collective must see the filled values.
+    t = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(20_000_000)
+    t.fill_(rank + 1)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert bool((t == total).all())
+    # The host never blocks: rank 0's blocking-style call returns before rank 1
+    # has even issued its collective; the stream waits instead.
+    t = torch.full((4096,), float(rank + 1), device=dev)
+    if rank == 0:
+        start = time.monotonic()
+        dist.all_reduce(t)
+        assert time.monotonic() - start < 5.0
+        store.set("rank0_returned", "1")
+    else:
+        store.wait(["rank0_returned"])
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert bool((t == total).all())
+    # A side stream: the collective follows it, wait() makes it wait.
+    side = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(side):
+        t = torch.full((1000,), float(rank + 1), device=dev)
+        w = dist.all_reduce(t, async_op=True)
+        w.wait()
+        u = t * 2
+    side.synchronize()
+    assert bool((u == 2 * total).all())
+    # Futures are stream-ordered (DDP's get_future path).
+    t = torch.full((10,), float(rank + 1), device=dev)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    assert bool((fut.wait()[0] == total).all())
+
+
+def _divergent_order(rank, ws):
+    """Two communicators over the same ranks, submitted in opposite orders on
+    one stream (NCCL hangs here); async_op=True, so no stream waits between."""
+    g = dist.new_group([0, 1])
+    a = torch.full((1 << 16,), float(rank + 1))
+    b = torch.full((1 << 10,), float(10 * (rank + 1)))
+    if rank == 0:
+        works = [dist.all_reduce(a, async_op=True), dist.all_reduce(b, group=g, async_op=True)]
+    else:
+        works = [dist.all_reduce(b, group=g, async_op=True), dist.all_reduce(a, async_op=True)]
+    for w in works:
+        w.wait()
+    torch.cuda.synchronize()
+    assert bool((a == 3.0).all()) and bool((b == 30.0).all())
+
+
+def _timeout(rank, ws):
+    import dfccl.torch as dt
+
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(64)
+    if rank == 0:
+        w = dist.all_reduce(t, async_op=True)
+        with pytest.raises(dt.TorchCollectiveTimeoutError, match="waiting for rank 1"):
+            w.wait(timeout=timedelta(seconds=0.5))  # an explicit timeout blocks the host
+        store.set("go", "1")
+        w.wait(timeout=timedelta(seconds=30))
+    else:
+        store.wait(["go"])
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert bool((t == 2.0).all())
+
+
+def _graph_capture(rank, ws):
+    import dfccl.torch as dt
+
+    t = torch.ones(16)
+    dist.all_reduce(t)  # outside capture: fine
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(dt.NotSupportedError, match="graph capture"):
+        with torch.cuda.graph(graph):
+            dist.all_reduce(t)
+    # Nothing was submitted during the capture: the ranks stay in step.
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert bool((t == 4.0).all())
+
+
+# -- tests -------------------------------------------------------------------------
+
+def test_all_reduce_every_op_gpu():
+    run_gpus(_all_reduce_ops)
+
+
+def test_gather_scatter_broadcast_reduce_gpu():
+    run_gpus(_gather_scatter)
+
+
+def test_functional_collectives_gpu():
+    run_gpus(_functional)
+
+
+def test_async_ops_and_futures_gpu():
+    run_gpus(_async_and_futures)
+
+
+def test_ddp_gpu():
+    run_gpus(_ddp_default)
+
+
+def test_ddp_tagged_hook_gpu():
+    run_gpus(_ddp_hook)
+
+
+def test_fsdp2_gpu():
+    run_gpus(_fsdp2)
+
+
+def test_unsupported_gpu():
+    run_gpus(_unsupported)
+
+
+def test_stream_semantics():
+    run_gpus(_streams)
+
+
+def test_divergent_order_one_stream():
+    run_gpus(_divergent_order)
+
+
+def test_timeout_gpu():
+    run_gpus(_timeout)
+
+
+def test_graph_capture_refused():
+    run_gpus(_graph_capture)

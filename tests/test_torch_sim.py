@@ -1,0 +1,506 @@
+"""The torch.distributed backend (dfccl.torch) on the simulator: 2-4 spawned
+processes, CPU tensors, every collective and reduction checked against a
+reference computed locally (modelled on PyTorch's test_c10d_pypg.py and
+test_c10d_common.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch was built without torch.distributed", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- harness -------------------------------------------------------------------------
+# Importing torch costs seconds per process, so the ranks are a pool of
+# processes kept for the whole module; each test initialises a fresh default
+# process group in the first world_size of them and destroys it at the end.
+
+POOL_SIZE = 4
+
+
+def _pool_worker(rank, commands, results):
+    os.environ["DFCCL_TORCH_BACKEND"] = "sim"
+    import dfccl.torch  # noqa: F401  (registers the backend)
+
+    while True:
+        item = commands.get()
+        if item is None:
+            # Interpreter finalisation with torch loaded takes seconds on a
+            # busy machine: shut dfccl down and leave at once.
+            import dfccl
+
+            dfccl.shutdown()
+            results.close()
+            results.join_thread()
+            os._exit(0)
+        fn, world_size, store_path, timeout_s = item
+        try:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("dfccl", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+            try:
+                fn(rank, world_size)
+            finally:
+                dist.destroy_process_group()
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+
+
+class _Pool:
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.commands = [self.ctx.Queue() for _ in range(POOL_SIZE)]
+        self.procs = [self.ctx.Process(target=_pool_worker, args=(r, self.commands[r], self.results), daemon=True)
+                      for r in range(POOL_SIZE)]
+        for p in self.procs:
+            p.start()
+
+    def close(self, force: bool = False):
+        for q, p in zip(self.commands, self.procs):
+            if not force and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_pool: _Pool | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pool_lifetime():
+    global _pool
+    if _pool is None:
+        _pool = _Pool()
+    yield
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 40.0) -> None:
+    """Runs fn(rank, world_size) on world_size ranks of a fresh dfccl default
+    process group; fails with the ranks' tracebacks."""
+    global _pool
+    if _pool is None:
+        _pool = _Pool()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "store")
+        for r in range(world_size):
+            _pool.commands[r].put((fn, world_size, path, timeout_s))
+        errors = {}
+        try:
+            for _ in range(world_size):
+                rank, err = _pool.results.get(timeout=join_s)
+                if err is not None:
+                    errors[rank] = err
+        except Exception:
+            errors["harness"] = f"a rank did not report within {join_s} s"
+    if errors:
+        # A failed rank may leave collectives pending: start the next test afresh.
+        _pool.close(force=True)
+        _pool = None
+    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items(), key=str))
+
+
+def _inputs(rank: int, n: int, dtype):
+    # Distinct per rank and per element; small enough for PRODUCT to stay exact.
+    base = torch.arange(n, dtype=torch.float64) % 3 + 1 + rank
+    return base.to(dtype)
+
+
+def _reference(world_size: int, n: int, dtype, op: str):
+    xs = torch.stack([_inputs(r, n, dtype).to(torch.float64) for r in range(world_size)])
+    ref = {"sum": xs.sum(0), "prod": xs.prod(0), "min": xs.min(0).values, "max": xs.max(0).values,
+           "avg": xs.mean(0)}[op]
+    return ref
+
+
+# -- scenarios (run in every rank) -----------------------------------------------------
+
+def _all_reduce_ops(rank, ws):
+    import dfccl.torch as dt
+
+    pg = dist.group.WORLD
+    assert isinstance(pg, dt.ProcessGroupDfccl)
+    assert pg.getBackendName() == "dfccl" and dist.get_backend() == "dfccl"
+    assert pg.group_name  # torch set it through setGroupName
+    # The GPU tests run these scenarios with CUDA as torch's default device.
+    assert pg.communicator().backend == ("cuda" if torch.get_default_device().type == "cuda" else "sim")
+    ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64):
+        for name, op in ops.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            t = _inputs(rank, 37, dtype)
+            dist.all_reduce(t, op=op)
+            ref = _reference(ws, 37, dtype, name).to(dtype)
+            torch.testing.assert_close(t, ref, msg=f"{name} {dtype}")
+    # PREMUL_SUM: each input multiplied by the factor, then summed.
+    t = _inputs(rank, 16, torch.float32)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    torch.testing.assert_close(t, (_reference(ws, 16, torch.float32, "sum") * 0.5).float())
+    # Bitwise reductions are refused with a dfccl error on every rank.
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        with pytest.raises(dt.NotSupportedError, match="BAND/BOR/BXOR"):
+            dist.all_reduce(torch.ones(4, dtype=torch.int32), op=op)
+    # Non-contiguous tensors go through a contiguous temporary and come back.
+    t = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank).t()
+    assert not t.is_contiguous()
+    expect = sum((torch.arange(12, dtype=torch.float32).reshape(3, 4) + r).t() for r in range(ws))
+    dist.all_reduce(t)
+    torch.testing.assert_close(t, expect)
+    # Zero-dim and empty tensors.
+    s = torch.tensor(float(rank + 1))
+    dist.all_reduce(s, op=dist.ReduceOp.MAX)
+    assert s.item() == ws
+    e = torch.empty(0)
+    dist.all_reduce(e)
+    # Coalesced all-reduce (one torch call, several tensors).
+    a, b = torch.full((5,), float(rank)), torch.full((3,), 2.0 * rank, dtype=torch.float64)
+    pg.allreduce_coalesced([a, b], dist.AllreduceCoalescedOptions()).wait()
+    total = sum(range(ws))
+    assert torch.equal(a, torch.full((5,), float(total))) and torch.equal(b, torch.full((3,), 2.0 * total,
+                                                                                       dtype=torch.float64))
+    # An unsupported dtype is a clear dfccl error, not a crash.
+    with pytest.raises(dt.InvalidArgumentError, match="torch.bool"):
+        dist.all_reduce(torch.ones(3, dtype=torch.bool))
+
+
+def _gather_scatter(rank, ws):
+    n = 6
+    # all_gather (list), all_gather_into_tensor, non-contiguous output.
+    inp = torch.arange(n, dtype=torch.float32) + 100 * rank
+    outs = [torch.empty(n) for _ in range(ws)]
+    dist.all_gather(outs, inp)
+    for r in range(ws):
+        assert torch.equal(outs[r], torch.arange(n, dtype=torch.float32) + 100 * r)
+    flat = torch.empty(ws * n)
+    dist.all_gather_into_tensor(flat, inp)
+    assert torch.equal(flat, torch.cat(outs))
+    out2d = torch.empty(n, ws).t()  # (ws, n), non-contiguous
+    dist.all_gather_into_tensor(out2d, inp)
+    assert torch.equal(out2d, torch.stack(outs))
+    # reduce_scatter (list) and reduce_scatter_tensor, with SUM, AVG, MAX and PREMUL_SUM.
+    full = [torch.arange(ws * n, dtype=torch.float64) + 10 * r for r in range(ws)]
+    mine = slice(rank * n, (rank + 1) * n)
+    o = torch.empty(n, dtype=torch.float64)
+    dist.reduce_scatter_tensor(o, full[rank].clone())
+    assert torch.equal(o, sum(full)[mine])
+    dist.reduce_scatter_tensor(o, full[rank].clone(), op=dist.ReduceOp.AVG)
+    torch.testing.assert_close(o, (sum(full) / ws)[mine])
+    src = full[rank].clone()
+    dist.reduce_scatter_tensor(o, src, op=dist._make_nccl_premul_sum(0.25))
+    torch.testing.assert_close(o, (sum(full) * 0.25)[mine])
+    assert torch.equal(src, full[rank])  # the premultiplied copy is a temporary
+    dist.reduce_scatter(o, list(full[rank].clone().chunk(ws)), op=dist.ReduceOp.MAX)
+    assert torch.equal(o, full[ws - 1][mine])
+    # broadcast from every root; reduce to every root.
+    for root in range(ws):
+        t = torch.full((4,), float(rank), dtype=torch.int64)
+        dist.broadcast(t, src=root)
+        assert torch.equal(t, torch.full((4,), root, dtype=torch.int64))
+        t = torch.full((4,), float(rank + 1))
+        dist.reduce(t, dst=root, op=dist.ReduceOp.SUM)
+        if rank == root:
+            assert torch.equal(t, torch.full((4,), float(sum(range(1, ws + 1)))))
+    # all_gather_coalesced: lists[r][i] receives input i of rank r.
+    lists = [[torch.empty(2), torch.empty(3)] for _ in range(ws)]
+    dist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((3,), -float(rank))])
+    for r in range(ws):
+        assert torch.equal(lists[r][0], torch.full((2,), float(r)))
+        assert torch.equal(lists[r][1], torch.full((3,), -float(r)))
+    # Coalesced forms through the coalescing manager.
+    a_out, b_out = torch.empty(ws * 2), torch.empty(ws * 3)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(a_out, torch.full((2,), float(rank)))
+        dist.all_gather_into_tensor(b_out, torch.full((3,), float(-rank)))
+    cm.wait()
+    assert torch.equal(a_out, torch.arange(ws, dtype=torch.float32).repeat_interleave(2))
+    assert torch.equal(b_out, -torch.arange(ws, dtype=torch.float32).repeat_interleave(3))
+    a_in, b_in = torch.ones(ws * 2) * (rank + 1), torch.ones(ws) * (rank + 1)
+    a_o, b_o = torch.empty(2), torch.empty(1)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.reduce_scatter_tensor(a_o, a_in)
+        dist.reduce_scatter_tensor(b_o, b_in)
+    cm.wait()
+    s = float(sum(range(1, ws + 1)))
+    assert torch.equal(a_o, torch.full((2,), s)) and torch.equal(b_o, torch.full((1,), s))
+    dist.barrier()
+
+
+def _functional(rank, ws):
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    t = torch.full((4,), float(rank + 1))
+    r = funcol.all_reduce(t, "sum", group)
+    assert torch.equal(funcol.wait_tensor(r), torch.full((4,), float(sum(range(1, ws + 1)))))
+    g = funcol.all_gather_tensor(torch.full((2,), float(rank)), 0, group)
+    assert torch.equal(funcol.wait_tensor(g), torch.arange(ws, dtype=torch.float32).repeat_interleave(2))
+    rs = funcol.reduce_scatter_tensor(torch.ones(ws * 2) * (rank + 1), "sum", 0, group)
+    assert torch.equal(funcol.wait_tensor(rs), torch.full((2,), float(sum(range(1, ws + 1)))))
+
+
+def _async_and_futures(rank, ws):
+    works, tensors = [], []
+    for i in range(8):
+        t = torch.full((1000,), float(rank + i))
+        works.append(dist.all_reduce(t, async_op=True))
+        tensors.append(t)
+    for i in reversed(range(8)):  # waited in the opposite order
+        assert works[i].wait()
+        if tensors[i].is_cuda:  # wait() made the stream wait; the host catches up here
+            torch.cuda.current_stream().synchronize()
+        assert works[i].is_completed() and works[i].is_success()
+        assert torch.equal(tensors[i], torch.full((1000,), float(sum(r + i for r in range(ws)))))
+    t = torch.full((3,), float(rank))
+    w = dist.all_reduce(t, async_op=True)
+    fut = w.get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.equal(fut.wait(), torch.full((3,), 2.0 * sum(range(ws))))
+    outs = [torch.empty(2) for _ in range(ws)]
+    w = dist.all_gather(outs, torch.full((2,), float(rank)), async_op=True)
+    value = w.get_future().wait()
+    assert torch.equal(value[0][ws - 1], torch.full((2,), float(ws - 1)))
+    w = dist.barrier(async_op=True)
+    w.wait()
+
+
+def _divergent_groups(rank, ws):
+    """Three overlapping groups; every rank submits its two groups' collectives
+    in a different order (a cycle: NCCL would hang), then waits for both."""
+    assert ws == 3
+    # new_group is collective over the world: every rank creates every group
+    # (non-members get a placeholder).
+    groups = {name: dist.new_group(ranks) for name, ranks in (("A", [0, 1]), ("B", [1, 2]), ("C", [2, 0]))}
+    groups = {n: g for n, g in groups.items() if isinstance(g, dist.ProcessGroup)}
+    assert len({g.group_name for g in groups.values()}) == 2
+    order = {0: ["A", "C"], 1: ["B", "A"], 2: ["C", "B"]}[rank]
+    for step in range(5):
+        tensors, works = {}, []
+        for name in order:
+            t = torch.full((257,), float(rank + 1 + step))
+            tensors[name] = t
+            works.append(dist.all_reduce(t, group=groups[name], async_op=True))
+        for w in reversed(works):
+            w.wait()
+        for name in order:
+            members = {"A": [0, 1], "B": [1, 2], "C": [2, 0]}[name]
+            assert torch.equal(tensors[name], torch.full((257,), float(sum(m + 1 + step for m in members))))
+    # Tagged all-reduces in one group, issued in opposite orders.
+    pg = groups["A"] if rank in (0, 1) else None
+    if pg is not None:
+        x, y = torch.full((4,), 1.0 + rank), torch.full((4,), 10.0 + rank)
+        order = [("x", x), ("y", y)] if rank == 0 else [("y", y), ("x", x)]
+        ws_ = [pg.tagged_allreduce(t, tag=name) for name, t in order]
+        for w in ws_:
+            w.wait()
+        assert torch.equal(x, torch.full((4,), 3.0)) and torch.equal(y, torch.full((4,), 21.0))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(6, 8, generator=g, device="cpu"), torch.randn(6, 4, generator=g, device="cpu")
+    return x.to(torch.get_default_device()), y.to(torch.get_default_device())
+
+
+def _ddp(rank, ws, hook: bool):
+    import dfccl.torch as dt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ref = _Net()
+    torch.manual_seed(rank)  # different initial weights: DDP must broadcast rank 0's
+    net = _Net()
+    model = DDP(net, bucket_cap_mb=0.0005)  # tiny buckets: several per step
+    state = dt.TaggedAllreduceState()
+    if hook:
+        model.register_comm_hook(state, dt.tagged_allreduce_hook)
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        # Single-process reference: the mean of the ranks' gradients.
+        ref_opt.zero_grad()
+        for r in range(ws):
+            xr, yr = _batch(r)
+            (torch.nn.functional.mse_loss(ref(xr), yr) / ws).backward()
+        for p, q in zip(model.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+    # The hook counted the steps (the last bucket of each step ends it).
+    assert state.step == (3 if hook else 0)
+
+
+def _ddp_default(rank, ws):
+    _ddp(rank, ws, hook=False)
+
+
+def _ddp_hook(rank, ws):
+    _ddp(rank, ws, hook=True)
+
+
+def _fsdp2(rank, ws):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = _Net()
+    torch.manual_seed(0)
+    model = _Net()
+    for layer in (model.a, model.b, model.c):
+        fully_shard(layer)
+    fully_shard(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _batch(rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for r in range(ws):
+            xr, yr = _batch(r)
+            (torch.nn.functional.mse_loss(ref(xr), yr) / ws).backward()
+        ref_opt.step()
+    # Parameters are sharded DTensors: gather them (all-gather) and compare.
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+
+
+def _timeouts(rank, ws):
+    import dfccl
+    import dfccl.torch as dt
+
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(8)
+    t2 = torch.ones(2)
+    if rank == 0:
+        # Rank 1 joins only after "go": both waits run out first.
+        w = dist.all_reduce(t, async_op=True)
+        with pytest.raises(dt.TorchCollectiveTimeoutError, match="waiting for rank 1") as info:
+            w.wait(timeout=timedelta(seconds=0.3))
+        assert isinstance(info.value, dist.DistBackendError)
+        assert isinstance(info.value, dfccl.CollectiveTimeoutError) and info.value.waiting_on == 1
+        assert not w.is_completed()
+        # The group's timeout (1 s here) applies to a blocking call.
+        with pytest.raises(dt.TorchCollectiveTimeoutError):
+            dist.all_reduce(t2, group=_timeouts.group)
+        store.set("go", "1")
+        w.wait()  # the collective stayed pending and completes now
+        assert torch.equal(t, torch.full((8,), 2.0))
+    else:
+        store.wait(["go"])
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((8,), 2.0))
+        dist.all_reduce(t2, group=_timeouts.group)
+        assert torch.equal(t2, torch.full((2,), 2.0))
+    dist.barrier(group=_timeouts.group)
+
+
+def _timeouts_entry(rank, ws):
+    _timeouts.group = dist.new_group([0, 1], timeout=timedelta(seconds=1))
+    _timeouts(rank, ws)
+
+
+def _unsupported(rank, ws):
+    import dfccl.torch as dt
+
+    with pytest.raises(dt.NotSupportedError, match="point-to-point send"):
+        dist.send(torch.ones(2), dst=1 - rank)
+    with pytest.raises(dt.NotSupportedError, match="point-to-point recv"):
+        dist.recv(torch.ones(2), src=1 - rank)
+    with pytest.raises(dt.NotSupportedError, match="all-to-all"):
+        dist.all_to_all_single(torch.empty(2), torch.ones(2))
+    with pytest.raises(dt.InvalidArgumentError, match="one tensor per rank"):
+        dist.group.WORLD.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
+    # The group still works after refusals (nothing was submitted).
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), 2.0))
+
+
+# -- tests -------------------------------------------------------------------------------
+
+def test_registered_backend():
+    import dfccl.torch as dt
+
+    assert "DFCCL" in dist.Backend._plugins
+    assert dt.BACKEND_NAME == "dfccl"
+    assert set(dt.__all__) <= set(dir(dt))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_every_op(world_size):
+    run_ranks(_all_reduce_ops, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gather_scatter_broadcast_reduce(world_size):
+    run_ranks(_gather_scatter, world_size)
+
+
+def test_functional_collectives():
+    run_ranks(_functional, 2)
+
+
+def test_async_ops_and_futures():
+    run_ranks(_async_and_futures, 3)
+
+
+def test_overlapping_groups_divergent_order():
+    run_ranks(_divergent_groups, 3)
+
+
+def test_ddp_gradients_match_reference():
+    run_ranks(_ddp_default, 2)
+
+
+def test_ddp_tagged_hook_gradients_match_reference():
+    run_ranks(_ddp_hook, 2)
+
+
+def test_fsdp2_matches_reference():
+    run_ranks(_fsdp2, 2)
+
+
+def test_timeouts_are_typed_and_recoverable():
+    run_ranks(_timeouts_entry, 2)
+
+
+def test_unsupported_operations_are_refused():
+    run_ranks(_unsupported, 2)
