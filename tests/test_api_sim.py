@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dfccl
+from dfccl import scenarios as sc
 from dfccl.errors import ErrorCode
 from reference import KINDS
 
@@ -23,22 +24,6 @@ TIMEOUT = 30.0
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _settle(comms) -> None:
-    """Aborts and retires whatever a test left pending, then closes (close() is
-    only called once every work is retired)."""
-    for c in comms:
-        if not c.closed:
-            c.abort()
-    for c in comms:
-        for w in list(getattr(c, "_pending", ())):
-            try:
-                w.synchronize(timeout=10)
-            except dfccl.DfcclError:
-                pass
-    for c in comms:
-        c.close()
-
-
 @pytest.fixture
 def make():
     """make(n, path) -> fresh communicators on devices DEV.., closed after the test."""
@@ -52,7 +37,7 @@ def make():
 
     yield _make
     for comms in made:
-        _settle(comms)
+        sc.settle(comms)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +46,7 @@ def pair():
     anything that reaches the daemon unless every rank does."""
     comms = dfccl.Communicator.for_devices([DEV + 50, DEV + 51], backend="sim")
     yield comms
-    _settle(comms)
+    sc.settle(comms)
 
 
 def outcome(work, timeout=10.0):
@@ -779,7 +764,7 @@ def test_failed_tagged_submission_keeps_instance(make, failure):
             for w in pending:
                 w.synchronize(timeout=TIMEOUT)
         except BaseException:
-            _settle(comms)
+            sc.settle(comms)
             raise
     try:
         xs = [np.full(10, r + 1, np.float32) for r in range(2)]
@@ -789,7 +774,7 @@ def test_failed_tagged_submission_keeps_instance(make, failure):
         assert all(np.all(x == 3) for x in xs)
     finally:
         if failure == "outstanding":
-            _settle(comms)
+            sc.settle(comms)
 
 
 # ==========================================================================================
@@ -831,7 +816,7 @@ def test_too_many_outstanding_collectives():
         assert all(np.all(x == 3) for x in xs + ys)
         all_reduce_ok(comms, tag="after-outstanding")
     finally:
-        _settle(comms)
+        sc.settle(comms)
 
 
 def test_staging_exhausted(make):
@@ -1063,4 +1048,4 @@ def test_timeout_does_not_name_a_stale_rank():
             w.synchronize(timeout=TIMEOUT)
         assert info.value.waiting_on in (None, 1), f"names rank {info.value.waiting_on}: {info.value}"
     finally:
-        _settle(comms)
+        sc.settle(comms)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import dfccl
+from dfccl import scenarios as sc
 from dfccl import communicator as comm_mod
 from dfccl._native.sim_backend import _shm_dir
 from reference import KINDS
@@ -27,25 +28,11 @@ DEV = 2400          # device ids of this module: 2400..2599
 TIMEOUT = 30.0
 
 
-def _settle(comms) -> None:
-    for c in comms:
-        if not c.closed:
-            c.abort()
-    for c in comms:
-        for w in list(getattr(c, "_pending", ())):
-            try:
-                w.synchronize(timeout=10)
-            except dfccl.DfcclError:
-                pass
-    for c in comms:
-        c.close()
-
-
 @pytest.fixture(scope="module")
 def pair():
     comms = dfccl.Communicator.for_devices([DEV, DEV + 1], backend="sim")
     yield comms
-    _settle(comms)
+    sc.settle(comms)
 
 
 def _shapes(kind, n, count):
@@ -222,7 +209,7 @@ def test_for_devices_bad_arguments():
     _raises(dfccl.InvalidArgumentError, "options must be a dfccl.CommOptions",
             call=lambda: dfccl.Communicator.for_devices([DEV + 10], backend="sim", options="ring"))
     comms = dfccl.Communicator.for_devices(np.arange(DEV + 10, DEV + 12), backend="sim")   # numpy ints are ints
-    _settle(comms)
+    sc.settle(comms)
 
 
 @pytest.mark.parametrize("cls, kw, frag", [
@@ -295,7 +282,7 @@ def test_prepare_after_close_and_abort_raises_closed():
             e = _raises(dfccl.ClosedError, f"rank {c.rank}: the communicator", state,
                         call=lambda: getattr(c, f"prepare_{kind}")(4, "float32"))
             assert e.rank == c.rank
-    _settle(comms)
+    sc.settle(comms)
 
 
 def test_close_bad_timeout(pair):
@@ -449,7 +436,7 @@ def test_startup_late_rank_joins_in_time():
         for w in [c.all_reduce(x, tag="late") for c, x in zip(comms, xs)]:
             w.synchronize(timeout=TIMEOUT)
         assert all(np.all(x == 6) for x in xs)
-        _settle(comms)
+        sc.settle(comms)
     finally:
         uid.close()
 
@@ -480,7 +467,7 @@ def test_startup_failure_of_one_rank_fails_the_others_at_once():
         took = time.monotonic() - t0
     finally:
         uid.close()
-        _settle(busy)
+        sc.settle(busy)
     assert took < 10, f"the other ranks waited {took:.1f} s for a rank that had failed"
     assert isinstance(results[1], dfccl.InvalidArgumentError) and "already runs" in str(results[1])
     for r in (0, 2):

@@ -79,14 +79,16 @@ DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint
   return staged(run) ? run.ep->peer_arena[p] + a : a;
 }
 
-// Our output at dst_off = op over all ranks of their input at src_off.
+// Our output at dst_off = op over all ranks of their input at src_off; with
+// `copy_base` (nonzero), also written at copy_base + dst_off.
 DFCCL_DEV void reduce_all_inputs(BlockEnv &env, const TaskRun &run, const DirectGeometry &g, uint64_t src_off,
-                                 uint64_t dst_off, uint64_t nelem) {
+                                 uint64_t dst_off, uint64_t nelem, uint64_t copy_base = 0) {
   if (is_leader()) {
     for (uint32_t p = 0; p < g.n; ++p) env.sm->srcs[p] = rank_buffer(run, g, p, false) + src_off * g.esize;
     env.sm->dsts[0] = run.d->recv_addr + dst_off * g.esize;
+    env.sm->dsts[1] = copy_base + dst_off * g.esize;
   }
-  move_data(env, run, g.n, 1, nelem, run.d->op == DFCCL_AVG ? g.n : 1);
+  move_data(env, run, g.n, copy_base != 0 ? 2 : 1, nelem, run.d->op == DFCCL_AVG ? g.n : 1);
 }
 
 DFCCL_DEV void copy_from(BlockEnv &env, const TaskRun &run, const DirectGeometry &g, uint32_t p, bool from_output,
@@ -107,17 +109,8 @@ DFCCL_DEV void direct_work1(BlockEnv &env, const TaskRun &run, const DirectGeome
         Range seg = split(d->count, g.n, g.r, g.align);
         Range part = split(seg.len, g.nch, g.c, g.align);
         const uint64_t off = seg.off + part.off;
-        if (staged(run)) {
-          // The reduced segment goes to the output and to the copy peers read.
-          if (is_leader()) {
-            for (uint32_t p = 0; p < g.n; ++p) env.sm->srcs[p] = rank_buffer(run, g, p, false) + off * g.esize;
-            env.sm->dsts[0] = d->recv_addr + off * g.esize;
-            env.sm->dsts[1] = own_arena(run) + stage_out_offset(run, g) + off * g.esize;
-          }
-          move_data(env, run, g.n, 2, part.len, d->op == DFCCL_AVG ? g.n : 1);
-        } else {
-          reduce_all_inputs(env, run, g, off, off, part.len);
-        }
+        // Staged: the reduced segment also goes to the copy peers read.
+        reduce_all_inputs(env, run, g, off, off, part.len, staged(run) ? own_arena(run) + stage_out_offset(run, g) : 0);
       } else {
         Range part = split(d->count, g.nch, g.c, g.align);
         reduce_all_inputs(env, run, g, part.off, part.off, part.len);

@@ -83,7 +83,7 @@ class Endpoint:
                 self.backend.enable_access(other)
                 arenas.append(info["arena_ptr"])
             else:
-                if mode == "direct" or (mode == "staged" and not self._reachable(info, me)):
+                if mode != "ring":
                     mode = "staged" if self._reachable(info, me) else "ring"
                 if "arena" not in info:
                     raise BackendError(f"rank {p} is in another process but did not export its arena")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dfccl import arrays
+from dfccl.errors import DfcclError
 
 __all__ = ["Spec", "Report", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
            "prepare", "submit", "verify", "settle_after_abort", "run", "KINDS", "OPS", "DTYPES"]
@@ -196,6 +197,24 @@ def verify(inst: _Instance) -> None:
                 continue
             want = reduce_reference(inst.inputs, s.op)
         assert_close(got, want, s.dtype, s.op, n, f"{s.kind} {s.tag!r} {s.dtype} {s.op} count={s.count} rank {r}")
+
+
+def settle(comms, timeout: float = 10.0) -> None:
+    """Aborts and retires whatever a test left pending on ``comms``, then
+    closes them (close() is only called once every work is retired)."""
+    for c in comms:
+        if not c.closed:
+            c.abort()
+    for c in comms:
+        if c.closed or c._endpoint.id is None or c._ctx.closed:
+            continue
+        for w in c._ctx.pending_works(c._endpoint.id):
+            try:
+                w.synchronize(timeout=timeout)
+            except DfcclError:
+                pass
+    for c in comms:
+        c.close()
 
 
 def settle_after_abort(insts, timeout: float = 30.0) -> int:

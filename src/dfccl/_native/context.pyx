@@ -722,7 +722,6 @@ cdef class Context:
         """Moves a completed slot's result into its Work and frees the slot.
         Idempotent: whoever sees the completion first retires it."""
         cdef Work work
-        cdef uint32_t last
         cdef uint64_t now = dfccl_now_ns()
         _acquire(self.lock)
         try:
