@@ -10,6 +10,12 @@ following nccl-tests' conventions:
 - out-of-place and in-place columns; every size checked for correctness on
   fresh random inputs with poisoned outputs, for both libraries.
 
+NCCL is driven here by one thread for all GPUs, which is NCCL's slow mode
+(17-20 us at 8 B on 2 x H200, against 7.5 us with one thread or process per
+GPU): it flatters dfccl.  The fair baseline is `dfccl bench --mode thread`
+(one NCCL thread per GPU) or `--mode process` / benchmarks/bench_processes.py
+(one process per GPU).
+
 Results go to benchmarks/results/ as JSON and Markdown, with the date and the
 machine.  Usage:
     python benchmarks/bench_collectives.py --kinds all_reduce --max 512M
