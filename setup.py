@@ -6,6 +6,8 @@
 - Where nvcc is missing the fatbin is skipped; at run time the CUDA backend then
   compiles the shipped sources with NVRTC (cuda.bindings.nvrtc).
 - DFCCL_CUDA_ARCHS overrides the architectures, e.g. "90" or "80;90".
+- DFCCL_LINEINFO=1 builds the fatbin with -lineinfo (source lines in Nsight
+  Compute's source view; same machine code otherwise).
 - DFCCL_SKIP_KERNEL=1 skips the fatbin even where nvcc is present (faster
   builds, CI without GPUs); the sources are still shipped for NVRTC.
 """
@@ -99,7 +101,8 @@ def compile_kernels(out_dir):
         gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
     gencode += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     out = os.path.join(out_dir, "daemon.fatbin")
-    cmd = [nvcc, "-std=c++17", "-O3", "--fatbin", f"-I{CUDA_INCLUDE}", *gencode,
+    lineinfo = ["-lineinfo"] if os.environ.get("DFCCL_LINEINFO", "") not in ("", "0") else []
+    cmd = [nvcc, "-std=c++17", "-O3", *lineinfo, "--fatbin", f"-I{CUDA_INCLUDE}", *gencode,
            os.path.join(CUDA_SRC, "daemon", "daemon_kernel.cu"), "-o", out]
     print("dfccl: " + " ".join(cmd), file=sys.stderr)
     subprocess.check_call(cmd)

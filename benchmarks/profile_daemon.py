@@ -1,0 +1,71 @@
+"""A bounded workload for profiling the daemon kernel with Nsight Compute.
+
+Every rank lives in this process (``--devices 0,0``: two ranks sharing one
+GPU and its daemon; ``0,1``: two GPUs).  The daemon quits after
+``--idle-quit-ms`` without work, so each launch that a profiler serialises
+ends on its own; the script then checks the results, prints the daemon's
+per-block profile (where a block's time went, summed over launches) and exits.
+
+    python benchmarks/profile_daemon.py --devices 0,0 --size 8 --iters 200
+    ncu --clock-control none --kernel-name dfccl_daemon --launch-count 2 \\
+        --section LaunchStats --section Occupancy --section SpeedOfLight \\
+        -o daemon python benchmarks/profile_daemon.py --iters 20
+
+docs/profiling.md explains the steps and how to read the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import dfccl
+from dfccl import arrays, scenarios as sc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", default="0,0", help="device of each rank (default 0,0)")
+    p.add_argument("--size", type=int, default=8, help="bytes per rank of the float32 all_reduce (default 8)")
+    p.add_argument("--iters", type=int, default=200, help="collectives per rank (default 200)")
+    p.add_argument("--idle-quit-ms", type=float, default=5.0,
+                   help="the daemon leaves after this long without work (default 5 ms)")
+    args = p.parse_args(argv)
+    devices = [int(d) for d in args.devices.split(",")]
+    ctx_opts = dfccl.ContextOptions(idle_quit_ns=int(args.idle_quit_ms * 1e6))
+    comms = dfccl.Communicator.for_devices(devices, backend="cuda", context_options=ctx_opts)
+    count = max(1, args.size // 4)
+    rng = np.random.default_rng()
+    inputs = [rng.standard_normal(count).astype(np.float32) for _ in comms]
+    sends = [arrays.from_numpy("cuda", c.device, x) for c, x in zip(comms, inputs)]
+    recvs = [arrays.empty("cuda", c.device, count, "float32", fill=np.nan) for c in comms]
+    plans = [c.prepare_all_reduce(count, "float32", tag="profile").bind(s, r)
+             for c, s, r in zip(comms, sends, recvs)]
+    t0 = time.perf_counter()
+    last = None
+    for _ in range(args.iters):
+        last = [b() for b in plans]
+    for w in last:
+        w.synchronize(timeout=300)
+    elapsed = time.perf_counter() - t0
+    want = sc.reduce_reference(inputs, "sum")
+    for r in recvs:
+        sc.assert_close(arrays.to_numpy(r), want, "float32", "sum", len(comms), f"all_reduce {args.size} B")
+    print(f"{args.iters} all_reduces of {args.size} B on devices {devices}: {elapsed * 1e6 / args.iters:.1f} us "
+          f"each back to back, results checked")
+    prof = comms[0]._ctx.daemon_profile()
+    keys = ("passes", "runs", "pull_ns", "pick_ns", "restore_ns", "run_ns", "save_ns", "idle_ns")
+    print("block " + " ".join(f"{k:>12}" for k in keys))
+    for b, row in enumerate(prof):
+        if row["passes"]:
+            print(f"{b:>5} " + " ".join(f"{row[k]:>12}" for k in keys))
+    for c in comms:
+        c.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
