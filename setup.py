@@ -60,15 +60,26 @@ def cuda_archs():
 CXX_FLAGS = ["-std=c++17", "-O2", "-Wno-unknown-pragmas"]
 
 
+def kernel_headers():
+    """The C headers every extension includes (directly or, for the simulator,
+    the whole daemon): an edit to one rebuilds the extensions that use it."""
+    found = []
+    for sub in ("include/dfccl", "daemon", "sim"):
+        d = os.path.join(CUDA_SRC, sub)
+        found += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith((".h", ".cuh", ".cpp")))
+    return found
+
+
 def extensions():
-    common = dict(include_dirs=[CUDA_INCLUDE], language="c++", extra_compile_args=CXX_FLAGS)
+    headers = kernel_headers()
+    common = dict(include_dirs=[CUDA_INCLUDE], language="c++", extra_compile_args=CXX_FLAGS, depends=headers)
     exts = [
         Extension("dfccl._native.backend", ["src/dfccl/_native/backend.pyx"], **common),
         Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",
-                  extra_compile_args=CXX_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
+                  extra_compile_args=CXX_FLAGS + ["-pthread"], extra_link_args=["-pthread"], depends=headers),
     ]
     # The CUDA backend needs no CUDA headers: it declares the driver ABI itself
     # and resolves entry points at run time (cuda/include/dfccl/cuda_driver.h).

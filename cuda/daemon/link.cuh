@@ -39,13 +39,18 @@ DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t 
 
 // The leader of any block, once per scheduler pass.  Returns at once unless
 // this block gets the link and kLinkPollNs (kLinkBusyPollNs for a block that
-// ran a task in its last pass) have passed since the last read.
-DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy) {
+// ran a task in its last pass) have passed since the last read.  `seen_ns`
+// (leader-private): when this block last looked at the link's clock; a busy
+// block does not even read that clock (a device-memory round trip) more often
+// than every kLinkBusyPollNs.
+DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
-  const uint64_t now = now_ns();
+  const bool lazy = busy && a->nblocks > 1;
+  if (lazy && now >= seen_ns && now - seen_ns < kLinkBusyPollNs) return;
+  seen_ns = now;
   const uint64_t last = load_gpu(&st->link_poll_ns);
-  if (now >= last && now - last < (busy && a->nblocks > 1 ? kLinkBusyPollNs : kLinkPollNs)) return;
+  if (now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) return;
   if (!try_lock_gpu(&st->link_busy)) return;
   store_gpu(&st->link_poll_ns, now);
   // sq_tail .. abort_epoch: three independent 16-byte reads.

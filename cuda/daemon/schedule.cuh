@@ -107,8 +107,10 @@ DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t n
 
 // Runs active[pick] once; the leader saves its context and, when it is over,
 // completes it and takes it off the active list.  `picked_ns`: when the
-// scheduler chose it (leader), for the block's profile.
-DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *active, uint32_t pick, uint64_t picked_ns) {
+// scheduler chose it (leader), for the block's profile (`prof`, the leader's
+// register copy).
+DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_profile &prof, uint32_t *active,
+                       uint32_t pick, uint64_t picked_ns) {
   const dfccl_daemon_args *a = env.args;
   BlockShared *sm = env.sm;
   dfccl_task_ctx *ctx = ctx_at(a, active[pick], env.block);
@@ -171,14 +173,35 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, uint32_t *activ
       }
       sm->cursor = pick;
     }
-    dfccl_block_profile *prof = &a->state->profile[env.block];
-    prof->runs += 1;
-    prof->restore_ns += start - picked_ns;
-    prof->run_ns += end - start;
-    prof->save_ns += now_ns() - end;
+    prof.runs += 1;
+    prof.restore_ns += start - picked_ns;
+    prof.run_ns += end - start;
+    prof.save_ns += now_ns() - end;
   }
   control_sync();
 }
+
+// The block's profile lives in the leader's registers (a read-modify-write of
+// device memory per counter cost ~0.3 us per pass) and is stored, not added,
+// to device memory every kProfileFlushPasses busy passes, on every idle pass
+// and on leaving; the host reads it from there (Context.daemon_profile).
+constexpr uint32_t kProfileFlushPasses = 16;
+
+DFCCL_DEV void flush_profile(dfccl_block_profile *dst, const dfccl_block_profile &p) {
+  store_gpu(&dst->passes, p.passes);
+  store_gpu(&dst->runs, p.runs);
+  store_gpu(&dst->pull_ns, p.pull_ns);
+  store_gpu(&dst->pick_ns, p.pick_ns);
+  store_gpu(&dst->restore_ns, p.restore_ns);
+  store_gpu(&dst->run_ns, p.run_ns);
+  store_gpu(&dst->save_ns, p.save_ns);
+  store_gpu(&dst->idle_ns, p.idle_ns);
+}
+
+// How often a busy block checks whether the daemon is leaving: each check is
+// two or three dependent reads of device memory (~0.2 us each), and leaving
+// may wait a few passes.  An idle block checks on every pass.
+constexpr uint32_t kQuitCheckPasses = 16;
 
 // The control warp of one block (the whole block in the simulator).
 DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm, uint32_t block) {
@@ -198,29 +221,36 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     if (block == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_RUNNING);
     atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress
   }
-  dfccl_block_profile *prof = &st->profile[block];
+  // Leader-private copies, kept in registers across passes.
+  dfccl_block_profile prof = st->profile[block];
+  uint64_t sq_head = st->sq_head[block];
+  uint64_t link_seen_ns = 0;
+  uint32_t quiet_passes = 0;
   uint64_t picked_ns = 0;
   bool busy = false;  // leader: this block ran a task in its last pass
   for (;;) {
     if (is_leader()) {
       const uint64_t t0 = now_ns();
-      poll_host_link(env, busy);
+      poll_host_link(env, busy, t0, link_seen_ns);
       if (++policy.passes >= kPolicyRefreshPasses) {
         policy.passes = 0;
         policy.base_window_ns = load_gpu(&st->base_window_ns);
         policy.max_window_ns = load_gpu(&st->max_window_ns);
         policy.idle_quit_ns = load_gpu(&st->idle_quit_ns);
       }
-      const uint32_t pulled = pull_submissions(env, active, sm->active_len);
-      const uint64_t now = now_ns();
+      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, t0);
+      const uint64_t now = pulled != 0 ? now_ns() : t0;
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
-      sm->quit = should_quit(env, policy, now) ? 1u : 0u;
+      const bool check_quit = !busy || pulled != 0 || ++quiet_passes >= kQuitCheckPasses;
+      if (check_quit) quiet_passes = 0;
+      sm->quit = check_quit && should_quit(env, policy, now) ? 1u : 0u;
       sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
       busy = sm->pick != kNoTask;
       picked_ns = now_ns();
-      prof->passes += 1;
-      prof->pull_ns += now - t0;
-      prof->pick_ns += picked_ns - now;
+      prof.passes += 1;
+      prof.pull_ns += now - t0;
+      prof.pick_ns += picked_ns - now;
+      if (!busy || prof.passes % kProfileFlushPasses == 0) flush_profile(&st->profile[block], prof);
     }
     control_sync();
     if (sm->quit) break;
@@ -228,15 +258,16 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     if (pick == kNoTask) {
       if (is_leader()) {
         idle_pause();
-        prof->idle_ns += now_ns() - picked_ns;
+        prof.idle_ns += now_ns() - picked_ns;
       }
       control_sync();
       continue;
     }
-    run_one(env, policy, active, pick, picked_ns);
+    run_one(env, policy, prof, active, pick, picked_ns);
   }
   dismiss_movers(sm);
   if (is_leader()) {
+    flush_profile(&st->profile[block], prof);
     st->active_len[block] = sm->active_len;
     st->cursor[block] = sm->cursor;
     fence_system();

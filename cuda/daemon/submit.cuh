@@ -34,14 +34,15 @@ DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *
   return true;
 }
 
-// The leader.  Returns how many entries were consumed.
-DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len) {
+// The leader.  `head`: this block's consumed count, kept in a register by the
+// caller and stored to device memory (where the host link reads it) when it
+// moves.  Returns how many entries were consumed.
+DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head,
+                                    uint64_t t0) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
-  uint64_t head = st->sq_head[env.block];
   const uint64_t tail = load_acquire_gpu(&st->sq_avail);
   if (head == tail) return 0;
-  const uint64_t t0 = now_ns();
   uint32_t pulled = 0;
   constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
   for (; head < tail; ++head, ++pulled) {
