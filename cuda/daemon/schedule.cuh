@@ -241,7 +241,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
       const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, t0);
       const uint64_t now = pulled != 0 ? now_ns() : t0;
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
-      const bool check_quit = !busy || pulled != 0 || ++quiet_passes >= kQuitCheckPasses;
+      const bool check_quit = !busy || ++quiet_passes >= kQuitCheckPasses;
       if (check_quit) quiet_passes = 0;
       sm->quit = check_quit && should_quit(env, policy, now) ? 1u : 0u;
       sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
