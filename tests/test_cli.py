@@ -213,3 +213,19 @@ def test_submitter_waits_for_the_oldest_when_resources_run_out():
     pending.extend([FakeWork(-1), FakeWork(-2)])
     with pytest.raises(ResourceError):
         bench._Submitter([FakePlan()]).submit()
+
+
+def test_kernel_resources_parses_cuobjdump(monkeypatch):
+    """`dfccl info` reads registers, stack and shared memory of the daemon from
+    ``cuobjdump -res-usage`` output (here, the output for an sm_90 image)."""
+    import subprocess
+    import types
+
+    from dfccl import info
+
+    out = ("Fatbin elf code:\n================\narch = sm_90\ncode version = [1,8]\n\nResource usage:\n"
+           " Common:\n  GLOBAL:0\n Function dfccl_daemon:\n"
+           "  REG:122 STACK:224 SHARED:1608 LOCAL:0 CONSTANT[2]:40 CONSTANT[0]:672 TEXTURE:0\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=out))
+    assert info._kernel_resources("cuobjdump", "daemon.fatbin") == {
+        "sm_90": {"REG": 122, "STACK": 224, "SHARED": 1608, "LOCAL": 0}}

@@ -83,11 +83,31 @@ def kernel_image_info() -> dict:
         kind = "ptx" if flag == "--list-ptx" else "sass"
         archs.update(f"{m} ({kind})" for m in re.findall(r"sm_\d+[a-z]?", out))
     info["architectures"] = sorted(archs)
+    info["resources"] = _kernel_resources(tool, str(path))
     if not archs:
         info["note"] = "architectures unknown (cuobjdump listed none)"
     if os.environ.get("DFCCL_FORCE_NVRTC"):
         info["note"] = "DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead"
     return info
+
+
+def _kernel_resources(tool: str, path: str) -> dict:
+    """Registers, stack and shared memory of dfccl_daemon per architecture
+    (``cuobjdump -res-usage``): {"sm_90": {"REG": 122, "STACK": 224, ...}}."""
+    try:
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found: dict[str, dict] = {}
+    arch = None
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*arch = (sm_\d+[a-z]?)", line)
+        if m:
+            arch = m.group(1)
+        if "Function dfccl_daemon" in line and arch and i + 1 < len(lines):
+            found[arch] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", lines[i + 1])}
+    return found
 
 
 def _gpus() -> tuple[list[dict], list[list[bool]]]:
@@ -181,6 +201,9 @@ def print_info(out: TextIO = sys.stdout) -> dict:
     p(f"kernel image: {k['path'] or 'none'}")
     if k["architectures"]:
         p(f"  architectures: {', '.join(k['architectures'])}")
+    for arch, r in sorted(k.get("resources", {}).items()):
+        p(f"  {arch}: {r.get('REG', '?')} registers per thread, {r.get('STACK', '?')} B stack, "
+          f"{r.get('SHARED', '?')} B shared memory per block")
     if k["note"]:
         p(f"  {k['note']}")
     for backend, d in info["defaults"].items():
