@@ -1013,6 +1013,14 @@ def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tupl
                 if status is None else _nccl_unavailable_line(status))
         print(f"# dfccl: path {info['path']}, {info['channels']} channels, arrays: {info['memory']}; "
               f"{n} worker processes", file=out)
+        shared = sorted({d for d in cfg.devices if cfg.devices.count(d) > 1})
+        if cfg.backend == "cuda" and shared:
+            # Kernels of different processes do not run side by side on one
+            # GPU (without MPS the GPU time-slices between their contexts), so
+            # every collective waits for the other daemons' time slices.
+            print(f"# note: several processes share GPU {', '.join(map(str, shared))}: the GPU time-slices between "
+                  "processes, so each collective takes milliseconds; these times say nothing about one process "
+                  "per GPU", file=out)
         for kind in cfg.kinds:
             progress.write(format_table_header(kind, line), out)
             for case in case_sizes(cfg, kind):
