@@ -26,6 +26,7 @@ from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, Inval
                           PeerAbortedError, StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
+from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
 from dfccl.store import StoreUnreachableError
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
@@ -111,6 +112,7 @@ class _Group:
         self.lock = threading.Lock()
         self.open = size
         self.endpoints: list[Endpoint] = []
+        self.rendezvous = LocalRendezvous(size)  # split() among ranks of this process
 
     def leave(self) -> bool:
         with self.lock:
@@ -159,6 +161,7 @@ class Communicator:
         except DfcclError as exc:
             _tell_peers(unique_id, rank, exc, deadline)
             raise
+        self._unique_id = unique_id
         self._group = _Group(1)
         self._group_closes_memory = False  # peers in other processes may still map our arena
         published = [False]
@@ -284,7 +287,10 @@ class Communicator:
         self._rank = rank
         self._size = world_size
         self._comm_key = comm_key
+        self._user_options = options
         self._options = (options or CommOptions()).resolved(backend)
+        self._unique_id: UniqueId | None = None  # set when created from one (split uses its store)
+        self._splits = 0
         self._ctx = runtime.get_context(backend, device, context_options)
         self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
@@ -389,6 +395,58 @@ class Communicator:
         s, r = self._pair(send, recv, "reduce", writes_recv=root == self._rank)
         self._same_shape(s, r, s.count, "reduce")
         return self._submit(KIND_REDUCE, s, r, s.count, self._op(op, "reduce"), root, tag, stream)
+
+    # -- new communicators -----------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None, *,
+              timeout: float = DEFAULT_STARTUP_TIMEOUT) -> "Communicator | None":
+        """A new communicator of the ranks that pass the same ``color``, ranked
+        by (``key``, this rank); None for a rank whose color is None or
+        negative.  Collective over this communicator (every rank calls it; the
+        k-th split of every rank is one split).  The child runs on the same
+        daemon as this one, with the same options.  Ranks of a
+        ``for_devices`` group must each call it on their own thread (or use
+        :meth:`split_all`).  Like ncclCommSplit."""
+        self._check_open()
+        color = check_color(color)
+        key = check_key(key, self._rank)
+        timeout = _check_seconds("split: timeout", timeout, positive=True)
+        self._splits += 1
+        if self._unique_id is None:
+            return split_local(self, color, key, timeout)
+        return split_through_store(self, color, key, timeout)
+
+    @staticmethod
+    def split_all(comms: Sequence["Communicator"], colors: Sequence[int | None],
+                  keys: Sequence[int | None] | None = None, *,
+                  timeout: float = DEFAULT_STARTUP_TIMEOUT) -> list["Communicator | None"]:
+        """:meth:`split` for several ranks of this process at once (one thread
+        per rank): ``comms[i].split(colors[i], keys[i])`` for every i."""
+        comms, colors = list(comms), list(colors)
+        keys = [None] * len(comms) if keys is None else list(keys)
+        if not (len(comms) == len(colors) == len(keys)):
+            raise InvalidArgumentError(f"split_all: {len(comms)} communicators, {len(colors)} colors and "
+                                       f"{len(keys)} keys; give one of each per communicator")
+        results: list = [None] * len(comms)
+        errors: list = [None] * len(comms)
+
+        def one(i):
+            try:
+                results[i] = comms[i].split(colors[i], keys[i], timeout=timeout)
+            except BaseException as exc:  # re-raised below, on the caller's thread
+                errors[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,), name=f"dfccl-split-{i}") for i in range(len(comms))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for exc in errors:
+            if exc is not None:
+                for c in results:
+                    if c is not None:
+                        c.close()
+                raise exc
+        return results
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
