@@ -78,7 +78,7 @@ def child_unique_id(parent: UniqueId, split_number: int, color: int) -> UniqueId
 
 
 def gather_through_store(store, prefix: str, rank: int, nranks: int, value: dict, deadline: float,
-                         timeout: float) -> list[dict]:
+                         timeout: float, what: str = "split") -> list[dict]:
     """Publishes ``value`` under prefix/rank and returns every rank's value,
     waiting until ``deadline``; names the ranks missing at the deadline."""
     store.set(f"{prefix}/{rank}", json.dumps(value).encode())
@@ -95,12 +95,12 @@ def gather_through_store(store, prefix: str, rank: int, nranks: int, value: dict
             missing.append(p)
     if missing:
         arrived = [p for p in range(nranks) if p not in missing]
-        raise StartupTimeoutError(f"rank {rank}: split timed out after {timeout:g} s: parent ranks {missing} have "
-                                  f"not called split (ranks {arrived} have)", rank=rank, missing_ranks=missing,
+        raise StartupTimeoutError(f"rank {rank}: {what} timed out after {timeout:g} s: ranks {missing} have "
+                                  f"not called {what} (ranks {arrived} have)", rank=rank, missing_ranks=missing,
                                   arrived_ranks=arrived)
     for p, e in enumerate(got):
         if "error" in e:
-            raise PeerAbortedError(f"rank {rank}: split failed on parent rank {p}: {e['error']}", rank=rank, origin=p)
+            raise PeerAbortedError(f"rank {rank}: {what} failed on rank {p}: {e['error']}", rank=rank, origin=p)
     return got
 
 
