@@ -820,7 +820,7 @@ def test_too_many_outstanding_collectives():
 
 
 def test_staging_exhausted(make):
-    comms = make(2, "ring", staging_bytes=1 << 20)
+    comms = make(2, "ring", staging_bytes=1 << 20, ring_tags=2)
     # Each 256 Ki-element float32 all_reduce holds 2 channels x 4 slots x 64 KiB = 512 KiB of FIFO.
     xs = [np.ones(1 << 18, np.float32) for _ in range(2)]
     ws = [comms[0].all_reduce(x, tag=("s", i)) for i, x in enumerate(xs)]
@@ -835,7 +835,7 @@ def test_staging_exhausted(make):
 
 
 def test_staging_shared_by_a_tag_and_given_back_when_short(make):
-    comms = make(2, "ring", staging_bytes=1 << 20)
+    comms = make(2, "ring", staging_bytes=1 << 20, ring_tags=2)
     pool = comms[0]._endpoint.staging
     for it in range(5):   # 512 KiB each: a FIFO per instance would not fit twice
         xs = [np.ones(1 << 18, np.float32) for _ in range(2)]
@@ -860,7 +860,7 @@ def test_staging_shared_by_a_tag_and_given_back_when_short(make):
 
 
 def test_staging_exhausted_leaves_pool_consistent(make):
-    comms = make(2, "ring", staging_bytes=1 << 20)
+    comms = make(2, "ring", staging_bytes=1 << 20, ring_tags=2)
     pool = comms[0]._endpoint.staging
     xs = [np.ones(1 << 18, np.float32) for _ in range(2)]
     ws = [comms[0].all_reduce(x, tag=("s", i)) for i, x in enumerate(xs)]

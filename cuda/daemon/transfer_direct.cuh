@@ -65,6 +65,16 @@ DFCCL_DEV uint64_t stage_out_offset(const TaskRun &run, const DirectGeometry &g)
 }
 DFCCL_DEV uint64_t own_arena(const TaskRun &run) { return run.ep->peer_arena[run.ep->rank]; }
 
+// Staged: a word rank p published, as an address here: an offset in its
+// arena, or (DFCCL_REG_BIT) a registered allocation's slot and an offset in it.
+DFCCL_DEV uint64_t staged_address(const TaskRun &run, uint32_t p, uint64_t word) {
+  if ((word & DFCCL_REG_BIT) == 0) return run.ep->peer_arena[p] + word;
+  const uint64_t slot = (word & ~DFCCL_REG_BIT) >> DFCCL_REG_SLOT_SHIFT;
+  const uint64_t *table = reinterpret_cast<const uint64_t *>(run.ep->reg_table);
+  return table[(uint64_t)p * DFCCL_REG_SLOTS + slot] + (word & DFCCL_REG_OFFSET_MASK);
+}
+DFCCL_DEV bool send_registered(const TaskRun &run) { return (run.d->flags & DFCCL_TASK_SEND_REGISTERED) != 0; }
+
 // The leader: input / output address of rank p (this rank's from its descriptor,
 // a peer's from the record it published).
 DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint32_t p, bool output) {
@@ -72,11 +82,11 @@ DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint
   uint32_t index = (p + g.n - g.r - 1) % g.n;
   if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0) {
     const uint64_t a = output ? run.ctx->peer_recv[index] : run.ctx->peer_send[index];
-    return staged(run) ? run.ep->peer_arena[p] + a : a;
+    return staged(run) ? staged_address(run, p, a) : a;
   }
   dfccl_chan_state *pc = record_chan(peer_record(run, index, p), g.c);
   const uint64_t a = load_relaxed(output ? &pc->recv_addr : &pc->send_addr);
-  return staged(run) ? run.ep->peer_arena[p] + a : a;
+  return staged(run) ? staged_address(run, p, a) : a;
 }
 
 // Our output at dst_off = op over all ranks of their input at src_off; with
@@ -221,7 +231,12 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case D_PUBLISH:
-        if (staged(run)) {
+        if (staged(run) && send_registered(run)) {
+          // Peers read the input itself: in place counts, as on the direct path.
+          const uint64_t in_place = run.d->send_addr == run.d->recv_addr ? 1 : 0;
+          publish_instance(run, in_place, run.d->send_reg, stage_out_offset(run, g));
+          run.pos[1] = in_place;
+        } else if (staged(run)) {
           stage_input(env, run, g);
           publish_instance(run, 0, stage_in_offset(run), stage_out_offset(run, g));
           run.pos[1] = 0;

@@ -8,6 +8,7 @@ stopped.  See README.md and docs/.
 from dfccl._native.context import Work
 from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
+from dfccl.environment import init_from_env
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
                           InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError,
                           StartupTimeoutError)
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
+    "init_from_env",
     "Plan",
     "Work",
     "Buffer",

@@ -19,13 +19,15 @@ from typing import Sequence
 
 from dfccl import runtime
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                   KIND_REDUCE_SCATTER, MAX_RANKS, TaskDescriptor, Work)
+                                   KIND_REDUCE_SCATTER, MAX_RANKS, TASK_STAGED, TaskDescriptor, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
                           PeerAbortedError, StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
+from dfccl.registration import Registry, RegistrationHandle, register as _register, registered_task_fields
+from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
 from dfccl.store import StoreUnreachableError
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
@@ -111,6 +113,7 @@ class _Group:
         self.lock = threading.Lock()
         self.open = size
         self.endpoints: list[Endpoint] = []
+        self.rendezvous = LocalRendezvous(size)  # split() among ranks of this process
 
     def leave(self) -> bool:
         with self.lock:
@@ -159,6 +162,7 @@ class Communicator:
         except DfcclError as exc:
             _tell_peers(unique_id, rank, exc, deadline)
             raise
+        self._unique_id = unique_id
         self._group = _Group(1)
         self._group_closes_memory = False  # peers in other processes may still map our arena
         published = [False]
@@ -284,7 +288,11 @@ class Communicator:
         self._rank = rank
         self._size = world_size
         self._comm_key = comm_key
+        self._user_options = options
         self._options = (options or CommOptions()).resolved(backend)
+        self._unique_id: UniqueId | None = None  # set when created from one (split uses its store)
+        self._registry: Registry | None = None
+        self._splits = 0
         self._ctx = runtime.get_context(backend, device, context_options)
         self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
@@ -307,6 +315,7 @@ class Communicator:
         self._mode = mode
         self._direct = mode != "ring"
         self._staged = mode == "staged"
+        self._registry = Registry(self) if self._staged and self._unique_id is not None else None
 
     # -- properties --------------------------------------------------------------
     @property
@@ -390,6 +399,77 @@ class Communicator:
         self._same_shape(s, r, s.count, "reduce")
         return self._submit(KIND_REDUCE, s, r, s.count, self._op(op, "reduce"), root, tag, stream)
 
+    # -- registration --------------------------------------------------------------------
+    def register(self, buf, *, timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RegistrationHandle:
+        """Registers ``buf`` so that peers in other processes read it in place
+        instead of through the staged copy (like ncclCommRegister).
+        Collective: every rank calls it (the k-th register of every rank is
+        one exchange).  Returns a handle; close it, or use it as a context
+        manager, once no pending collective uses the buffer.  See
+        dfccl/registration.py for what is mapped and when."""
+        self._check_open()
+        timeout = _check_seconds("register: timeout", timeout, positive=True)
+        return _register(self, buf, timeout)
+
+    def deregister(self, handle: RegistrationHandle) -> None:
+        """``handle.close()``."""
+        if not isinstance(handle, RegistrationHandle):
+            raise InvalidArgumentError(f"deregister needs a RegistrationHandle, not {type(handle).__name__}",
+                                       rank=self._rank)
+        handle.close()
+
+    # -- new communicators -----------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None, *,
+              timeout: float = DEFAULT_STARTUP_TIMEOUT) -> "Communicator | None":
+        """A new communicator of the ranks that pass the same ``color``, ranked
+        by (``key``, this rank); None for a rank whose color is None or
+        negative.  Collective over this communicator (every rank calls it; the
+        k-th split of every rank is one split).  The child runs on the same
+        daemon as this one, with the same options.  Ranks of a
+        ``for_devices`` group must each call it on their own thread (or use
+        :meth:`split_all`).  Like ncclCommSplit."""
+        self._check_open()
+        color = check_color(color)
+        key = check_key(key, self._rank)
+        timeout = _check_seconds("split: timeout", timeout, positive=True)
+        self._splits += 1
+        if self._unique_id is None:
+            return split_local(self, color, key, timeout)
+        return split_through_store(self, color, key, timeout)
+
+    @staticmethod
+    def split_all(comms: Sequence["Communicator"], colors: Sequence[int | None],
+                  keys: Sequence[int | None] | None = None, *,
+                  timeout: float = DEFAULT_STARTUP_TIMEOUT) -> list["Communicator | None"]:
+        """:meth:`split` for several ranks of this process at once (one thread
+        per rank): ``comms[i].split(colors[i], keys[i])`` for every i."""
+        comms, colors = list(comms), list(colors)
+        keys = [None] * len(comms) if keys is None else list(keys)
+        if not (len(comms) == len(colors) == len(keys)):
+            raise InvalidArgumentError(f"split_all: {len(comms)} communicators, {len(colors)} colors and "
+                                       f"{len(keys)} keys; give one of each per communicator")
+        results: list = [None] * len(comms)
+        errors: list = [None] * len(comms)
+
+        def one(i):
+            try:
+                results[i] = comms[i].split(colors[i], keys[i], timeout=timeout)
+            except BaseException as exc:  # re-raised below, on the caller's thread
+                errors[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,), name=f"dfccl-split-{i}") for i in range(len(comms))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for exc in errors:
+            if exc is not None:
+                for c in results:
+                    if c is not None:
+                        c.close()
+                raise exc
+        return results
+
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
         return self._prepare(KIND_ALL_REDUCE, count, dtype, op, _UNUSED, tag)
@@ -451,6 +531,8 @@ class Communicator:
                     time.sleep(1e-4)
         self._closed = True
         unfinished = any(not w.done() for w in pending)
+        if self._registry is not None and not unfinished:
+            self._registry.close()
         last = self._group.leave()
         # Free the arena only when no peer can touch it: every in-process rank
         # of the communicator has closed and nothing is left in flight.
@@ -545,13 +627,16 @@ class Communicator:
                                      staged=self._staged)
         if key is None:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
+        flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
+        if self._registry is not None and self._registry.handles and flags & TASK_STAGED:
+            flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op), path=geometry.path,
             root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
-            slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=geometry.flags,
-            staging_bytes=geometry.fifo_bytes, stream=None if stream is None else stream_handle(stream),
-            owners=(s.owner, r.owner))
+            slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
+            staging_bytes=staging, stream=None if stream is None else stream_handle(stream),
+            owners=(s.owner, r.owner), send_reg=send_reg)
 
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
                 geometry: Geometry | None = None, key=None) -> Work:

@@ -4,12 +4,14 @@ its tag table, and its registration with the daemon."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 
 from dfccl import runtime
 from dfccl._native.context import CHAN_STATE_BYTES, MAX_CHANNELS, RECORD_HEADER_BYTES
 from dfccl.errors import BackendError
+from dfccl.registration import REG_SLOTS
 from dfccl.staging import StagingPool
 from dfccl.tags import TagTable
 
@@ -37,6 +39,14 @@ class Endpoint:
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []
+        # Peers' registered allocations as mapped here (registration.py);
+        # only ranks that peers in other processes reach need one.
+        self.reg_table = 0
+        if shareable:
+            nbytes = nranks * REG_SLOTS * 8
+            self.reg_table = self.backend.alloc_device(nbytes, False)
+            zeros = ctypes.create_string_buffer(nbytes)
+            self.backend.copy_to_device(self.reg_table, ctypes.addressof(zeros), nbytes)
 
     # -- bootstrap ---------------------------------------------------------------
     def describe(self) -> dict:
@@ -55,6 +65,10 @@ class Endpoint:
         if self.shareable:
             info["arena"] = self.backend.export_memory(self.arena)
         return info
+
+    @staticmethod
+    def describe_process() -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname()}
 
     def connect(self, peers: list[dict], comm_key: int) -> bool:
         """Maps every peer's arena and registers this rank with the daemon.
@@ -91,7 +105,7 @@ class Endpoint:
                 self._imported.append(ptr)
                 arenas.append(ptr)
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                        arenas, arenas)
+                                        arenas, arenas, self.reg_table)
         return mode
 
     def _reachable(self, info: dict, me: dict) -> bool:
@@ -149,3 +163,6 @@ class Endpoint:
         if free_memory and self.arena:
             self.backend.free_device(self.arena)
             self.arena = 0
+        if free_memory and self.reg_table:
+            self.backend.free_device(self.reg_table)
+            self.reg_table = 0

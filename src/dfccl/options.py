@@ -86,6 +86,10 @@ class CommOptions:
     staged_max_bytes: largest collective (bytes one rank moves) that takes
         the direct path across processes; larger ones take the ring.  Each
         tag holds up to twice this much staging while it is bound.
+    ring_tags: tags whose ring-path collectives fit in staging_bytes at once
+        whatever their size: a tag's FIFO (channels x ring_slots x slice) is
+        at most staging_bytes // ring_tags, its slices shrinking to fit
+        (docs/architecture.md, "Staging budget").
     """
 
     path: str = "auto"
@@ -97,13 +101,14 @@ class CommOptions:
     one_shot_bytes: int | None = None
     bytes_per_channel: int | None = None
     staged_max_bytes: int | None = None
+    ring_tags: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if self.path not in ("auto", "direct", "ring"):
             raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
         _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
-                           "one_shot_bytes", "bytes_per_channel"))
+                           "one_shot_bytes", "bytes_per_channel", "ring_tags"))
         # One slot deadlocks the ring: a step that receives and sends needs the
         # next rank to free its slot first, and the next rank waits likewise.
         if not 2 <= self.ring_slots <= 64:
@@ -118,6 +123,8 @@ class CommOptions:
         for name in ("staging_bytes", "one_shot_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InvalidArgumentError(f"CommOptions.{name} must be >= 0, not {getattr(self, name)}")
+        if self.ring_tags is not None and self.ring_tags < 1:
+            raise InvalidArgumentError(f"CommOptions.ring_tags must be >= 1, not {self.ring_tags}")
         if self.bytes_per_channel is not None and self.bytes_per_channel < 1:
             raise InvalidArgumentError(f"CommOptions.bytes_per_channel must be >= 1, not {self.bytes_per_channel}")
 
@@ -126,7 +133,8 @@ class CommOptions:
         gpu = backend == "cuda"
         return replace(
             self,
-            staging_bytes=self.staging_bytes if self.staging_bytes is not None else (256 << 20 if gpu else 16 << 20),
+            staging_bytes=self.staging_bytes if self.staging_bytes is not None else (256 << 20 if gpu else 64 << 20),
+            ring_tags=self.ring_tags if self.ring_tags is not None else (8 if gpu else 128),
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else (512 << 10 if gpu else 64 << 10),
             one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),

@@ -47,6 +47,17 @@ def staged_bytes(kind: int, count: int, itemsize: int, nranks: int) -> int:
     return _round_up(in_bytes, 256) + _round_up(out_bytes, 256)
 
 
+def ring_slice_cap(nchannels: int, options) -> int:
+    """Largest ring slice: max_slice_bytes, and small enough that a tag's
+    FIFO (nchannels x ring_slots slices) is at most staging_bytes //
+    ring_tags, so that ring_tags tags fit in the staging at once whatever
+    their message sizes (the ring loops over a message through its FIFO)."""
+    # A multiple of the staging pool's 256-byte allocation unit, so that
+    # ring_tags FIFOs fit even after rounding up.
+    per_tag = options.staging_bytes // (options.ring_tags or 1) // 256 * 256
+    return max(256, min(options.max_slice_bytes, per_tag // (nchannels * options.ring_slots)) // 16 * 16)
+
+
 def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
                   options, *, staged: bool = False) -> Geometry:
     """``direct``: every peer is reachable for the direct path; ``staged``:
@@ -77,5 +88,5 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     slice_bytes = _round_up(_ceil_div(chan_bytes, pieces), 16)
     # FIFO slots hold whole 16-byte packs: the daemon cuts chunks on pack
     # boundaries, so a slot must be a multiple of 16 bytes.
-    slice_bytes = max(256, min(options.max_slice_bytes // 16 * 16, slice_bytes))
+    slice_bytes = max(256, min(ring_slice_cap(nch, options), slice_bytes))
     return Geometry(PATH_RING, nch, slice_bytes, options.ring_slots)

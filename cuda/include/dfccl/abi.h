@@ -73,6 +73,18 @@ enum dfccl_status {
 #define DFCCL_TASK_STAGED 4u        /* direct path across processes: peers read copies of this
                                        rank's buffers in its arena (fifo_offset), not the
                                        buffers themselves, which they cannot map */
+#define DFCCL_TASK_SEND_REGISTERED 8u /* staged: peers read the input in place, through their mapping
+                                         of its registered allocation (send_reg), not a copy */
+
+/* Registered buffers (staged direct path).  A rank publishes a registered
+ * input as a word with DFCCL_REG_BIT set, the allocation's registration slot
+ * and the offset in it; a peer translates it through its endpoint's
+ * reg_table[rank * DFCCL_REG_SLOTS + slot] (that allocation as mapped in
+ * the peer's process).  Other staged words are offsets in the owner's arena. */
+#define DFCCL_REG_SLOTS 256u
+#define DFCCL_REG_BIT (1ull << 63)
+#define DFCCL_REG_SLOT_SHIFT 40
+#define DFCCL_REG_OFFSET_MASK ((1ull << DFCCL_REG_SLOT_SHIFT) - 1ull)
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -83,7 +95,7 @@ typedef struct dfccl_task_desc {
   uint64_t count;         /* elements: see docs/architecture.md, "Counts" */
   uint64_t tag_key;       /* 64-bit hash of (communicator, tag) */
   uint64_t instance;      /* this rank's k-th use of the tag, from 1 */
-  uint64_t reserved0;     /* zero */
+  uint64_t send_reg;      /* DFCCL_TASK_SEND_REGISTERED: the input's registered word; else zero */
   uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena;
                              staged direct path: its staging (input copy, then output copy) */
   uint32_t endpoint;      /* index into the endpoint table */
@@ -206,7 +218,9 @@ typedef struct dfccl_endpoint {
   uint32_t table_capacity;  /* tag records in each rank's table */
   uint32_t record_stride;   /* bytes per record */
   uint64_t comm_key;
-  uint64_t pad[5];
+  uint64_t reg_table;       /* device, [nranks][DFCCL_REG_SLOTS]: peers' registered allocations as
+                               mapped here (0: none); 0 when the communicator has no staged path */
+  uint64_t pad[4];
   uint64_t peer_table[DFCCL_MAX_RANKS]; /* each rank's tag table, as mapped here */
   uint64_t peer_arena[DFCCL_MAX_RANKS]; /* each rank's arena base, as mapped here */
 } dfccl_endpoint;

@@ -21,7 +21,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t count
         uint64_t tag_key
         uint64_t instance
-        uint64_t reserved0
+        uint64_t send_reg
         uint64_t fifo_offset
         uint32_t endpoint
         uint32_t bucket
@@ -88,6 +88,7 @@ cdef extern from "dfccl/abi.h":
         uint32_t table_capacity
         uint32_t record_stride
         uint64_t comm_key
+        uint64_t reg_table
         uint64_t peer_table[64]
         uint64_t peer_arena[64]
 

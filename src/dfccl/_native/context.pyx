@@ -88,8 +88,9 @@ cdef class TaskDescriptor:
                  uint32_t endpoint, int kind_code, int dtype, int op, int path, int root, int nchannels,
                  uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint32_t slice_bytes=0,
                  uint32_t fifo_slots=0, uint32_t flags=0, uint64_t staging_bytes=0, object stream=None,
-                 object owners=None):
+                 object owners=None, uint64_t send_reg=0):
         memset(&self.desc, 0, sizeof(dfccl_task_desc))
+        self.desc.send_reg = send_reg
         self.desc.send_addr = send_addr
         self.desc.recv_addr = recv_addr
         self.desc.count = count
@@ -541,7 +542,7 @@ cdef class Context:
 
     # -- endpoints -----------------------------------------------------------
     def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
-                     peer_tables, peer_arenas):
+                     peer_tables, peer_arenas, uint64_t reg_table=0):
         """Registers one rank of a communicator with the daemon; returns its id."""
         cdef dfccl_endpoint ep
         if not self.free_endpoints:
@@ -556,6 +557,7 @@ cdef class Context:
         ep.table_capacity = table_capacity
         ep.record_stride = record_stride
         ep.comm_key = comm_key
+        ep.reg_table = reg_table
         for i in range(nranks):
             ep.peer_table[i] = peer_tables[i]
             ep.peer_arena[i] = peer_arenas[i]

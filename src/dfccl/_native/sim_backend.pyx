@@ -118,6 +118,15 @@ cdef class SimBackend(Backend):
             raise InvalidArgumentError("sim backend: only memory allocated with shareable=True can be exported")
         return {"kind": "sim-shm", "path": entry[1], "size": entry[2]}
 
+    def shared_allocation(self, uint64_t ptr):
+        """(base, size, name) of the shareable allocation holding ``ptr``
+        (the simulator's cuMemGetAddressRange; the name tells a freed and
+        reallocated one apart), or None."""
+        for base, (_mm, path, nbytes) in self._shared.items():
+            if base <= ptr < base + nbytes:
+                return base, nbytes, path
+        return None
+
     def unlink_export(self, uint64_t ptr):
         # The file only names the memory for peers still to map it; the pages
         # live on in every existing mapping, ours included.

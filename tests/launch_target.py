@@ -1,0 +1,87 @@
+"""A rank of the jobs tests (tests/test_jobs.py), started by
+``python -m dfccl.launch``: ``launch_target.py SCENARIO``.  Prints
+``RESULT <json>`` on success; any failure exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import dfccl
+
+TIMEOUT = 60
+
+
+def tp_dp(comm: dfccl.Communicator) -> dict:
+    """TP = {0,1},{2,3}, DP = {0,2},{1,3} over 4 ranks; each rank issues its
+    TP and DP collectives in an order that differs between ranks."""
+    r = comm.rank
+    tp = comm.split(r // 2, key=r)
+    dp = comm.split(r % 2, key=r)
+    nobody = comm.split(None if r == 3 else 0, key=-r)   # rank 3 opts out; order reversed by key
+    rounds = 20
+    tp_bufs = [np.full(1000 + i, (r + 1) * (i + 1), np.float32) for i in range(rounds)]
+    dp_bufs = [np.full(77, r + 10 * i, np.int64) for i in range(rounds)]
+    dp_out = [np.empty(77 * 2, np.int64) for _ in range(rounds)]
+    works = []
+    for i in range(rounds):
+        a = lambda i=i: tp.all_reduce(tp_bufs[i], tag=("tp", i))
+        b = lambda i=i: dp.all_gather(dp_bufs[i], dp_out[i], tag=("dp", i))
+        # Ranks 0 and 3 issue TP first, 1 and 2 DP first; odd rounds flip it.
+        first_tp = (r in (0, 3)) ^ (i % 2 == 1)
+        works += [a(), b()] if first_tp else [b(), a()]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    tp_peers = [2 * (r // 2), 2 * (r // 2) + 1]
+    dp_peers = [r % 2, r % 2 + 2]
+    for i in range(rounds):
+        assert (tp_bufs[i] == sum((p + 1) * (i + 1) for p in tp_peers)).all(), ("tp", i, tp_bufs[i][:4])
+        want = np.concatenate([np.full(77, p + 10 * i, np.int64) for p in dp_peers])
+        assert (dp_out[i] == want).all(), ("dp", i)
+    out = {"rank": r, "tp": [tp.rank, tp.world_size], "dp": [dp.rank, dp.world_size], "path": tp.path,
+           "nobody": None if nobody is None else [nobody.rank, nobody.world_size]}
+    if nobody is not None:
+        x = np.full(10, r, np.int32)
+        nobody.all_reduce(x, op="max").synchronize(timeout=TIMEOUT)
+        assert (x == 2).all()
+        nobody.close()
+    tp.close()
+    dp.close()
+    return out
+
+
+def main() -> int:
+    scenario = sys.argv[1]
+    if scenario == "fail":
+        # Rank 1 fails at once; the others would run for a minute.
+        if os.environ["RANK"] == "1":
+            print("rank 1 fails now", flush=True)
+            return 3
+        time.sleep(60)
+        return 0
+    comm = dfccl.init_from_env(timeout=TIMEOUT)
+    print(f"up: rank {comm.rank} of {comm.world_size} on {comm.backend}:{comm.device} path={comm.path}", flush=True)
+    if scenario == "all_reduce":
+        x = np.full(4099, comm.rank + 1, np.float32)
+        comm.all_reduce(x).synchronize(timeout=TIMEOUT)
+        n = comm.world_size
+        assert (x == n * (n + 1) / 2).all()
+        out = {"rank": comm.rank, "size": n, "device": comm.device, "path": comm.path}
+    elif scenario == "tp_dp":
+        out = tp_dp(comm)
+    elif scenario == "register":
+        from registration_target import run_register
+        out = run_register(comm)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    comm.close()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

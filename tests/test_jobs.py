@@ -1,0 +1,213 @@
+"""One process per GPU the way jobs run: init_from_env (torchrun, Open MPI,
+Slurm variables), ``python -m dfccl.launch``, Communicator.split with
+overlapping TP/DP groups, and user-buffer registration across processes.
+Simulator in CI; the ``gpu`` tests put 2-4 processes on one GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import scenarios as sc
+from dfccl.environment import job_from_env
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+TIMEOUT = 60
+
+
+def launch(n: int, scenario: str, *extra: str, timeout: float = 240) -> tuple[int, str, list[dict]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(TESTS)]))
+    proc = subprocess.run([sys.executable, "-m", "dfccl.launch", "-n", str(n), *extra,
+                           str(TESTS / "launch_target.py"), scenario],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    return proc.returncode, out, sorted(results, key=lambda r: r["rank"])
+
+
+# -- environment ---------------------------------------------------------------------
+def test_torchrun_variables():
+    job = job_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
+                        "MASTER_PORT": "29500"})
+    assert (job.launcher, job.rank, job.world_size, job.local_rank) == ("torchrun", 3, 8, 1)
+    assert (job.root_host, job.root_port) == ("node7", 29501) and len(job.secret) == 32
+
+
+def test_openmpi_and_slurm_variables_with_root_addr():
+    job = job_from_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "DFCCL_ROOT_ADDR": "10.0.0.1:4000"})
+    assert (job.launcher, job.rank, job.world_size, job.local_rank, job.root_host, job.root_port) == \
+        ("openmpi", 2, 4, 0, "10.0.0.1", 4000)
+    job = job_from_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77",
+                        "DFCCL_ROOT_ADDR": "[fe80::1]:5000", "DFCCL_SECRET": "ab" * 32, "DFCCL_DEVICE": "3"})
+    assert (job.launcher, job.rank, job.local_rank, job.root_host, job.root_port, job.device) == \
+        ("slurm", 5, 1, "fe80::1", 5000, 3)
+    assert job.secret == bytes.fromhex("ab" * 32)
+
+
+@pytest.mark.parametrize("env, match", [
+    ({}, "no launcher variables found; set RANK and WORLD_SIZE"),
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+    ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside 0..3"),
+    ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x' is not an integer"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "LOCAL_RANK is not set"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, "DFCCL_ROOT_ADDR=host:port, or MASTER_ADDR"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h"}, "neither MASTER_PORT nor"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "DFCCL_ROOT_ADDR": "h"}, "names no port"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "DFCCL_ROOT_ADDR": "h:1", "DFCCL_SECRET": "zz"}, "hexadecimal"),
+])
+def test_environment_errors_name_the_variables(env, match):
+    with pytest.raises(dfccl.InvalidArgumentError, match=match):
+        job_from_env(env)
+
+
+# -- launcher --------------------------------------------------------------------------
+def test_launch_all_reduce_with_rank_prefixes():
+    rc, out, results = launch(3, "all_reduce", "--backend", "sim")
+    assert rc == 0, out
+    assert [r["rank"] for r in results] == [0, 1, 2] and all(r["path"] == "staged" for r in results)
+    for r in range(3):
+        assert f"[{r}] up: rank {r} of 3 on sim:{r}" in out
+
+
+def test_launch_devices_round_robin():
+    rc, out, results = launch(4, "all_reduce", "--backend", "sim", "--devices", "5,6")
+    assert rc == 0, out
+    assert [r["device"] for r in results] == [5, 6, 5, 6]
+
+
+def test_launch_stops_the_rest_when_one_fails():
+    start = time.monotonic()
+    rc, out, _ = launch(3, "fail", "--grace", "2")
+    assert rc == 3, out
+    assert "[1] rank 1 fails now" in out and "rank 1 exited with status 3" in out
+    assert time.monotonic() - start < 30, "the sleeping ranks were not stopped"
+
+
+def test_launch_forwards_sigterm():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(TESTS)]))
+    proc = subprocess.Popen([sys.executable, "-m", "dfccl.launch", "-n", "2", "--grace", "2",
+                             str(TESTS / "launch_target.py"), "fail"], env=dict(env, RANK_THAT_FAILS="none"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(3)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode != 0, out
+
+
+# -- split ------------------------------------------------------------------------------
+def test_split_tp_dp_in_one_process():
+    comms = dfccl.Communicator.for_devices([60, 61, 62, 63], backend="sim")
+    tp = dfccl.Communicator.split_all(comms, [r // 2 for r in range(4)])
+    dp = dfccl.Communicator.split_all(comms, [r % 2 for r in range(4)], keys=[-r for r in range(4)])
+    odd = dfccl.Communicator.split_all(comms, [None, 7, -1, 7])
+    try:
+        assert [(c.rank, c.world_size) for c in tp] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+        assert [(c.rank, c.world_size) for c in dp] == [(1, 2), (1, 2), (0, 2), (0, 2)]   # ordered by key
+        assert odd[0] is None and odd[2] is None and (odd[1].rank, odd[3].rank) == (0, 1)
+        rounds = 10
+        tp_x = [[np.full(500 + i, r + 1 + i, np.float32) for i in range(rounds)] for r in range(4)]
+        dp_x = [[np.full(33, 10 * r + i, np.int64) for i in range(rounds)] for r in range(4)]
+        works = []
+        # Even ranks: all TP then all DP; odd ranks: all DP, in reverse, then TP.
+        for r in range(4):
+            t = [tp[r].all_reduce(tp_x[r][i], tag=("tp", i)) for i in (range(rounds) if r % 2 == 0 else [])]
+            d = [dp[r].all_reduce(dp_x[r][i], op="max", tag=("dp", i)) for i in reversed(range(rounds))]
+            if r % 2:
+                t = [tp[r].all_reduce(tp_x[r][i], tag=("tp", i)) for i in range(rounds)]
+            works += t + d
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for r in range(4):
+            g = [2 * (r // 2), 2 * (r // 2) + 1]
+            for i in range(rounds):
+                assert (tp_x[r][i] == sum(p + 1 + i for p in g)).all()
+                assert (dp_x[r][i] == 10 * (r % 2 + 2) + i).all()
+        y = [np.full(4, r, np.int32) for r in (1, 3)]
+        ws = [odd[1].all_reduce(y[0]), odd[3].all_reduce(y[1])]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        assert all((v == 4).all() for v in y)
+    finally:
+        sc.settle([c for c in tp + dp + odd if c is not None])
+        sc.settle(comms)
+
+
+def test_split_argument_errors():
+    comms = dfccl.Communicator.for_devices([64, 65], backend="sim")
+    try:
+        with pytest.raises(dfccl.InvalidArgumentError, match="color must be an int or None"):
+            comms[0].split("a")
+        with pytest.raises(dfccl.InvalidArgumentError, match="key must be an int or None"):
+            comms[0].split(0, key=1.5)
+        with pytest.raises(dfccl.InvalidArgumentError, match="2 communicators, 1 colors"):
+            dfccl.Communicator.split_all(comms, [0])
+        with pytest.raises(dfccl.StartupTimeoutError, match="ranks \\[1\\] of this process have not called split"):
+            comms[0].split(0, timeout=0.3)
+    finally:
+        sc.settle(comms)
+
+
+def test_split_tp_dp_across_processes():
+    rc, out, results = launch(4, "tp_dp", "--backend", "sim")
+    assert rc == 0, out
+    assert [r["tp"] for r in results] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    assert [r["dp"] for r in results] == [[0, 2], [0, 2], [1, 2], [1, 2]]
+    assert [r["nobody"] for r in results] == [[2, 3], [1, 3], [0, 3], None]
+    assert all(r["path"] == "staged" for r in results)
+
+
+# -- registration ----------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+def test_registered_buffers_across_processes(n):
+    rc, out, results = launch(n, "register", "--backend", "sim")
+    assert rc == 0, out
+    for r in results:
+        assert r["used"] == [True, True, True, False, True, False, True], r
+
+
+def test_register_in_one_process_needs_no_mapping():
+    comms = dfccl.Communicator.for_devices([66, 67], backend="sim")
+    try:
+        x = np.ones(10, np.float32)
+        with comms[0].register(x) as h:
+            assert not h.active and comms[0].path == "direct"
+        assert h.closed
+        with pytest.raises(dfccl.InvalidArgumentError, match="empty"):
+            comms[0].register(np.ones(0, np.float32))
+        with pytest.raises(dfccl.InvalidArgumentError, match="RegistrationHandle"):
+            comms[0].deregister(x)
+    finally:
+        sc.settle(comms)
+
+
+# -- GPU: 4 processes sharing one GPU ------------------------------------------------------
+@pytest.mark.gpu
+def test_split_tp_dp_four_processes_on_one_gpu():
+    rc, out, results = launch(4, "tp_dp", "--backend", "cuda", "--devices", "0")
+    assert rc == 0, out
+    assert all(r["path"] == "staged" for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_registered_buffers_processes_on_one_gpu(n):
+    rc, out, results = launch(n, "register", "--backend", "cuda", "--devices", "0")
+    assert rc == 0, out
+    for r in results:
+        assert r["used"] == [True, True, True, False, True, False, True], r
+
+
+@pytest.mark.gpu
+def test_launch_all_reduce_on_gpu():
+    rc, out, results = launch(2, "all_reduce", "--backend", "cuda")
+    assert rc == 0, out

@@ -1,0 +1,94 @@
+"""Staging bounded independently of message size (docs/architecture.md,
+"Staging budget"): a tag's ring FIFO is a fixed ring of slots per channel
+that every instance of the tag reuses and that the ring loops over; at most
+staging_bytes // ring_tags per tag, so ring_tags tags fit at once whatever
+their sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import scenarios as sc
+from dfccl._native.context import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, KIND_BROADCAST
+from dfccl.planning import PATH_RING, plan_geometry
+from dfccl.tags import tag_key
+from dfccl.types import DataType
+
+TIMEOUT = 120
+
+
+@pytest.mark.parametrize("backend", ["sim", "cuda"])
+@pytest.mark.parametrize("ring_tags", [None, 1, 7, 100])
+def test_tag_fifo_never_exceeds_its_share(backend, ring_tags):
+    opts = dfccl.CommOptions(ring_tags=ring_tags).resolved(backend)
+    share = opts.staging_bytes // opts.ring_tags
+    for kind in (KIND_ALL_REDUCE, KIND_ALL_GATHER, KIND_REDUCE_SCATTER, KIND_BROADCAST):
+        for count in (1, 1000, 1 << 20, 1 << 28, (1 << 31) + 5):
+            for nranks in (2, 3, 8):
+                for channels in (1, 2, 32):
+                    g = plan_geometry(kind, count, DataType.FLOAT32, nranks, channels, False, opts)
+                    assert g.path == PATH_RING
+                    assert g.fifo_bytes <= max(share, channels * opts.ring_slots * 256), (kind, count, nranks)
+                    assert g.slice_bytes % 16 == 0 and g.slice_bytes >= 256
+
+
+def _pair(**options):
+    return dfccl.Communicator.for_devices([40, 41], backend="sim", options=dfccl.CommOptions(path="ring", **options))
+
+
+def test_thousand_queued_instances_of_one_tag_share_one_fifo():
+    comms = _pair(staging_bytes=1 << 20, ring_tags=100)
+    try:
+        pool = comms[0]._endpoint.staging
+        n, count = 1000, 4096
+        xs = [[np.full(count, (r + 1) * (i % 7 + 1), np.float32) for i in range(n)] for r in range(2)]
+        works = [comms[0].all_reduce(x, tag="one") for x in xs[0]]
+        fifo = comms[0]._endpoint.tags.staging_of(tag_key(comms[0]._comm_key, "one"))[1]
+        assert 0 < fifo < count * 4, "the FIFO is smaller than one message: the ring loops over it"
+        assert pool.in_use == -(-fifo // 256) * 256, "1,000 queued instances hold one FIFO"
+        works += [comms[1].all_reduce(x, tag="one") for x in xs[1]]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for i in range(n):
+            assert (xs[0][i] == 3 * (i % 7 + 1)).all() and (xs[1][i] == 3 * (i % 7 + 1)).all(), i
+    finally:
+        sc.settle(comms)
+
+
+@pytest.mark.parametrize("options", [{}, {"staging_bytes": 4 << 20, "ring_tags": 100}],
+                         ids=["defaults", "4MiB-for-100-tags"])
+def test_hundred_distinct_tags_of_large_messages_fit(options):
+    comms = _pair(**options)
+    try:
+        ntags, count = 100, 96 << 10      # 384 KiB each: larger than any tag's FIFO
+        rng = np.random.default_rng(5)
+        vals = [[rng.integers(-100, 100, count).astype(np.float32) for _ in range(ntags)] for _ in range(2)]
+        want = [vals[0][t] + vals[1][t] for t in range(ntags)]
+        # Rank 0 queues all 100 before rank 1 starts, in the opposite order.
+        works = [comms[0].all_reduce(vals[0][t], tag=("t", t)) for t in range(ntags)]
+        works += [comms[1].all_reduce(vals[1][t], tag=("t", t)) for t in reversed(range(ntags))]
+        opts = comms[0]._options
+        assert comms[0]._endpoint.staging.in_use <= opts.staging_bytes
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for t in range(ntags):
+            assert (vals[0][t] == want[t]).all() and (vals[1][t] == want[t]).all(), t
+    finally:
+        sc.settle(comms)
+
+
+def test_tags_beyond_the_budget_raise_resource_error_not_wait():
+    comms = _pair(staging_bytes=1 << 20, ring_tags=4)
+    try:
+        xs = [np.ones(1 << 18, np.float32) for _ in range(4)]
+        works = [comms[0].all_reduce(x, tag=("b", i)) for i, x in enumerate(xs)]
+        with pytest.raises(dfccl.ResourceError, match="staging"):
+            comms[0].all_reduce(np.ones(1 << 18, np.float32), tag="fifth")
+        works += [comms[1].all_reduce(np.ones(1 << 18, np.float32), tag=("b", i)) for i in range(4)]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert all((x == 2).all() for x in xs)
+    finally:
+        sc.settle(comms)
