@@ -69,7 +69,6 @@ def pipeline_step(stage: torch.nn.Module, rank: int, step: int, args, device: to
             if args.eager:
                 recvs[m].wait()
             else:
-                sends[m].wait()
                 dist.recv(grads[m], src=1)
             outs[m].backward(grads[m])
         for s in sends:
