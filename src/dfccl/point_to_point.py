@@ -27,7 +27,7 @@ from dfccl.planning import Geometry
 from dfccl.tags import tag_key
 from dfccl.types import DataType
 
-__all__ = ["pair_key", "plan_p2p", "SplitLayout", "resolve_splits", "AllToAllPlan", "plan_all_to_all",
+__all__ = ["pair_key", "plan_p2p", "SplitLayout", "resolve_splits", "AllToAllPlan", "plan_all_to_all", "table_words",
            "split_table"]
 
 
