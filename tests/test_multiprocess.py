@@ -66,10 +66,61 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             for i in insts:
                 i.verify()
             out["checked"] = n
+        elif scenario == "p2p":
+            out["checked"] = _point_to_point(comm, seed)
         comm.close()
         results.put((rank, "ok", out))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+
+
+def _message(src: int, dst: int, salt: int, count: int) -> np.ndarray:
+    return np.random.default_rng([src, dst, salt]).standard_normal(count).astype(np.float32)
+
+
+def _point_to_point(comm, seed: int) -> int:
+    """Sends around the ring (recvs posted after the sends; sizes across the
+    FIFO's slices and channels), a collective in opposite orders around them,
+    a queue on one pair tag, and all-to-alls even and uneven (with zeros)."""
+    from dfccl import arrays
+    from dfccl import scenarios as sc
+
+    r, n = comm.rank, comm.world_size
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    dev = (comm.backend, comm.device)
+    checked = 0
+    for k, count in enumerate((0, 1, 4099, 300_001)):
+        send = arrays.from_numpy(*dev, _message(r, nxt, seed + k, count))
+        recv = arrays.empty(*dev, count, "float32", fill=sc.SENTINEL)
+        ar_in = np.full(1000, float(r + 1), np.float32)
+        ar = arrays.from_numpy(*dev, ar_in)
+        steps = [lambda: comm.send(send, nxt, tag=("ring", k)), lambda: comm.recv(recv, prv, tag=("ring", k)),
+                 lambda: comm.all_reduce(ar, tag=("ar", k))]
+        works = [step() for step in (steps if r % 2 == 0 else steps[::-1])]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert np.array_equal(arrays.to_numpy(recv), _message(prv, r, seed + k, count)), f"ring message {k}"
+        assert np.all(arrays.to_numpy(ar) == n * (n + 1) / 2)
+        checked += 1
+    sends = [arrays.from_numpy(*dev, _message(r, nxt, seed + 100 + q, 777)) for q in range(50)]
+    recvs = [arrays.empty(*dev, 777, "float32", fill=sc.SENTINEL) for _ in range(50)]
+    works = [comm.send(s, nxt) for s in sends] + [comm.recv(b, prv) for b in recvs]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for q, b in enumerate(recvs):
+        assert np.array_equal(arrays.to_numpy(b), _message(prv, r, seed + 100 + q, 777)), f"queued message {q}"
+    checked += 1
+    for form, counts in (("even", [[3000] * n] * n),
+                         ("uneven", [[((a * 7 + b * 3) % 5) * 1001 for b in range(n)] for a in range(n)])):
+        send_np = np.concatenate([_message(r, p, seed + 200, counts[r][p]) for p in range(n)])
+        send = arrays.from_numpy(*dev, send_np)
+        recv = arrays.empty(*dev, sum(counts[p][r] for p in range(n)), "float32", fill=sc.SENTINEL)
+        comm.all_to_all_single(send, recv, send_splits=counts[r], recv_splits=[counts[p][r] for p in range(n)]) \
+            .synchronize(timeout=TIMEOUT)
+        want = np.concatenate([_message(p, r, seed + 200, counts[p][r]) for p in range(n)])
+        assert np.array_equal(arrays.to_numpy(recv), want), f"all-to-all {form}"
+        checked += 1
+    return checked
 
 
 def run_ranks(nranks: int, backend: str, path: str, scenario: str, devices=None, timeout: float = 240) -> list[dict]:
@@ -117,6 +168,13 @@ def test_queue_on_one_tag_across_processes_sim():
     run_ranks(2, "sim", "auto", "queue")
 
 
+@pytest.mark.parametrize("path", ["auto", "ring"])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_point_to_point_across_processes_sim(path, nranks):
+    outs = run_ranks(nranks, "sim", path, "p2p")
+    assert all(o["checked"] == 7 for o in outs)
+
+
 def _gpus() -> list[int]:
     """Up to two visible GPUs (processes share one where there is one)."""
     from dfccl import runtime
@@ -140,3 +198,12 @@ def test_divergent_order_one_process_per_gpu():
 def test_four_processes_on_two_gpus():
     run_ranks(4, "cuda", "auto", "divergent", devices=_gpus())
     run_ranks(4, "cuda", "auto", "queue", devices=_gpus())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["auto", "ring"])
+def test_point_to_point_one_process_per_gpu(path):
+    """Two processes (on one GPU when there is one): send / recv through the
+    receiver's FIFO, all-to-all through the arena copies."""
+    outs = run_ranks(2, "cuda", path, "p2p", devices=_gpus())
+    assert all(o["checked"] == 7 for o in outs)

@@ -75,9 +75,14 @@ DFCCL_DEV uint64_t instance_token(uint64_t key, uint64_t instance) {
   return mix64(key + instance * 0x9e3779b97f4a7c15ull) | 1ull;
 }
 
+// A send and the recv it pairs with sign alike: kind SEND, no peer (the
+// record's key already names the ordered pair).
 DFCCL_DEV uint64_t task_signature(const dfccl_task_desc &d, uint32_t nranks) {
-  return (uint64_t)d.kind | ((uint64_t)d.dtype << 4) | ((uint64_t)d.op << 8) | ((uint64_t)d.path << 12) |
-         ((uint64_t)d.root << 16) | ((uint64_t)d.nchannels << 32) | ((uint64_t)nranks << 40) |
+  const bool p2p = d.kind == DFCCL_SEND || d.kind == DFCCL_RECV;
+  const uint64_t kind = p2p ? (uint64_t)DFCCL_SEND : (uint64_t)d.kind;
+  const uint64_t root = p2p ? 0 : (uint64_t)d.root;
+  return kind | ((uint64_t)d.dtype << 4) | ((uint64_t)d.op << 8) | ((uint64_t)d.path << 12) |
+         (root << 16) | ((uint64_t)d.nchannels << 32) | ((uint64_t)nranks << 40) |
          ((uint64_t)(d.flags & (DFCCL_TASK_ONE_SHOT | DFCCL_TASK_STAGED)) << 48);
 }
 

@@ -5,6 +5,7 @@
 
 #include "transfer_direct.cuh"
 #include "transfer_ring.cuh"
+#include "transfer_p2p.cuh"
 
 namespace dfccl {
 
@@ -25,6 +26,8 @@ DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
 
 DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
   if (run.ep->nranks == 1) return run_single_rank(env, run);
+  if (run.d->kind == DFCCL_SEND || run.d->kind == DFCCL_RECV) return run_p2p(env, run);
+  if (run.d->kind == DFCCL_ALL_TO_ALL) return run_all_to_all(env, run);
   if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);
   return run_ring(env, run);
 }

@@ -116,15 +116,18 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     const uint64_t fifo = load_relaxed(&pc->fifo);
     send_addr = load_relaxed(&pc->send_addr);
     recv_addr = load_relaxed(&pc->recv_addr);
-    if (abort_token == run.token) {
-      run.status = DFCCL_STATUS_PEER_ABORTED;
-      run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
-      return -1;
-    }
+    // The signature first: a peer that failed this instance because it does
+    // not match ours has pushed its abort here, and both sides should report
+    // the mismatch, not one of them an abort.
     if (signature != task_signature(*run.d, run.ep->nranks) || count != run.d->count ||
         slice_bytes != run.d->slice_bytes) {
       run.status = DFCCL_STATUS_MISMATCH;
       run.detail = (int32_t)peer;
+      return -1;
+    }
+    if (abort_token == run.token) {
+      run.status = DFCCL_STATUS_PEER_ABORTED;
+      run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
       return -1;
     }
     *fifo_word = fifo;

@@ -18,14 +18,16 @@ import time
 from typing import Sequence
 
 from dfccl import runtime
-from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                   KIND_REDUCE_SCATTER, MAX_RANKS, TASK_STAGED, TaskDescriptor, Work)
+from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
+                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
+                                   TASK_STAGED, TaskDescriptor, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
                           PeerAbortedError, StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
+from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
 from dfccl.registration import Registry, RegistrationHandle, register as _register, registered_task_fields
 from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
 from dfccl.store import StoreUnreachableError
@@ -102,7 +104,8 @@ def _check_options(backend, options, context_options) -> None:
 _UNUSED = object()
 
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
-               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce"}
+               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
+               KIND_ALL_TO_ALL: "all_to_all"}
 
 
 class _Group:
@@ -469,6 +472,130 @@ class Communicator:
                         c.close()
                 raise exc
         return results
+    # -- point to point and all-to-all ------------------------------------------------
+    def send(self, buf, peer: int, *, tag=None, stream=None) -> Work:
+        """Sends ``buf`` to rank ``peer``.  The k-th send to ``peer`` with
+        ``tag`` pairs with the k-th recv from this rank with ``tag`` on
+        ``peer`` (untagged ones in call order per peer pair), whatever else
+        either rank submits in between or in which order.  Completes once the
+        peer has taken the data (``buf`` may then be reused)."""
+        return self._p2p(KIND_SEND, buf, peer, tag, stream)
+
+    def recv(self, buf, peer: int, *, tag=None, stream=None) -> Work:
+        """Receives into ``buf`` what rank ``peer`` sends with ``tag``; the
+        send must have the same element count and dtype (else MismatchError on
+        both ranks)."""
+        return self._p2p(KIND_RECV, buf, peer, tag, stream)
+
+    def all_to_all(self, send, recv, *, tag=None, stream=None) -> Work:
+        """Equal splits: rank r's send[p * n : (p + 1) * n] lands in rank p's
+        recv[r * n : (r + 1) * n] (n = send size / world size; recv has the
+        same size)."""
+        return self._all_to_all(send, recv, None, None, tag, stream, "all_to_all")
+
+    def all_to_all_single(self, send, recv, *, send_splits: Sequence[int] | None = None,
+                          recv_splits: Sequence[int] | None = None, tag=None, stream=None) -> Work:
+        """All-to-all with per-peer element counts (torch's all_to_all_single
+        with input / output split sizes): this rank sends ``send_splits[p]``
+        elements to rank p, taken in rank order from ``send``, and receives
+        ``recv_splits[p]`` from rank p, placed in rank order in ``recv``.
+        Counts may differ per peer and be zero; each split list must sum to its
+        buffer's size (None: equal parts).  ``send_splits[p]`` here must equal
+        ``recv_splits[rank]`` on rank p, else MismatchError on both."""
+        return self._all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
+
+    def _check_peer(self, peer, what: str) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral):
+            raise InvalidArgumentError(f"{what}: peer must be an int rank, not {type(peer).__name__} ({peer!r})",
+                                       rank=self._rank)
+        peer = int(peer)
+        if not 0 <= peer < self._size:
+            raise InvalidArgumentError(f"{what}: peer {peer} is outside 0..{self._size - 1}", rank=self._rank)
+        if peer == self._rank:
+            raise InvalidArgumentError(f"{what}: peer {peer} is this rank; a rank cannot {what} to itself "
+                                       "(copy the buffer instead)", rank=self._rank)
+        return peer
+
+    def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
+        what = _KIND_NAMES[kind]
+        self._check_tag(tag, what)
+        peer = self._check_peer(peer, what)
+        try:
+            b = as_buffer(buf, f"{what} buffer")
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+        self._check_memory(b, f"{what} buffer")
+        if kind == KIND_RECV and b.readonly:
+            raise InvalidArgumentError("recv: the buffer is read-only; it must be writable", rank=self._rank)
+        self._check_open()
+        # Empty messages are submitted too: they keep the pair's instance
+        # numbers aligned and a count mismatch with the peer is still reported.
+        src, dst = (self._rank, peer) if kind == KIND_SEND else (peer, self._rank)
+        geometry = plan_p2p(b.count, b.dtype, self._channels, self._mode == "direct", self._options)
+        task = TaskDescriptor(
+            kind=what, tag=tag, rank=self._rank, key=pair_key(self._comm_key, src, dst, tag), transient=False,
+            tags=self._endpoint.tags, endpoint=self._endpoint.id, kind_code=kind, dtype=int(b.dtype),
+            op=int(ReduceOp.SUM), path=geometry.path, root=peer, nchannels=geometry.nchannels, send_addr=b.ptr,
+            recv_addr=b.ptr, count=b.count, slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots,
+            staging_bytes=geometry.fifo_bytes if kind == KIND_RECV else 0,
+            stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
+        return self._submit_task(task)
+
+    def _all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
+        self._check_tag(tag, what)
+        s, r = self._pair(send, recv, what)
+        self._check_dtype(s, r, what)
+        try:
+            layout = resolve_splits(s.count, r.count, self._size, send_splits, recv_splits, what)
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+        if layout.send_counts[self._rank] != layout.recv_counts[self._rank]:
+            raise InvalidArgumentError(
+                f"{what}: this rank sends itself {layout.send_counts[self._rank]} elements but expects "
+                f"{layout.recv_counts[self._rank]} from itself (send_splits[{self._rank}] != "
+                f"recv_splits[{self._rank}])", rank=self._rank)
+        if s.count and r.count and _overlap(s, r):
+            raise InvalidArgumentError(f"{what}: send and recv overlap; an all-to-all cannot run in place",
+                                       rank=self._rank)
+        self._check_open()
+        key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
+        owners = (s.owner, r.owner)
+        sid = None if stream is None else stream_handle(stream)
+        if self._size == 1:
+            if s.count == 0:
+                return Work.completed(what, tag, self._rank)
+            geometry = plan_geometry(KIND_ALL_TO_ALL, s.count, s.dtype, 1, self._channels, True, self._options)
+            return self._submit_task(self._a2a_task(what, tag, key, s, r, s.count, geometry, 0, sid, owners))
+        plan = plan_all_to_all(layout, s.dtype, self._size, self._channels, self._mode, self._options)
+        tags = self._endpoint.tags
+        aux = tags.alloc_instance_staging(plan.aux_bytes)
+        try:
+            table = split_table(layout, plan.geometry.nchannels)
+            self._ctx.backend.copy_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes)
+            work = self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
+                                                    owners))
+        except BaseException:
+            tags.free_instance_staging(aux, plan.aux_bytes)
+            raise
+
+        def release(w: Work) -> None:
+            # A failed instance keeps its table: a peer that has not seen the
+            # failure may still read it or mark it.
+            if w.exception() is None:
+                tags.free_instance_staging(aux, plan.aux_bytes)
+
+        work.add_done_callback(release)
+        return work
+
+    def _a2a_task(self, what, tag, key, s: Buffer, r: Buffer, count: int, geometry: Geometry, aux: int, stream,
+                  owners) -> TaskDescriptor:
+        return TaskDescriptor(
+            kind=what, tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
+            endpoint=self._endpoint.id, kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype), op=int(ReduceOp.SUM),
+            path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
+            flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux)
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":

@@ -166,6 +166,23 @@ class TagTable:
         st = self._tags.get(key)
         return (-1, 0) if st is None else (st.fifo, st.fifo_bytes)
 
+    def alloc_instance_staging(self, nbytes: int) -> int:
+        """Staging for one instance alone (an all-to-all's split table and
+        send copy), given back with free_instance_staging().  Idle tags'
+        staging is given back first when the pool runs short."""
+        off = self._staging.alloc(nbytes)
+        while off is None and self._idle:
+            self._evict(next(iter(self._idle)))
+            off = self._staging.alloc(nbytes)
+        if off is None:
+            raise ResourceError(f"staging memory exhausted ({self._staging.in_use} of {self._staging.size} bytes held by "
+                                f"pending collectives, {nbytes} more needed); raise CommOptions.staging_bytes or "
+                                "synchronize earlier collectives")
+        return off
+
+    def free_instance_staging(self, offset: int, nbytes: int) -> None:
+        self._staging.free(offset, nbytes)
+
     # -- internals -------------------------------------------------------------------
     def _unbind(self, key: int, st: _TagState) -> None:
         self._owner[st.bucket] = 0

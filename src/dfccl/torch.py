@@ -683,29 +683,85 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     # -- what dfccl does not have (yet) -------------------------------------------------
     def _missing(self, what: str) -> NotSupportedError:
         return NotSupportedError(f"{what} is not implemented by dfccl yet (dfccl has all_reduce, all_gather, "
-                                 "reduce_scatter, broadcast and reduce; point-to-point and all-to-all are "
-                                 "missing)", rank=self._rank)
+                                 "reduce_scatter, broadcast, reduce, send / recv and all-to-all)", rank=self._rank)
 
+    # -- point to point --------------------------------------------------------------
+    # torch's tag 0 (its default) is dfccl's untagged send / recv: matched in
+    # call order per peer pair, like NCCL.  Other tags are matched by tag.
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> DfcclWork:
-        raise self._missing("point-to-point send (dist.send / isend / batch_isend_irecv)")
+        t = self._one(tensors, "send")
+        b = t.contiguous()
+
+        def submit(comm, kw):
+            return [comm.send(_buffer(b, "send"), dst, tag=tag or None, **kw)]
+        return self._launch("send", [t], submit, [], None, keepalive=b)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> DfcclWork:
-        raise self._missing("point-to-point recv (dist.recv / irecv / batch_isend_irecv)")
+        t = self._one(tensors, "recv")
+        copy_back: list = []
+        b = _contiguous(t, copy_back)
+
+        def submit(comm, kw):
+            return [comm.recv(_buffer(b, "recv"), src, tag=tag or None, **kw)]
+        return self._launch("recv", [t], submit, [t], None, self._copy_back(copy_back), keepalive=b)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> DfcclWork:
-        raise self._missing("point-to-point recv from any source")
+        raise NotSupportedError("recv from any source is not supported by dfccl: a recv is matched to one "
+                                "sender by (peer, tag) so that it cannot deadlock; pass src", rank=self._rank)
+
+    # -- all-to-all -------------------------------------------------------------------
+    def _rows_to_elements(self, t: torch.Tensor, splits: list[int]) -> list[int] | None:
+        """torch splits count rows (dim 0); dfccl's count elements."""
+        if not splits:
+            return None
+        row = t.numel() // t.shape[0] if t.dim() > 0 and t.shape[0] else 1
+        return [int(s) * row for s in splits]
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> DfcclWork:
-        raise self._missing("all-to-all (dist.all_to_all_single)")
+        send_splits = self._rows_to_elements(input, list(input_split_sizes))
+        recv_splits = self._rows_to_elements(output, list(output_split_sizes))
+        copy_back: list = []
+        out = _contiguous(output, copy_back)
+        inp = input.contiguous()
+
+        def submit(comm, kw):
+            return [comm.all_to_all_single(_buffer(inp, "all_to_all_single"), _buffer(out, "all_to_all_single"),
+                                           send_splits=send_splits, recv_splits=recv_splits, **kw)]
+        return self._launch("all_to_all_single", [output, input], submit, [output], opts,
+                            self._copy_back(copy_back), keepalive=(out, inp))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> DfcclWork:
-        raise self._missing("all-to-all (dist.all_to_all_single)")
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> DfcclWork:
-        raise self._missing("all-to-all (dist.all_to_all)")
+        if len(output_tensors) != self._size or len(input_tensors) != self._size:
+            raise InvalidArgumentError(f"alltoall: expected {self._size} input and {self._size} output tensors, got "
+                                       f"{len(input_tensors)} and {len(output_tensors)}", rank=self._rank)
+        dtypes = {t.dtype for t in list(output_tensors) + list(input_tensors)}
+        if len(dtypes) != 1:
+            raise InvalidArgumentError(f"alltoall: tensors of several dtypes ({sorted(map(str, dtypes))})",
+                                       rank=self._rank)
+        # Flat temporaries: inputs back to back (torch.cat copies on the current
+        # stream, before the all-to-all), outputs copied out after it.
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype, device=flat_in.device)
+        send_splits = [t.numel() for t in input_tensors]
+        recv_splits = [t.numel() for t in output_tensors]
+
+        def submit(comm, kw):
+            return [comm.all_to_all_single(_buffer(flat_in, "alltoall"), _buffer(flat_out, "alltoall"),
+                                           send_splits=send_splits, recv_splits=recv_splits, **kw)]
+
+        def finish():
+            at = 0
+            for o in output_tensors:
+                o.copy_(flat_out[at:at + o.numel()].view(o.shape))
+                at += o.numel()
+        return self._launch("alltoall", list(output_tensors) + list(input_tensors), submit, list(output_tensors),
+                            opts, finish, keepalive=(flat_in, flat_out), result=lambda: list(output_tensors))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> DfcclWork:

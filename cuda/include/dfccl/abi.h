@@ -37,7 +37,12 @@ enum dfccl_kind {
   DFCCL_REDUCE_SCATTER = 2,
   DFCCL_BROADCAST = 3,
   DFCCL_REDUCE = 4,
-  DFCCL_NUM_KINDS = 5
+  /* point to point and all-to-all (cuda/daemon/transfer_p2p.cuh); root holds
+     the peer rank of a send or recv */
+  DFCCL_SEND = 5,
+  DFCCL_RECV = 6,
+  DFCCL_ALL_TO_ALL = 7,
+  DFCCL_NUM_KINDS = 8
 };
 
 enum dfccl_dtype {
@@ -109,7 +114,10 @@ typedef struct dfccl_task_desc {
   uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
   uint8_t kind, dtype, op, path;
   uint32_t reserved1;     /* zero */
-} dfccl_task_desc;  /* 96 bytes */
+  uint64_t aux_offset;    /* all-to-all: this instance's split table in its arena
+                             (dfccl_a2a_table); zero otherwise */
+  uint64_t reserved2;     /* zero */
+} dfccl_task_desc;  /* 112 bytes */
 
 /* Host <-> daemon control words, in host-mapped memory.  Host-written and
  * device-written words sit on separate 128-byte lines.  On the device only
@@ -287,11 +295,24 @@ typedef struct dfccl_chan_state {
 } dfccl_chan_state;  /* 128 bytes */
 
 #define DFCCL_RECORD_HEADER_BYTES 128u
+
+/* ---- arena: all-to-all split table -------------------------------------- */
+/* One per all-to-all instance, at dfccl_task_desc.aux_offset in the owner's
+ * arena, written by the owner's host before it submits, read by the owner's
+ * and the peers' daemons.  n = nranks, all counts and offsets in elements:
+ *   uint64_t send_off[n], send_count[n], recv_off[n], recv_count[n];
+ *   uint64_t done[nchannels][n];  peer p stores the instance token into
+ *                                 done[c][p] once its channel c has read all
+ *                                 it takes from this rank
+ * then, 256-byte aligned at DFCCL_A2A_COPY_OFFSET, the copy of the send
+ * buffer that peers read when they cannot map it (DFCCL_TASK_STAGED). */
+#define DFCCL_A2A_WORDS(nranks, nchannels) (4ull * (nranks) + (uint64_t)(nchannels) * (nranks))
+#define DFCCL_A2A_COPY_OFFSET(nranks, nchannels) ((DFCCL_A2A_WORDS(nranks, nchannels) * 8ull + 255ull) / 256ull * 256ull)
 #define DFCCL_FIFO_OFFSET_MASK ((1ull << 48) - 1ull)
 
 #if !defined(__CUDACC_RTC__)
 #ifdef __cplusplus
-static_assert(sizeof(dfccl_task_desc) == 96, "dfccl_task_desc layout");
+static_assert(sizeof(dfccl_task_desc) == 112, "dfccl_task_desc layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");

@@ -9,6 +9,7 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_PEER_CACHE
 
     int DFCCL_ALL_REDUCE, DFCCL_ALL_GATHER, DFCCL_REDUCE_SCATTER, DFCCL_BROADCAST, DFCCL_REDUCE
+    int DFCCL_SEND, DFCCL_RECV, DFCCL_ALL_TO_ALL
     int DFCCL_PATH_DIRECT, DFCCL_PATH_RING
     int DFCCL_STATUS_OK, DFCCL_STATUS_MISMATCH, DFCCL_STATUS_PEER_ABORTED, DFCCL_STATUS_ABORTED, DFCCL_STATUS_BAD_TASK
     unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED
@@ -22,6 +23,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t tag_key
         uint64_t instance
         uint64_t send_reg
+        uint64_t aux_offset
         uint64_t fifo_offset
         uint32_t endpoint
         uint32_t bucket

@@ -39,6 +39,9 @@ KIND_ALL_GATHER = DFCCL_ALL_GATHER
 KIND_REDUCE_SCATTER = DFCCL_REDUCE_SCATTER
 KIND_BROADCAST = DFCCL_BROADCAST
 KIND_REDUCE = DFCCL_REDUCE
+KIND_SEND = DFCCL_SEND
+KIND_RECV = DFCCL_RECV
+KIND_ALL_TO_ALL = DFCCL_ALL_TO_ALL
 PATH_DIRECT = DFCCL_PATH_DIRECT
 PATH_RING = DFCCL_PATH_RING
 TASK_ONE_SHOT = DFCCL_TASK_ONE_SHOT
@@ -88,7 +91,7 @@ cdef class TaskDescriptor:
                  uint32_t endpoint, int kind_code, int dtype, int op, int path, int root, int nchannels,
                  uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint32_t slice_bytes=0,
                  uint32_t fifo_slots=0, uint32_t flags=0, uint64_t staging_bytes=0, object stream=None,
-                 object owners=None, uint64_t send_reg=0):
+                 object owners=None, uint64_t send_reg=0, uint64_t aux_offset=0):
         memset(&self.desc, 0, sizeof(dfccl_task_desc))
         self.desc.send_reg = send_reg
         self.desc.send_addr = send_addr
@@ -105,6 +108,7 @@ cdef class TaskDescriptor:
         self.desc.dtype = dtype
         self.desc.op = op
         self.desc.path = path
+        self.desc.aux_offset = aux_offset
         self.kind = kind
         self.tag = tag
         self.rank = rank
