@@ -12,8 +12,15 @@ import time
 import numpy as np
 
 import dfccl
+from dfccl import arrays
 
 TIMEOUT = 60
+
+
+def on(comm: dfccl.Communicator, host: np.ndarray):
+    """A copy of ``host`` where the communicator's backend needs it (device
+    memory on GPUs)."""
+    return arrays.from_numpy(comm.backend, comm.device, host)
 
 
 def tp_dp(comm: dfccl.Communicator) -> dict:
@@ -24,9 +31,9 @@ def tp_dp(comm: dfccl.Communicator) -> dict:
     dp = comm.split(r % 2, key=r)
     nobody = comm.split(None if r == 3 else 0, key=-r)   # rank 3 opts out; order reversed by key
     rounds = 20
-    tp_bufs = [np.full(1000 + i, (r + 1) * (i + 1), np.float32) for i in range(rounds)]
-    dp_bufs = [np.full(77, r + 10 * i, np.int64) for i in range(rounds)]
-    dp_out = [np.empty(77 * 2, np.int64) for _ in range(rounds)]
+    tp_bufs = [on(comm, np.full(1000 + i, (r + 1) * (i + 1), np.float32)) for i in range(rounds)]
+    dp_bufs = [on(comm, np.full(77, r + 10 * i, np.int64)) for i in range(rounds)]
+    dp_out = [arrays.empty(comm.backend, comm.device, 77 * 2, np.int64, fill=-1) for _ in range(rounds)]
     works = []
     for i in range(rounds):
         a = lambda i=i: tp.all_reduce(tp_bufs[i], tag=("tp", i))
@@ -39,15 +46,16 @@ def tp_dp(comm: dfccl.Communicator) -> dict:
     tp_peers = [2 * (r // 2), 2 * (r // 2) + 1]
     dp_peers = [r % 2, r % 2 + 2]
     for i in range(rounds):
-        assert (tp_bufs[i] == sum((p + 1) * (i + 1) for p in tp_peers)).all(), ("tp", i, tp_bufs[i][:4])
+        got = arrays.to_numpy(tp_bufs[i])
+        assert (got == sum((p + 1) * (i + 1) for p in tp_peers)).all(), ("tp", i, got[:4])
         want = np.concatenate([np.full(77, p + 10 * i, np.int64) for p in dp_peers])
-        assert (dp_out[i] == want).all(), ("dp", i)
+        assert (arrays.to_numpy(dp_out[i]) == want).all(), ("dp", i)
     out = {"rank": r, "tp": [tp.rank, tp.world_size], "dp": [dp.rank, dp.world_size], "path": tp.path,
            "nobody": None if nobody is None else [nobody.rank, nobody.world_size]}
     if nobody is not None:
-        x = np.full(10, r, np.int32)
+        x = on(comm, np.full(10, r, np.int32))
         nobody.all_reduce(x, op="max").synchronize(timeout=TIMEOUT)
-        assert (x == 2).all()
+        assert (arrays.to_numpy(x) == 2).all()
         nobody.close()
     tp.close()
     dp.close()
@@ -66,10 +74,10 @@ def main() -> int:
     comm = dfccl.init_from_env(timeout=TIMEOUT)
     print(f"up: rank {comm.rank} of {comm.world_size} on {comm.backend}:{comm.device} path={comm.path}", flush=True)
     if scenario == "all_reduce":
-        x = np.full(4099, comm.rank + 1, np.float32)
+        x = on(comm, np.full(4099, comm.rank + 1, np.float32))
         comm.all_reduce(x).synchronize(timeout=TIMEOUT)
         n = comm.world_size
-        assert (x == n * (n + 1) / 2).all()
+        assert (arrays.to_numpy(x) == n * (n + 1) / 2).all()
         out = {"rank": comm.rank, "size": n, "device": comm.device, "path": comm.path}
     elif scenario == "tp_dp":
         out = tp_dp(comm)
