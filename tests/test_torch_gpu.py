@@ -1,6 +1,8 @@
-"""The torch.distributed backend on 2 GPUs, one process per GPU: the
-simulator scenarios with CUDA tensors, plus what only CUDA has: stream
-ordering, a host that never blocks, side streams, timeouts and graph capture."""
+"""The torch.distributed backend on GPUs, one process per rank (rank r on GPU
+r mod the GPUs visible, so one GPU runs both ranks, time-sliced between the
+processes): the simulator scenarios with CUDA tensors, plus what only CUDA
+has: stream ordering, a host that never blocks, side streams, timeouts and
+graph capture."""
 
 from __future__ import annotations
 
@@ -16,12 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from test_torch_sim import (_all_reduce_ops, _async_and_futures, _ddp_default, _ddp_hook,  # noqa: E402
-                            _fsdp2, _functional, _gather_scatter, _unsupported)
+from test_torch_sim import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
+                            _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(120),
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 GPUs visible to torch")]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
 
 WORLD = 2
 
@@ -30,8 +31,9 @@ def _worker(fn, rank, world_size, store_path, results):
     try:
         import dfccl.torch  # noqa: F401
 
-        torch.cuda.set_device(rank)
-        torch.set_default_device(f"cuda:{rank}")
+        device = rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+        torch.set_default_device(f"cuda:{device}")
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("dfccl", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=30))
@@ -73,7 +75,7 @@ def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
 # -- CUDA-only scenarios -----------------------------------------------------------
 
 def _streams(rank, ws):
-    dev = torch.device("cuda", rank)
+    dev = torch.device("cuda", torch.cuda.current_device())
     store = dist.distributed_c10d._get_default_store()
     total = float(sum(range(1, ws + 1)))
     # Ordered after the current stream: the fill runs after a long kernel, and
@@ -209,3 +211,11 @@ def test_timeout_gpu():
 
 def test_graph_capture_refused():
     run_gpus(_graph_capture)
+
+
+def test_point_to_point_gpu():
+    run_gpus(_point_to_point)
+
+
+def test_all_to_all_gpu():
+    run_gpus(_all_to_all)
