@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="collective latency and bandwidth against NCCL (like nccl-tests)",
                            description="Sweeps sizes from minbytes to maxbytes, checks every size against numpy "
-                                       "and times dfccl (out of place and in place) and NCCL (in place).")
+                                       "and times dfccl (out of place and in place) and NCCL (in place), back to "
+                                       "back or (-z 1) one collective waited for at a time.  With --report, "
+                                       "prints result JSON files as Markdown tables instead.")
     bench.add_argument("kind_pos", nargs="?", metavar="KIND", default=None,
                        help=f"collective: {', '.join(KINDS)} or all (default all_reduce)")
     bench.add_argument("-k", "--kind", default=None, help="same as KIND")
