@@ -1,18 +1,24 @@
-"""Latency of one collective, dfccl against NCCL in the same process on the
-same buffers: submit on every rank, wait for completion, repeat.  This is what
-a training step that synchronises after each collective sees; the throughput
-of back-to-back collectives is bench_collectives.py's.
+"""Where the time of one dfccl collective goes: submit on every rank, wait for
+completion on every rank, repeat (what a step that synchronises after each
+collective sees), with dfccl's own counters beside the wall clock.
 
-For dfccl it also reports where the time went, as medians of the counters the
-daemon records per collective (Work.stats):
+Per size, medians over ``--iters`` of the counters the daemon records per
+collective (Work.stats, rank 0):
   queued   - pulled by the daemon -> first run
-  running  - inside runs (waits for the peer included)
+  running  - inside runs (waits for the peers included)
   wall     - first run -> done on the device
   host     - submit -> retired on the host (Work.synchronize)
-and the depth sweep: N collectives of one tag submitted back to back, then
-waited for, per collective (the cost per queued collective must not grow with N).
+  maxwait  - the longest wait for a peer that ended with the peer arriving
+and the preemptions per collective; then where rank 0's daemon block 0 (every
+collective uses it) spent its time, per collective (Context.daemon_profile).
+Per collective, the depth sweep: N collectives of one tag submitted back to
+back, then waited for; the cost per collective must not grow with N.
 
-    python benchmarks/bench_latency.py [--sizes 8,4K,256K] [--iters 200]
+Every size is checked first on fresh random inputs with poisoned outputs,
+and again after the depth sweep.  The comparison with NCCL (one thread or
+process per GPU) is ``dfccl bench -z 1``; this script measures dfccl only.
+
+    python benchmarks/bench_latency.py [--sizes 8,4K,256K] [--iters 200] [--backend sim]
 """
 
 from __future__ import annotations
@@ -21,144 +27,216 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 import dfccl
 from dfccl import runtime
-from dfccl.nccl_baseline import Nccl
+from dfccl.bench import KINDS, Case, count_wrong, format_size, parse_size
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_collectives import Setup, fmt_size, parse_size, verify  # noqa: E402
+STATS_US = ("queued", "running", "wall", "host", "max_wait")
+SYNC_TIMEOUT_S = 120.0
 
 
-def dfccl_latency(setup: Setup, comms, rng, iters: int, tag) -> dict:
-    plans = [getattr(c, f"prepare_{setup.kind}")(setup.count, setup.dtype, tag=tag).bind(setup.sends[r], setup.recvs[r])
-             for r, c in enumerate(comms)]
+class Buffers:
+    """Out-of-place send and receive buffers of one case on every rank:
+    numpy arrays on the simulator, dfccl DeviceArrays on GPUs."""
 
-    def once():
-        works = [b() for b in plans]
-        for w in works:
-            w.synchronize(timeout=60)
-        return works
+    def __init__(self, backend: str, devices: list[int], case: Case):
+        self.backend = backend
+        self.case = case
+        self.sends = [self._empty(d, case.in_count) for d in devices]
+        self.recvs = [self._empty(d, case.out_count) for d in devices]
 
-    verify(setup, once, False, rng, "dfccl")
-    for _ in range(10):
-        once()
+    def _empty(self, device: int, count: int):
+        if self.backend == "sim":
+            return np.empty(count, dtype=self.case.dtype)
+        from dfccl import arrays
+
+        return arrays.DeviceArray(device, count, self.case.dtype)
+
+    @staticmethod
+    def _upload(arr, host: np.ndarray) -> None:
+        if isinstance(arr, np.ndarray):
+            arr[...] = host
+        else:
+            arr.upload(np.ascontiguousarray(host))
+
+    @staticmethod
+    def _download(arr) -> np.ndarray:
+        return arr.copy() if isinstance(arr, np.ndarray) else arr.download()
+
+    def fill(self, rng: np.random.Generator) -> list[np.ndarray | None]:
+        """Fresh random inputs, poisoned outputs; returns what each rank must receive."""
+        case = self.case
+        inputs = case.inputs(np.random.SeedSequence(int(rng.integers(1 << 62))))
+        wants = [case.expected(inputs, r) for r in range(case.n)]
+        for r in range(case.n):
+            send, recv = case.initial(inputs, r, False, wants[r])
+            self._upload(self.sends[r], send)
+            self._upload(self.recvs[r], recv)
+        return wants
+
+    def wrong(self, wants: list[np.ndarray | None]) -> int:
+        case = self.case
+        return sum(count_wrong(self._download(self.recvs[r]), wants[r], case.dtype, case.op, case.n)
+                   for r in range(case.n))
+
+
+def bind_plans(comms: list, case: Case, bufs: Buffers, tag) -> list:
+    return [getattr(c, f"prepare_{case.kind}")(case.count, case.dtype, tag=tag).bind(bufs.sends[r], bufs.recvs[r])
+            for r, c in enumerate(comms)]
+
+
+def run_once(plans: list) -> list:
+    """One collective: submitted on every rank, then waited for on every rank."""
+    works = [plan() for plan in plans]
+    for w in works:
+        w.synchronize(timeout=SYNC_TIMEOUT_S)
+    return works
+
+
+def latency(comms: list, plans: list, iters: int, warmup: int) -> dict[str, Any]:
+    for _ in range(warmup):
+        run_once(plans)
     times, stats = [], []
-    p0 = comms[0]._ctx.daemon_profile()[0]
+    before = comms[0]._ctx.daemon_profile()[0]
     for _ in range(iters):
         t0 = time.perf_counter()
-        works = once()
+        works = run_once(plans)
         times.append(time.perf_counter() - t0)
         stats.append(works[0].stats)
-    p1 = comms[0]._ctx.daemon_profile()[0]
-    # Rank 0's daemon, block 0 (every collective uses it): per collective.
-    block0 = {k.replace("_ns", "_us") if k.endswith("_ns") else k: (p1[k] - p0[k]) / iters / (1e3 if k.endswith("_ns") else 1)
-              for k in p0}
-    med = {k: statistics.median(s[k] for s in stats) / 1e3 for k in ("queued_ns", "running_ns", "wall_ns", "host_ns",
-                                                                      "max_wait_ns")}
-    return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6,
-            **{k.replace("_ns", "_us"): v for k, v in med.items()},
+    after = comms[0]._ctx.daemon_profile()[0]
+    # Rank 0's daemon, block 0, per collective: counts as they are, nanoseconds in us.
+    block0 = {(k[:-3] + "_us" if k.endswith("_ns") else k):
+              (after[k] - before[k]) / iters / (1e3 if k.endswith("_ns") else 1) for k in before}
+    medians = {f"{k}_us": statistics.median(s[f"{k}_ns"] for s in stats) / 1e3 for k in STATS_US}
+    return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6, **medians,
             "preemptions": sum(s["preemptions"] for s in stats) / len(stats), "block0": block0}
 
 
-def nccl_latency(setup: Setup, nccl: Nccl, rng, iters: int) -> dict:
-    sends = [a.ptr for a in setup.sends]
-    recvs = [a.ptr for a in setup.recvs]
-
-    def once():
-        nccl.collective(setup.kind, sends, recvs, setup.count, setup.dtype)
-        nccl.synchronize()
-
-    verify(setup, once, False, rng, "nccl")
-    for _ in range(10):
-        once()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6}
-
-
-def depth_sweep(setup: Setup, comms, depths: list[int]) -> list[dict]:
+def depth_sweep(comms: list, case: Case, bufs: Buffers, depths: list[int]) -> list[dict]:
     rows = []
     for depth in depths:
-        plans = [getattr(c, f"prepare_{setup.kind}")(setup.count, setup.dtype, tag=("depth", depth))
-                 .bind(setup.sends[r], setup.recvs[r]) for r, c in enumerate(comms)]
+        plans = bind_plans(comms, case, bufs, ("latency-depth", case.kind, case.count, depth))
         best = None
         for _ in range(3):
             t0 = time.perf_counter()
-            works = [b() for _ in range(depth) for b in plans]
+            works = [plan() for _ in range(depth) for plan in plans]
             for w in works:
-                w.synchronize(timeout=120)
-            dt = (time.perf_counter() - t0) / depth
-            best = dt if best is None else min(best, dt)
+                w.synchronize(timeout=SYNC_TIMEOUT_S)
+            per = (time.perf_counter() - t0) / depth
+            best = per if best is None else min(best, per)
         rows.append({"depth": depth, "us_per_collective": best * 1e6,
                      "last_wall_us": works[-1].stats["wall_ns"] / 1e3})
     return rows
 
 
-def main(argv=None) -> int:
+def parse_list(text: str, convert, what: str) -> list:
+    try:
+        values = [convert(x) for x in text.split(",") if x]
+    except ValueError as exc:
+        raise SystemExit(f"error: bad {what} {text!r}: {exc}") from None
+    if not values:
+        raise SystemExit(f"error: no {what} given")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", default="all_reduce")
-    p.add_argument("--sizes", default="8,1K,64K,1M")
+    p.add_argument("--kinds", default="all_reduce", help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--sizes", default="8,1K,64K,1M", help="comma-separated sizes (bytes, as dfccl bench's -b)")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--depths", default="1,8,64,512,2048")
-    p.add_argument("--devices", default=None)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--depths", default="1,8,64,512,2048", help="queue depths of the sweep")
+    p.add_argument("--devices", default=None, help="comma-separated device numbers (default: every GPU / 0,1)")
+    p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--path", default="auto", choices=("auto", "direct", "ring"))
+    p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
-    devices = [int(d) for d in args.devices.split(",")] if args.devices else list(range(runtime.cuda_device_count()))
+
+    kinds = parse_list(args.kinds, str, "kinds")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"error: unknown collective {unknown[0]!r} (one of {', '.join(KINDS)})")
+    sizes = parse_list(args.sizes, parse_size, "sizes")
+    depths = parse_list(args.depths, int, "depths")
+    if args.iters < 1 or args.warmup < 0 or min(depths) < 1:
+        raise SystemExit("error: iters and depths must be >= 1, warmup >= 0")
+    try:
+        backend = runtime.resolve_backend(args.backend)
+    except dfccl.errors.BackendError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.devices:
+        devices = parse_list(args.devices, int, "devices")
+    else:
+        devices = list(range(runtime.cuda_device_count())) if backend == "cuda" else [0, 1]
     if len(devices) < 2:
-        print("needs at least two ranks (--devices 0,0 puts two on one GPU)", file=sys.stderr)
-        return 2
-    rng = np.random.default_rng()
-    comms = dfccl.Communicator.for_devices(devices, backend="cuda", options=dfccl.CommOptions(path=args.path))
-    # NCCL takes one rank per GPU; with ranks sharing a GPU only dfccl runs.
-    nccl = Nccl(devices) if len(set(devices)) == len(devices) else None
-    machine = {"ranks": len(devices), "gpus": len(set(devices)), "nccl_version": nccl.version if nccl else None,
-               "dfccl_path": comms[0].path,
+        raise SystemExit("error: needs at least two ranks (--devices 0,0 puts two on one GPU)")
+    n = len(devices)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    comms = dfccl.Communicator.for_devices(devices, backend=backend, options=dfccl.CommOptions(path=args.path))
+    machine = {"host": socket.gethostname(), "backend": backend, "devices": devices, "ranks": n,
+               "gpus": len(set(devices)), "dfccl": dfccl.__version__, "dfccl_path": comms[0].path,
+               "channels": comms[0].channels, "seed": seed,
                "date": datetime.datetime.now().isoformat(timespec="seconds")}
     print(json.dumps(machine))
-    rows = []
-    for kind in args.kinds.split(","):
-        print(f"\n# {kind} latency (float32, sum; us, median of {args.iters}; ratio = NCCL / dfccl)")
-        print(f"{'size':>8} {'dfccl':>8} {'nccl':>8} {'ratio':>6} {'d p90':>8} {'n p90':>8} | {'queued':>7} "
-              f"{'running':>8} {'wall':>7} {'host':>7} {'maxwait':>7} {'preempt':>7}")
-        for s in args.sizes.split(","):
-            setup = Setup(kind, parse_size(s), devices)
-            d = dfccl_latency(setup, comms, rng, args.iters, ("lat", kind, s))
-            n = nccl_latency(setup, nccl, rng, args.iters) if nccl else {"us": float("nan"), "p90_us": float("nan")}
-            row = {"kind": kind, "size": setup.size, "dfccl": d, "nccl": n, "ratio": n["us"] / d["us"]}
-            rows.append(row)
-            print(f"{fmt_size(setup.size):>8} {d['us']:8.1f} {n['us']:8.1f} {row['ratio']:6.2f} {d['p90_us']:8.1f} "
-                  f"{n['p90_us']:8.1f} | {d['queued_us']:7.1f} {d['running_us']:8.1f} {d['wall_us']:7.1f} "
-                  f"{d['host_us']:7.1f} {d['max_wait_us']:7.1f} {d['preemptions']:7.2f}", flush=True)
-            b = d["block0"]
-            print(f"{'':>8} rank 0 daemon block 0 per collective: {b['passes']:.1f} passes, {b['runs']:.2f} runs; us: "
-                  f"pull {b['pull_us']:.1f} pick {b['pick_us']:.1f} restore {b['restore_us']:.1f} run {b['run_us']:.1f} "
-                  f"save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)
-        setup = Setup(kind, parse_size(args.sizes.split(",")[0]), devices)
-        sweep = depth_sweep(setup, comms, [int(x) for x in args.depths.split(",")])
-        print(f"\n# {kind} {fmt_size(setup.size)}: N back to back, one tag (us per collective)")
-        for r in sweep:
-            print(f"{r['depth']:>6} {r['us_per_collective']:8.1f}   last wall {r['last_wall_us']:.1f}")
-        rows.append({"kind": kind, "size": setup.size, "depth_sweep": sweep})
-    for c in comms:
-        c.close()
-    if nccl:
-        nccl.close()
+    rows: list[dict] = []
+    wrong_total = 0
+    try:
+        for kind in kinds:
+            print(f"\n# {kind} latency (float32, sum; us; median of {args.iters} collectives, each waited for; "
+                  f"Work.stats of rank 0)")
+            print(f"{'size':>8} {'time':>8} {'p90':>8} | {'queued':>7} {'running':>8} {'wall':>7} {'host':>7} "
+                  f"{'maxwait':>7} {'preempt':>7} {'#wrong':>6}")
+            for size in sizes:
+                case = Case.for_size(kind, size, n, "float32", "sum", 0)
+                bufs = Buffers(backend, devices, case)
+                plans = bind_plans(comms, case, bufs, ("latency", kind, case.count))
+                wants = bufs.fill(rng)
+                run_once(plans)
+                wrong = bufs.wrong(wants)
+                d = latency(comms, plans, args.iters, args.warmup)
+                wrong_total += wrong
+                rows.append({"kind": kind, "size": case.nbytes, "count": case.count, "wrong": wrong, "dfccl": d})
+                print(f"{format_size(case.nbytes):>8} {d['us']:8.1f} {d['p90_us']:8.1f} | {d['queued_us']:7.1f} "
+                      f"{d['running_us']:8.1f} {d['wall_us']:7.1f} {d['host_us']:7.1f} {d['max_wait_us']:7.1f} "
+                      f"{d['preemptions']:7.2f} {wrong:6d}", flush=True)
+                b = d["block0"]
+                print(f"{'':>8} rank 0 daemon block 0 per collective: {b['passes']:.1f} passes, {b['runs']:.2f} runs; "
+                      f"us: pull {b['pull_us']:.1f} pick {b['pick_us']:.1f} restore {b['restore_us']:.1f} "
+                      f"run {b['run_us']:.1f} save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)
+            case = Case.for_size(kind, sizes[0], n, "float32", "sum", 0)
+            bufs = Buffers(backend, devices, case)
+            wants = bufs.fill(rng)
+            sweep = depth_sweep(comms, case, bufs, depths)
+            # Every collective of the sweep writes the same result: the last one must have.
+            wrong = bufs.wrong(wants)
+            wrong_total += wrong
+            print(f"\n# {kind} {format_size(case.nbytes)}: N back to back on one tag, then waited for "
+                  f"(us per collective, best of 3); #wrong {wrong}")
+            for r in sweep:
+                print(f"{r['depth']:>6} {r['us_per_collective']:8.1f}   last wall {r['last_wall_us']:.1f}")
+            rows.append({"kind": kind, "size": case.nbytes, "count": case.count, "wrong": wrong,
+                         "depth_sweep": sweep})
+    finally:
+        for c in comms:
+            c.close()
     os.makedirs(args.out, exist_ok=True)
-    name = f"{datetime.date.today().isoformat()}-{len(set(devices))}gpu-{len(devices)}rank-latency.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    print(f"\nwrote {os.path.join(args.out, name)}")
-    return 0
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"latency-{stamp}-{backend}-{len(set(devices))}gpu-{n}rank.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "wrong_total": wrong_total, "rows": rows}, f, indent=1)
+    print(f"\n# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}")
+    print(f"wrote {path}")
+    return 0 if wrong_total == 0 else 1
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
 #   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp chaos latency bench mpbench hostpath preempt all
+# Each phase's limit and extra arguments come from the environment, e.g.
+#   BENCH_LIMIT=600 BENCH_ARGS="--devices 0,1" benchmarks/run_gpu.sh bench
+# Tables go to $OUT/<phase>.log; results (JSON, PNG) to $OUT; then
+#   python -m dfccl bench --report "$OUT"/dfccl-bench-*.json     # Markdown tables
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-logs}
@@ -38,14 +42,25 @@ if has chaos; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \
     step chaos ${CHAOS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=280 -k chaos
 fi
+# Speed against NCCL is `dfccl bench` (nccl-tests' flags): NCCL runs one
+# thread per GPU (--mode thread, CuPy) or one process per GPU (--mode process,
+# torch.distributed), never one thread driving every GPU.
 if has latency; then
+  # dfccl's own breakdown (Work.stats, daemon profile, queue depth), then one
+  # collective waited for (-z 1) against NCCL in both modes.
   step latency ${LATENCY_LIMIT:-120} $PY benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-}
+  for mode in thread process; do
+    step latency-$mode ${LATENCY_Z_LIMIT:-240} $PY -m dfccl bench all_reduce -z 1 -b 8 -e 1M -f 2 -n 200 -w 20 \
+      --mode $mode --no-progress --out "$OUT" ${LATENCY_Z_ARGS:-}
+  done
 fi
 if has bench; then
-  step bench ${BENCH_LIMIT:-300} $PY benchmarks/bench_collectives.py --out "$OUT" ${BENCH_ARGS:-}
+  step bench ${BENCH_LIMIT:-450} $PY -m dfccl bench all -b 8 -e 512M -f 4 --mode thread --no-progress \
+    --out "$OUT" ${BENCH_ARGS:-}
 fi
 if has mpbench; then
-  step mpbench ${MPBENCH_LIMIT:-240} $PY benchmarks/bench_processes.py --out "$OUT" ${MPBENCH_ARGS:-}
+  step mpbench ${MPBENCH_LIMIT:-450} $PY -m dfccl bench all -b 8 -e 512M -f 4 --mode process --no-progress \
+    --out "$OUT" ${MPBENCH_ARGS:-}
 fi
 if has hostpath; then
   step hostpath ${HOSTPATH_LIMIT:-120} $PY benchmarks/bench_host_path.py --out "$OUT/hostpath.json" ${HOSTPATH_ARGS:-}

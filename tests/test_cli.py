@@ -1,5 +1,6 @@
-"""The ``dfccl`` command: bench (both modes, on the simulator), info, --version
-and one-line errors for bad arguments."""
+"""The ``dfccl`` command: bench (both modes, back to back and blocking, on the
+simulator), bench --report, info, --version and one-line errors for bad
+arguments."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +26,8 @@ def dfccl_cmd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dfccl", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, kinds: list[str]) -> dict:
+def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, kinds: list[str],
+                       blocking: bool = False) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     text = proc.stdout
@@ -32,8 +35,12 @@ def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, ki
         assert col in text
     assert "NCCL: not available (no GPU/torch)" in text
     assert "# Out of bounds values : 0 OK" in text
+    timing = "# timing: blocking (-z 1)" if blocking else "# timing: back to back (-z 0)"
+    assert text.count(timing) == len(kinds), text
     [path] = glob.glob(os.path.join(out_dir, "dfccl-bench-*.json"))
+    assert path.endswith("-blocking.json") == blocking
     doc = json.load(open(path))
+    assert doc["timing"]["blocking"] is blocking and doc["config"]["blocking"] is blocking
     assert doc["mode"] == mode and doc["backend"] == "sim" and doc["devices"] == [0, 1]
     assert doc["versions"]["dfccl"] == importlib.metadata.version("dfccl")
     assert doc["host"] and doc["date"] and len(doc["gpus"]) == 2
@@ -46,6 +53,11 @@ def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, ki
         for placement in ("out_of_place", "in_place"):
             assert row[placement]["wrong"] == 0, row
             assert row[placement]["time_us"] > 0 and row[placement]["busbw"] >= 0
+            # Blocking: the median, with the 90th percentile beside it; back to back: one mean.
+            if blocking:
+                assert row[placement]["p90_us"] >= row[placement]["time_us"], row
+            else:
+                assert "p90_us" not in row[placement], row
         assert row["nccl"] is None and row["ratio"] is None
     pngs = glob.glob(os.path.join(out_dir, "dfccl-bench-*.png"))
     if importlib.util.find_spec("matplotlib") is not None:
@@ -67,6 +79,87 @@ def test_bench_process_mode(tmp_path):
     assert doc["dfccl"]["path"] == "staged"  # ranks in different processes: the direct path through the arenas
 
 
+def test_bench_blocking_thread_mode(tmp_path):
+    proc = dfccl_cmd("bench", "all", *SWEEP, "-z", "1", "--devices", "0,1", "--out", str(tmp_path))
+    check_bench_output(proc, tmp_path, "thread", list(bench.KINDS), blocking=True)
+
+
+def test_bench_blocking_process_mode(tmp_path):
+    proc = dfccl_cmd("bench", "reduce_scatter", *SWEEP, "--blocking", "1", "--mode", "process", "--devices", "0,1",
+                     "--out", str(tmp_path))
+    check_bench_output(proc, tmp_path, "process", ["reduce_scatter"], blocking=True)
+
+
+def test_blocking_timing_waits_for_every_collective(monkeypatch):
+    """-z 1 waits after every submission and reports the median and p90 of
+    the iterations; -z 0 submits back to back and waits once."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    log: list[str] = []
+    durations = iter([0.0] * 2 + [1e-3 * i for i in range(1, 11)])  # 2 warm-up, then 1..10 ms
+
+    def submit() -> None:
+        log.append("submit")
+        clock.now += next(durations)
+
+    def finish() -> None:
+        log.append("finish")
+
+    timing = bench._measure(submit, finish, bench.BenchConfig(iters=10, warmup=2, blocking=True))
+    assert log == ["submit", "finish"] * 12
+    assert timing["time_us"] == pytest.approx(5500)  # median of 1..10 ms
+    assert timing["p90_us"] == pytest.approx(9100)   # numpy's linear interpolation
+
+    log.clear()
+    durations = iter([1e-3] * 12)
+    timing = bench._measure(submit, lambda: log.append("finish"), bench.BenchConfig(iters=10, warmup=2))
+    assert log == ["submit"] * 2 + ["finish"] + ["submit"] * 10 + ["finish"]
+    assert timing == {"time_us": pytest.approx(1000)}
+
+
+def test_report_prints_markdown_tables(tmp_path):
+    runs = {}
+    for z in ("0", "1"):
+        out = tmp_path / f"z{z}"
+        proc = dfccl_cmd("bench", "all_reduce,broadcast", "--backend", "sim", "-b", "8", "-e", "4K", "-f", "8",
+                         "-n", "3", "-w", "1", "-z", z, "--no-plot", "--no-progress", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr
+        [runs[z]] = glob.glob(os.path.join(out, "dfccl-bench-*.json"))
+    proc = dfccl_cmd("bench", "--report", runs["0"], runs["1"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.count("## dfccl bench: 2 x simulated GPU, thread mode") == 2
+    assert "back to back (-z 0)" in text and "blocking (-z 1)" in text
+    assert text.count("### all_reduce") == 2 and text.count("### broadcast") == 2
+    assert "NCCL: not available (no GPU/torch)" in text
+    back_to_back, blocking = text.split("## dfccl bench:")[1:]
+    for part, doc_path in ((back_to_back, runs["0"]), (blocking, runs["1"])):
+        doc = json.load(open(doc_path))
+        table_rows = [line for line in part.splitlines() if line.startswith("| ") and not line.startswith("| size")]
+        assert len(table_rows) == len(doc["rows"]) == 2 * 4
+        first = doc["rows"][0]
+        cells = [c.strip() for c in table_rows[0].strip("|").split("|")]
+        assert cells[:5] == ["8 B", "2", "float32", "sum", "-1"]
+        assert cells[-1] == "0" and cells[-2] == "n/a"  # no wrong elements; no NCCL, no ratio
+        if part is blocking:
+            assert cells[5] == f"{first['out_of_place']['time_us']:.1f} ({first['out_of_place']['p90_us']:.1f})"
+        else:
+            assert cells[5] == f"{first['out_of_place']['time_us']:.1f}"
+
+
+def test_report_of_a_bad_file_is_one_line(tmp_path):
+    not_json = tmp_path / "a.json"
+    not_json.write_text("{not json")
+    not_bench = tmp_path / "b.json"
+    not_bench.write_text(json.dumps({"rows": []}))
+    for path in (not_json, not_bench, tmp_path / "missing.json"):
+        proc = dfccl_cmd("bench", "--report", str(path), timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0], proc.stderr
+        assert proc.stdout == ""
+
+
 def test_bench_unchecked_reports_na(tmp_path):
     proc = dfccl_cmd("bench", "broadcast", "--backend", "sim", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
                      "-c", "0", "--no-plot", "--no-progress", "--out", str(tmp_path))
@@ -82,6 +175,7 @@ def test_bench_unchecked_reports_na(tmp_path):
     ["bench", "--backend", "sim", "-b", "1X"],
     ["bench", "--backend", "sim", "nope"],
     ["bench", "--backend", "sim", "-c", "2"],
+    ["bench", "--backend", "sim", "-z", "yes"],
     ["bench", "--backend", "sim", "-b", "1M", "-e", "1K"],
     ["bench", "--backend", "sim", "--devices", "0"],
     ["bench", "--backend", "sim", "--mode", "process", "--path", "direct"],

@@ -312,11 +312,12 @@ print("RESULT", hung, sc.settle_after_abort(insts))
 def test_nccl_stream_ordered_inconsistent_order_hangs():
     """NCCL on the canonical case dfccl completes above (test_inconsistent_order):
     two communicators whose collectives share one stream per GPU, issued in
-    opposite orders.  NCCL hangs."""
-    baseline = pytest.importorskip("dfccl.nccl_baseline")
-    if baseline.find_libnccl() is None:
-        pytest.skip("libnccl not found")
-    verdict = baseline.stream_order_reference(timeout=10.0)
+    opposite orders (NCCL through CuPy, one thread per GPU).  NCCL hangs."""
+    from dfccl import nccl_reference
+
+    if not nccl_reference.cupy_nccl_available(2):
+        pytest.skip("CuPy with NCCL and two GPUs are needed (pip install cupy-cuda13x)")
+    verdict = nccl_reference.stream_order_reference(timeout=10.0)
     record("nccl_reference", scenario="inconsistent_order_one_stream", **verdict)
     assert verdict["outcome"] == "hung", verdict
 

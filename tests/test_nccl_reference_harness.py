@@ -154,3 +154,43 @@ def test_importable_as_package_module():
     except ImportError as exc:  # dfccl's compiled extensions are not built here
         pytest.skip(f"dfccl is not importable: {exc}")
     assert mod.SCENARIOS == nr.SCENARIOS and callable(mod.run_nccl_scenario)
+
+
+# -- the stream-ordered reference (CuPy) ----------------------------------------------------------
+def test_stream_order_reference_without_cupy_is_an_error():
+    """Without CuPy the reference says so (outcome "error", the import error
+    in the detail) instead of hanging or claiming a verdict."""
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed")
+    assert not nr.cupy_nccl_available(2)
+    v = nr.stream_order_reference(timeout=1.0, setup_timeout=60.0)
+    assert set(v) == {"outcome", "seconds", "detail"}
+    assert v["outcome"] == "error" and "cupy" in v["detail"], v
+    with pytest.raises(ValueError):
+        nr.stream_order_reference(timeout=0)
+
+
+def test_stuck_child_is_killed_with_what_it_started_and_its_output_kept():
+    """The reference's subprocess: past the deadline its whole process group
+    is killed (a grandchild included) and what it printed is still read."""
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print('OUTCOME hung 1.0', child.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    t0 = time.monotonic()
+    out, err, returned = nr._run_child(code, [], 3.0)
+    assert not returned and time.monotonic() - t0 < 30
+    words = out.split()
+    assert words[:3] == ["OUTCOME", "hung", "1.0"], (out, err)
+    grandchild = int(words[3])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{grandchild}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    break  # killed, waiting for init to reap it
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"grandchild {grandchild} outlived the kill")

@@ -2,9 +2,16 @@
 
 For every collective and size: one run on fresh random inputs with poisoned
 outputs, checked element by element against numpy (``#wrong``); then
-``warmup`` runs, then ``iters`` back-to-back submissions timed on the host
-around the loop and the final synchronisation, divided by ``iters``.  Out of
-place and in place, then NCCL on the same GPUs in the same invocation.
+``warmup`` runs, then the timed runs.  Out of place and in place, then NCCL on
+the same GPUs in the same invocation.  Two timings, as nccl-tests' ``-z``:
+
+- back to back (``blocking=False``, ``-z 0``): ``iters`` submissions timed on
+  the host around the loop and the final synchronisation, divided by
+  ``iters`` (throughput of a stream of collectives);
+- blocking (``blocking=True``, ``-z 1``): every iteration submits on every
+  rank and waits for completion on every rank; the median over ``iters``
+  (and the 90th percentile, in the JSON) of one collective waited for (what a
+  step that synchronises after each collective sees).
 
 - size: bytes of the buffer (all_gather: the gathered output; reduce_scatter:
   the scattered input), as in nccl-tests; count: elements of that buffer;
@@ -42,8 +49,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["KINDS", "OPS", "DTYPES", "BenchConfig", "Case", "parse_size", "format_size", "bus_factor",
-           "count_wrong", "case_sizes", "run_bench", "format_table_header", "format_row"]
+__all__ = ["KINDS", "OPS", "DTYPES", "BenchConfig", "Case", "ReportError", "parse_size", "format_size",
+           "bus_factor", "count_wrong", "case_sizes", "run_bench", "format_table_header", "format_row",
+           "format_markdown", "timing_line"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -119,6 +127,7 @@ class BenchConfig:
     plot: bool = True
     progress: bool = True
     seed: int | None = None
+    blocking: bool = False
 
     def validate(self) -> None:
         """ValueError with a one-line reason for anything the run would trip on."""
@@ -417,6 +426,35 @@ def _time_loop(submit: Callable[[], None], finish: Callable[[], None], iters: in
     return seconds
 
 
+def _time_blocking(submit: Callable[[], None], finish: Callable[[], None], iters: int, warmup: int,
+                   barrier: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of ``iters`` operations waited for one at a time
+    (nccl-tests' ``-z 1``): submit, wait for completion, repeat."""
+    for _ in range(warmup):
+        submit()
+        finish()
+    if barrier is not None:
+        barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        submit()
+        finish()
+        times.append(time.perf_counter() - t0)
+    if barrier is not None:
+        barrier()
+    return times
+
+
+def _measure(submit: Callable[[], None], finish: Callable[[], None], cfg: BenchConfig,
+             barrier: Callable[[], None] | None = None) -> dict:
+    """{"time_us"} back to back; {"time_us" (median), "p90_us"} blocking."""
+    if not cfg.blocking:
+        return {"time_us": _time_loop(submit, finish, cfg.iters, cfg.warmup, barrier) * 1e6}
+    times_us = np.array(_time_blocking(submit, finish, cfg.iters, cfg.warmup, barrier)) * 1e6
+    return {"time_us": float(np.median(times_us)), "p90_us": float(np.percentile(times_us, 90))}
+
+
 def _seed(base: int, kind: str, case: Case, placement: str) -> np.random.SeedSequence:
     """The same in every worker process (str hashes are salted per process: not used)."""
     return np.random.SeedSequence([base, KINDS.index(kind), case.count, ("oop", "ip", "nccl").index(placement)])
@@ -462,8 +500,7 @@ def _dfccl_thread_case(case: Case, comms: list, mem: _Memory, devices: list[int]
             sub.finish()
             wrong = sum(count_wrong(mem.download(bufs[r][2], case.dtype), wants[r], case.dtype, case.op, case.n)
                         for r in range(case.n))
-        seconds = _time_loop(sub.submit, sub.finish, cfg.iters, cfg.warmup)
-        out[placement] = {"time_us": seconds * 1e6, "wrong": wrong}
+        out[placement] = {**_measure(sub.submit, sub.finish, cfg), "wrong": wrong}
     return out
 
 
@@ -553,9 +590,9 @@ class _CupyNccl:
                 self.enqueue(r, case, sp, rp)
                 self.streams[r].synchronize()
                 wrong = count_wrong(mem.download(rv, case.dtype), want, case.dtype, case.op, case.n)
-            seconds = _time_loop(lambda: self.enqueue(r, case, sp, rp), self.streams[r].synchronize, cfg.iters,
-                                 cfg.warmup, barrier.wait)
-            results[r] = {"time_us": seconds * 1e6, "wrong": wrong}
+            # Blocking: this thread synchronises its own stream after every collective.
+            timing = _measure(lambda: self.enqueue(r, case, sp, rp), self.streams[r].synchronize, cfg, barrier.wait)
+            results[r] = {**timing, "wrong": wrong}
 
         self._run_threads(rank_job)
         return _merge_ranks(results)
@@ -568,10 +605,13 @@ class _CupyNccl:
 
 
 def _merge_ranks(results: list[dict]) -> dict:
-    """Max time over ranks; wrong elements summed (None when unchecked)."""
+    """Max time (and p90, when blocking) over ranks; wrong elements summed
+    (None when unchecked)."""
     wrongs = [r["wrong"] for r in results]
-    return {"time_us": max(r["time_us"] for r in results),
-            "wrong": None if any(w is None for w in wrongs) else sum(wrongs)}
+    merged = {"time_us": max(r["time_us"] for r in results)}
+    if "p90_us" in results[0]:
+        merged["p90_us"] = max(r["p90_us"] for r in results)
+    return {**merged, "wrong": None if any(w is None for w in wrongs) else sum(wrongs)}
 
 
 def _nccl_thread_status(cfg: BenchConfig) -> str | None:
@@ -708,8 +748,7 @@ def _dfccl_rank_case(case: Case, comm, rank: int, dev: int, mem: _Memory, cfg: B
         sub.finish()
         wrong = count_wrong(mem.download(rv, case.dtype), want, case.dtype, case.op, case.n)
     wait()
-    seconds = _time_loop(sub.submit, sub.finish, cfg.iters, cfg.warmup, wait)
-    return {"time_us": seconds * 1e6, "wrong": wrong}
+    return {**_measure(sub.submit, sub.finish, cfg, wait), "wrong": wrong}
 
 
 def _torch_rank_case(case: Case, rank: int, dev: int, mem: _Memory, cfg: BenchConfig, base_seed: int,
@@ -730,9 +769,9 @@ def _torch_rank_case(case: Case, rank: int, dev: int, mem: _Memory, cfg: BenchCo
         torch.cuda.synchronize(dev)
         wrong = count_wrong(tmem.download(rv, case.dtype), want, case.dtype, case.op, case.n)
     wait()
-    seconds = _time_loop(lambda: _torch_collective(case, s, rv), lambda: torch.cuda.synchronize(dev), cfg.iters,
-                         cfg.warmup, wait)
-    return {"time_us": seconds * 1e6, "wrong": wrong}
+    # Blocking: torch.cuda.synchronize after every collective waits for it on the device.
+    timing = _measure(lambda: _torch_collective(case, s, rv), lambda: torch.cuda.synchronize(dev), cfg, wait)
+    return {**timing, "wrong": wrong}
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -741,14 +780,25 @@ _DF_COLS = f"{'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
 _NCCL_COLS = f"{'time':>9} {'busbw':>7} {'#wrong':>7} {'ratio':>6}"
 
 
-def format_table_header(kind: str, nccl_line: str) -> str:
+def timing_line(blocking: bool, iters: int) -> str:
+    """What the time columns hold, for the table header."""
+    if blocking:
+        return (f"timing: blocking (-z 1): time = median of {iters} collectives, each submitted on every rank "
+                "and waited for on every rank (p90 in the JSON)")
+    return (f"timing: back to back (-z 0): time = {iters} submissions and one wait at the end, "
+            "divided by the iterations")
+
+
+def format_table_header(kind: str, nccl_line: str, timing: str | None = None) -> str:
+    """The column header of one collective's table; ``timing`` (see
+    :func:`timing_line`) says which timing the time columns hold."""
     width_head, width_df = len(_HEAD_COLS), len(_DF_COLS)
     groups = (f"#{'':{width_head - 1}}  {'out-of-place':^{width_df}}  {'in-place':^{width_df}}  "
               f"{'NCCL (in place)':^{len(_NCCL_COLS)}}")
     units = (f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5}  {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
              f"{'':>7}  {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}  {'(us)':>9} {'(GB/s)':>7}")
-    return "\n".join([f"# collective {kind}", f"# {nccl_line}", groups,
-                      f"#{_HEAD_COLS[1:]}  {_DF_COLS}  {_DF_COLS}  {_NCCL_COLS}", units])
+    lines = [f"# collective {kind}", f"# {nccl_line}"] + ([f"# {timing}"] if timing else [])
+    return "\n".join(lines + [groups, f"#{_HEAD_COLS[1:]}  {_DF_COLS}  {_DF_COLS}  {_NCCL_COLS}", units])
 
 
 def _fmt_wrong(w: int | None) -> str:
@@ -765,6 +815,76 @@ def format_row(row: dict) -> str:
     if nccl is None:
         return line + f"{'n/a':>9} {'n/a':>7} {'n/a':>7} {'n/a':>6}"
     return line + f"{nccl['time_us']:9.2f} {nccl['busbw']:7.2f} {_fmt_wrong(nccl['wrong']):>7} {row['ratio']:6.2f}"
+
+
+class ReportError(ValueError):
+    """A JSON document that is not a ``dfccl bench`` result."""
+
+
+def _human_size(n: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+def format_markdown(doc: dict) -> str:
+    """Markdown tables of a result JSON written by :func:`run_bench`: a line
+    on the run, then one table per collective.  Blocking results show the
+    median with the 90th percentile in parentheses.  ReportError when
+    ``doc`` is not such a result."""
+    try:
+        return _markdown(doc)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ReportError(f"not a dfccl bench result (missing or malformed {exc})") from None
+
+
+def _markdown(doc: dict) -> str:
+    cfg, rows = doc["config"], doc["rows"]
+    blocking = bool(doc.get("timing", {}).get("blocking", False))  # results from before -z have no "timing"
+    versions = doc.get("versions", {})
+    df, nccl_info = doc.get("dfccl", {}), doc.get("nccl", {})
+    gpus = doc.get("gpus") or []
+    status = nccl_info.get("status", "measured")
+    nccl_state = (f"NCCL {versions.get('nccl', '?')}, {nccl_info.get('form', 'in place')}" if status == "measured"
+                  else _nccl_unavailable_line(status))
+    out = [f"## dfccl bench: {len(gpus)} x {gpus[0] if gpus else '?'}, {doc['mode']} mode, "
+           f"{'blocking (-z 1)' if blocking else 'back to back (-z 0)'}", "",
+           f"{doc.get('date', '?')} on {doc.get('host', '?')}; dfccl {versions.get('dfccl', '?')} "
+           f"(path {df.get('path')}, {df.get('channels')} channels); {nccl_state}; {cfg['dtype']} {cfg['op']}; "
+           f"{cfg['iters']} iterations after {cfg['warmup']} warm-up.",
+           "Time: median of one collective waited for on every rank (90th percentile in parentheses)."
+           if blocking else "Time: back-to-back collectives, loop time divided by the iterations.",
+           "NCCL / dfccl: NCCL time over dfccl's in-place time (above 1: dfccl faster).", ""]
+
+    def cell(d: dict | None) -> str:
+        if d is None:
+            return "n/a"
+        p90 = f" ({d['p90_us']:.1f})" if "p90_us" in d else ""
+        return f"{d['time_us']:.1f}{p90}"
+
+    def bw(d: dict | None) -> str:
+        return "n/a" if d is None else f"{d['busbw']:.2f}"
+
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
+    kinds += sorted({r["kind"] for r in rows} - set(kinds))
+    for kind in kinds:
+        out += [f"### {kind}", "",
+                "| size | count | type | redop | root | out of place (us) | busbw (GB/s) | in place (us) | "
+                "busbw (GB/s) | NCCL in place (us) | NCCL busbw (GB/s) | NCCL / dfccl | #wrong |",
+                "|---:|---:|:--|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if r["kind"] != kind:
+                continue
+            parts = [r["out_of_place"], r["in_place"]] + ([r["nccl"]] if r.get("nccl") else [])
+            wrongs = [p["wrong"] for p in parts]
+            wrong = "N/A" if any(w is None for w in wrongs) else str(sum(wrongs))
+            ratio = "n/a" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+            out.append(f"| {_human_size(r['size'])} | {r['count']} | {r['type']} | {r['redop']} | {r['root']} | "
+                       f"{cell(r['out_of_place'])} | {bw(r['out_of_place'])} | {cell(r['in_place'])} | "
+                       f"{bw(r['in_place'])} | {cell(r.get('nccl'))} | {bw(r.get('nccl'))} | {ratio} | {wrong} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _finish_row(kind: str, case: Case, measured: dict) -> dict:
@@ -893,7 +1013,7 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
     total = sum(len(case_sizes(cfg, k)) for k in cfg.kinds)
     print(f"# dfccl bench: {', '.join(cfg.kinds)}; {n} ranks on {cfg.backend} devices {cfg.devices}; "
           f"mode {cfg.mode}; {cfg.dtype} {cfg.op}; iters {cfg.iters}, warmup {cfg.warmup}, "
-          f"check {int(cfg.check)}", file=out, flush=True)
+          f"check {int(cfg.check)}, blocking {int(cfg.blocking)}", file=out, flush=True)
     if cfg.mode == "thread":
         rows, info = _run_thread_mode(cfg, base_seed, total, out)
     else:
@@ -914,17 +1034,23 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
         "versions": {**_versions(), **({"nccl": info["nccl_version"]} if info.get("nccl_version") else {})},
         "dfccl": {"path": info.get("path"), "channels": info.get("channels"), "memory": info.get("memory")},
         "nccl": {"status": info.get("nccl") or "measured", "form": "in place"},
+        "timing": {"blocking": cfg.blocking,
+                   "time_us": "median of one collective waited for" if cfg.blocking
+                   else "back to back: loop time / iters",
+                   **({"p90_us": "90th percentile of one collective waited for"} if cfg.blocking else {})},
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress")}, "seed": base_seed},
         "wrong_total": wrong,
         "rows": rows,
     }
     os.makedirs(cfg.out, exist_ok=True)
-    stem = os.path.join(cfg.out, f"dfccl-bench-{started:%Y%m%d-%H%M%S}-{cfg.backend}-{cfg.mode}-{n}ranks")
+    timing = "-blocking" if cfg.blocking else ""
+    stem = os.path.join(cfg.out, f"dfccl-bench-{started:%Y%m%d-%H%M%S}-{cfg.backend}-{cfg.mode}-{n}ranks{timing}")
     with open(stem + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     written = [stem + ".json"]
     if cfg.plot and rows:
-        title = f"dfccl vs NCCL, {n} x {doc['gpus'][0]} ({cfg.mode} mode, {cfg.dtype})"
+        title = (f"dfccl vs NCCL, {n} x {doc['gpus'][0]} ({cfg.mode} mode, {cfg.dtype}, "
+                 f"{'blocking: median of one collective waited for' if cfg.blocking else 'back to back'})")
         if _write_plot(stem + ".png", rows, title):
             written.append(stem + ".png")
         else:
@@ -961,7 +1087,7 @@ def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple
     progress = _Progress(total, cfg.progress)
     try:
         for kind in cfg.kinds:
-            progress.write(format_table_header(kind, line), out)
+            progress.write(format_table_header(kind, line, timing_line(cfg.blocking, cfg.iters)), out)
             for case in case_sizes(cfg, kind):
                 measured = _dfccl_thread_case(case, comms, mem, cfg.devices, cfg, base_seed)
                 if nccl is not None:
@@ -1022,7 +1148,7 @@ def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tupl
                   "processes, so each collective takes milliseconds; these times say nothing about one process "
                   "per GPU", file=out)
         for kind in cfg.kinds:
-            progress.write(format_table_header(kind, line), out)
+            progress.write(format_table_header(kind, line, timing_line(cfg.blocking, cfg.iters)), out)
             for case in case_sizes(cfg, kind):
                 parts = [inbox.take("case", (kind, case.count))[2] for _ in range(n)]
                 measured = {key: _merge_ranks([p[key] for p in parts]) for key in parts[0]}

@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="collective latency and bandwidth against NCCL (like nccl-tests)",
                            description="Sweeps sizes from minbytes to maxbytes, checks every size against numpy "
-                                       "and times dfccl (out of place and in place) and NCCL (in place).")
+                                       "and times dfccl (out of place and in place) and NCCL (in place), back to "
+                                       "back or (-z 1) one collective waited for at a time.  With --report, "
+                                       "prints result JSON files as Markdown tables instead.")
     bench.add_argument("kind_pos", nargs="?", metavar="KIND", default=None,
                        help=f"collective: {', '.join(KINDS)} or all (default all_reduce)")
     bench.add_argument("-k", "--kind", default=None, help="same as KIND")
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", "--iters", type=_positive, default=20, help="timed iterations (default 20)")
     bench.add_argument("-w", "--warmup_iters", type=_positive, default=5, help="warm-up iterations (default 5)")
     bench.add_argument("-c", "--check", type=_flag01, default=True, help="check results: 0 or 1 (default 1)")
+    bench.add_argument("-z", "--blocking", type=_flag01, default=False,
+                       help="1: time one collective waited for per iteration (median, p90 in the JSON); "
+                            "0: back-to-back collectives (default 0)")
     bench.add_argument("-d", "--dtype", choices=DTYPES, default="float32")
     bench.add_argument("-o", "--op", choices=OPS, default="sum")
     bench.add_argument("-r", "--root", type=_positive, default=0, help="root of broadcast and reduce")
@@ -103,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
+    bench.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                       help="print result JSON files as Markdown tables instead of running")
 
     sub.add_parser("info", help="versions, GPUs, peer access, kernel image and defaults")
     return parser
@@ -138,7 +145,7 @@ def _bench_config(args: argparse.Namespace):
                       iters=args.iters, warmup=args.warmup_iters, check=args.check, dtype=args.dtype, op=args.op,
                       root=args.root, backend=backend, devices=devices, mode=args.mode, path=args.path,
                       out=args.out, nccl=not args.no_nccl, plot=not args.no_plot, progress=not args.no_progress,
-                      seed=args.seed)
+                      seed=args.seed, blocking=args.blocking)
     try:
         cfg.validate()
     except ValueError as exc:
@@ -146,9 +153,33 @@ def _bench_config(args: argparse.Namespace):
     return cfg
 
 
+def _print_reports(paths: list[str]) -> int:
+    import json
+
+    from dfccl.bench import ReportError, format_markdown
+
+    tables = []
+    for path in paths:  # every file is read and checked before anything is printed
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"{path} is not JSON: {exc}") from None
+        try:
+            tables.append(format_markdown(doc))
+        except ReportError as exc:
+            raise UsageError(f"{path}: {exc}") from None
+    print("\n".join(tables), end="")
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from dfccl.bench import run_bench
 
+    if args.report is not None:
+        return _print_reports(args.report)
     doc = run_bench(_bench_config(args))
     return 0 if doc["wrong_total"] == 0 else 1
 

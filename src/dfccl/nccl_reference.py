@@ -1,4 +1,5 @@
-"""NCCL reference runs of dfccl's deadlock scenarios, through torch.distributed.
+"""NCCL reference runs of dfccl's deadlock scenarios, through torch.distributed
+(and, for the stream-ordered case, through CuPy's NCCL binding).
 
 dfccl claims that it never hangs where NCCL hangs.  To back that claim the GPU
 test suite runs each deadlock scenario with dfccl *and* with NCCL, and records
@@ -38,6 +39,13 @@ mismatched pairing shows up in every element):
 ``torch.cuda.synchronize()`` (a device-wide wait): with NCCL ``wait()`` only
 orders streams, with gloo it is the blocking wait.
 
+:func:`stream_order_reference` is the one scenario torch.distributed cannot
+express, since torch gives every process group its own stream: two NCCL
+communicators whose collectives share one stream per GPU (as a framework's
+compute stream or a CUDA graph orders them), rank 0 enqueuing A then B and
+rank 1 B then A.  It drives NCCL through CuPy (``cupy.cuda.nccl``), one
+thread per GPU, in a subprocess so that the stuck kernels die with it.
+
 Command line::
 
     python -m dfccl.nccl_reference [--backend nccl|gloo] [--timeout S] [SCENARIO ...]
@@ -59,7 +67,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["Verdict", "SCENARIOS", "OUTCOMES", "FORCED_ENV", "run_nccl_scenario", "available", "main"]
+__all__ = ["Verdict", "SCENARIOS", "OUTCOMES", "FORCED_ENV", "run_nccl_scenario", "available",
+           "stream_order_reference", "cupy_nccl_available", "main"]
 
 SCENARIOS = ("inconsistent_order_two_groups", "inconsistent_order_one_group", "wait_between", "device_sync")
 OUTCOMES = ("completed", "hung", "wrong_result", "error", "unavailable")
@@ -685,6 +694,146 @@ def available(backend: str = "nccl", *, world_size: int = 2, env: dict | None = 
     if not info.get("dist") or not info.get(backend):
         return False
     return backend != "nccl" or int(info.get("cuda", 0)) >= world_size
+
+
+# -- stream-ordered reference (CuPy) -----------------------------------------------------------------
+_STREAM_ORDER_CHILD = r"""
+import os, sys, threading, time, traceback
+import numpy as np
+import cupy
+from cupy.cuda import nccl
+
+timeout = float(sys.argv[1])
+devices, count = [0, 1], 1 << 20
+uids = {"A": nccl.get_unique_id(), "B": nccl.get_unique_id()}
+comms, streams, bufs = {}, {}, {}
+ready = threading.Barrier(len(devices), timeout=300)
+errors = []
+
+
+def fill(r):
+    for t in "AB":
+        bufs[(r, t)].set(np.full(count, (r + 1) * (1 if t == "A" else 100), np.float32))
+    cupy.cuda.Device(devices[r]).synchronize()
+
+
+def all_reduce(r, t):
+    buf = bufs[(r, t)].data.ptr
+    comms[(r, t)].allReduce(buf, buf, count, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, streams[r].ptr)
+
+
+def rank_thread(r):
+    try:
+        cupy.cuda.Device(devices[r]).use()
+        streams[r] = cupy.cuda.Stream(non_blocking=True)   # one stream for both communicators
+        for t in "AB":
+            comms[(r, t)] = nccl.NcclCommunicator(len(devices), uids[t], r)
+            bufs[(r, t)] = cupy.empty(count, dtype=cupy.float32)
+        # Warm both communicators in the same order on every rank first: NCCL
+        # connects a communicator during its first collective, on the CPU, so
+        # opposite first calls would hang there; the hang shown here is the
+        # GPU-side one.
+        fill(r)
+        for t in "AB":
+            all_reduce(r, t)
+            streams[r].synchronize()
+        fill(r)
+        ready.wait()
+        for t in ("AB" if r == 0 else "BA"):
+            all_reduce(r, t)
+    except BaseException:
+        errors.append(traceback.format_exc())
+        print(errors[-1], file=sys.stderr, flush=True)   # the peer may now be stuck in NCCL setup
+        ready.abort()
+
+
+threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(len(devices))]
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+if errors:
+    os._exit(1)
+t0 = time.monotonic()
+while time.monotonic() - t0 < timeout:
+    if all(streams[r].done for r in range(len(devices))):
+        seconds = round(time.monotonic() - t0, 3)
+        ok = all(float(bufs[(r, t)][:1].get()[0]) == (3 if t == "A" else 300) for r in range(len(devices))
+                 for t in "AB")
+        print("OUTCOME", "completed" if ok else "wrong_result", seconds, flush=True)
+        os._exit(0)
+    time.sleep(0.01)
+print("OUTCOME hung", timeout, flush=True)
+os._exit(0)   # the stuck kernels go with the process
+"""
+
+_CUPY_PROBE = """
+import json
+try:
+    import cupy
+    from cupy.cuda import nccl
+    info = {"nccl": nccl.get_version(), "cuda": cupy.cuda.runtime.getDeviceCount()}
+except Exception as exc:
+    info = {"error": repr(exc)}
+print(json.dumps(info), flush=True)
+"""
+
+
+def _run_child(code: str, args: list[str], timeout: float) -> tuple[str, str, bool]:
+    """(stdout, stderr, returned) of ``python -c code args`` in its own
+    session; ``returned`` is False when it had not exited within ``timeout``
+    seconds.  Its whole process group is SIGKILLed either way, so nothing it
+    started outlives the call."""
+    proc = subprocess.Popen([sys.executable, "-c", _python_prelude() + code, *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(None),
+                            start_new_session=True)
+    returned = True
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        returned = False
+        _kill_groups([proc])
+        out, err = proc.communicate()  # what it wrote before it was killed
+    finally:
+        _kill_groups([proc])
+    return out.decode(errors="replace"), err.decode(errors="replace"), returned
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_nccl_available(world_size: int = 2) -> bool:
+    """True when CuPy with its NCCL binding imports and at least
+    ``world_size`` GPUs are visible; checked in a subprocess, so that the
+    caller never imports CuPy or touches CUDA."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    out, _, _ = _run_child(_CUPY_PROBE, [], _PROBE_TIMEOUT)
+    for line in reversed(out.splitlines()):
+        try:
+            info = json.loads(line)
+        except ValueError:
+            continue
+        return isinstance(info, dict) and int(info.get("cuda", 0)) >= world_size
+    return False
+
+
+def stream_order_reference(timeout: float = 10.0, setup_timeout: float = 120.0) -> dict:
+    """NCCL's canonical deadlock: two communicators whose collectives share one
+    stream per GPU, rank 0 (GPU 0) enqueuing A then B and rank 1 (GPU 1) B
+    then A, one CuPy thread per GPU.  Runs in a subprocess that is killed with
+    everything it started.  Returns {"outcome": "hung" | "completed" |
+    "wrong_result" | "error", "seconds", "detail"}; "seconds" is the time from
+    the enqueues to completion (or ``timeout`` when hung).  ``setup_timeout``
+    bounds importing CuPy, creating the communicators and the warm-up."""
+    if timeout <= 0 or setup_timeout <= 0:
+        raise ValueError("timeout and setup_timeout must be > 0")
+    out, err, returned = _run_child(_STREAM_ORDER_CHILD, [str(timeout)], timeout + setup_timeout)
+    for line in out.splitlines():
+        # Reported before the child exits: a child stuck in its exit still gave its verdict.
+        if line.startswith("OUTCOME "):
+            _, outcome, seconds = line.split()
+            return {"outcome": outcome, "seconds": float(seconds), "detail": ""}
+    why = "" if returned else f"setup did not finish within {setup_timeout:.0f} s\n"
+    return {"outcome": "error", "seconds": 0.0, "detail": (why + out + err)[-2000:]}
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The scripts of benchmarks/ that measure what ``dfccl bench`` does not, run
+on the simulator: bench_latency.py (dfccl's latency breakdown and the
+queue-depth sweep)."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+LATENCY = BENCHMARKS / "bench_latency.py"
+
+
+def load_latency_module():
+    spec = importlib.util.spec_from_file_location("bench_latency_under_test", LATENCY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_latency_breakdown_on_the_simulator(tmp_path):
+    proc = subprocess.run([sys.executable, str(LATENCY), "--backend", "sim", "--kinds", "all_reduce,reduce_scatter",
+                           "--sizes", "8,4K", "--iters", "5", "--warmup", "1", "--depths", "1,4", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    [path] = glob.glob(os.path.join(tmp_path, "latency-*-sim-2gpu-2rank.json"))
+    doc = json.load(open(path))
+    assert doc["machine"]["backend"] == "sim" and doc["machine"]["ranks"] == 2 and doc["wrong_total"] == 0
+    timed = [r for r in doc["rows"] if "dfccl" in r]
+    sweeps = [r for r in doc["rows"] if "depth_sweep" in r]
+    assert [(r["kind"], r["size"]) for r in timed] == [(k, s) for k in ("all_reduce", "reduce_scatter")
+                                                       for s in (8, 4096)]
+    for r in timed:
+        d = r["dfccl"]
+        assert r["wrong"] == 0
+        assert 0 < d["us"] <= d["p90_us"]
+        for key in ("queued_us", "running_us", "wall_us", "host_us", "max_wait_us"):
+            assert d[key] >= 0, key
+        assert d["host_us"] > 0 and d["wall_us"] > 0
+        # Block 0 of rank 0's daemon ran every collective at least once.
+        assert d["block0"]["runs"] >= 1 and d["block0"]["passes"] >= 1 and d["block0"]["run_us"] > 0
+    assert [r["kind"] for r in sweeps] == ["all_reduce", "reduce_scatter"]
+    for r in sweeps:
+        assert r["wrong"] == 0
+        assert [s["depth"] for s in r["depth_sweep"]] == [1, 4]
+        assert all(s["us_per_collective"] > 0 for s in r["depth_sweep"])
+
+
+def test_latency_check_catches_unwritten_outputs():
+    """The check before timing uses fresh random inputs and poisoned outputs:
+    outputs that nobody wrote count every element wrong."""
+    from dfccl.bench import Case
+
+    mod = load_latency_module()
+    for kind in ("all_reduce", "all_gather", "reduce"):
+        case = Case.for_size(kind, 256, 2, "float32", "sum", 0)
+        bufs = mod.Buffers("sim", [0, 1], case)
+        rng = np.random.default_rng(3)
+        wants = bufs.fill(rng)
+        checked = sum(w.size for w in wants if w is not None)
+        assert bufs.wrong(wants) == checked > 0
+        first = [s.copy() for s in bufs.sends]
+        bufs.fill(rng)
+        assert not np.array_equal(first[0], bufs.sends[0])  # fresh inputs every fill
+
+
+def test_latency_is_dfccl_only():
+    """NCCL's comparison is ``dfccl bench -z 1``: the script imports neither
+    another benchmark script nor an NCCL binding."""
+    tree = ast.parse(LATENCY.read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {m for m in imported if "nccl" in m or m.startswith(("bench_", "cupy", "torch"))}, imported
+
+
+@pytest.mark.parametrize("args", [["--kinds", "nope"], ["--sizes", "1X"], ["--devices", "0"], ["--iters", "0"]])
+def test_latency_bad_arguments_are_one_line(args, tmp_path):
+    proc = subprocess.run([sys.executable, str(LATENCY), "--backend", "sim", *args, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
