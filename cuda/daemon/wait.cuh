@@ -40,10 +40,7 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
     run.detail = (int32_t)(err & 0x7fffu) - 1;
     return true;
   }
-  if (load_acquire(&run.mine->abort_token) == run.token) {
-    take_relayed(run, load_acquire(&run.mine->abort_info));
-    return true;
-  }
+  // The host's word first: this rank's own abort is not a peer's.
   const uint32_t ep_word = load_gpu(&a->endpoint_abort_dev[run.d->endpoint]);
   if (ep_word >= DFCCL_EP_PEER_LOST) {
     take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_LOST << 32) | (ep_word - DFCCL_EP_PEER_LOST));
@@ -52,6 +49,10 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
   if (ep_word != 0) {
     run.status = DFCCL_STATUS_ABORTED;
     run.detail = -1;
+    return true;
+  }
+  if (load_acquire(&run.mine->abort_token) == run.token) {
+    take_relayed(run, load_acquire(&run.mine->abort_info));
     return true;
   }
   const dfccl_endpoint *ep = run.ep;

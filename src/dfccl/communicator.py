@@ -15,6 +15,7 @@ import numbers
 import secrets
 import threading
 import time
+import weakref
 from typing import Sequence
 
 from dfccl import liveness, runtime
@@ -319,6 +320,9 @@ class Communicator:
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
         self._ctx.diagnostics[self._endpoint.id] = self._diag
+        me = weakref.ref(self)
+        self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
+            peer, "a peer reported its process dead")
         liveness.register(self)
 
     # -- properties --------------------------------------------------------------
@@ -453,9 +457,10 @@ class Communicator:
         if not self._aborted:
             self._aborted = True
             if not self._ctx.closed:
-                self._endpoint.write_status(RANK_ABORTED)
+                # Our daemon first, then the peers (who read the status).
                 if self._lost_rank is None:
                     self._endpoint.abort()
+                self._endpoint.write_status(RANK_ABORTED)
             self._flight.note("abort", detail=f"rank {self._rank} aborted")
         self._settle(timeout)
 

@@ -92,6 +92,13 @@ class EndpointDiagnostics:
         self._capacity = endpoint.capacity
         self._stride = endpoint.record_stride
         self._buf = np.zeros(14, np.uint64)
+        self.on_peer_lost = None   # set by the communicator: called with the lost rank
+
+    def peer_lost(self, rank: int) -> None:
+        """A collective failed because ``rank``'s process died (seen here, or
+        relayed by a peer that saw it first)."""
+        if self.on_peer_lost is not None:
+            self.on_peer_lost(rank)
 
     # -- raw reads -------------------------------------------------------------------
     def _read(self, addr: int, words: int) -> list[int]:
@@ -192,6 +199,9 @@ class EndpointDiagnostics:
             msg += f" (also differ: {', '.join(differing[1:])})"
         if not_yet:
             msg += f"; ranks {not_yet} had not submitted it"
-        return MismatchError(msg, rank=work.rank, tag=work.tag, peer=out[0] if out else None, field=field,
+        # peer: a rank whose value differs from this rank's.
+        mine = values.get(work.rank)
+        peer = next((p for p in out + in_line if values[p] != mine), None)
+        return MismatchError(msg, rank=work.rank, tag=work.tag, peer=peer, field=field,
                              values=values, ranks=out)
 

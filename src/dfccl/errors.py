@@ -55,8 +55,8 @@ class MismatchError(DfcclError):
     dtype, op, root).  Every rank of the instance gets it.  ``field`` is the
     first field that differs, ``values`` maps each rank that has submitted
     the instance to its value of that field, ``ranks`` are the ranks out of
-    line (not in the largest group of equal values) and ``peer`` the first
-    of them."""
+    line (not in the largest group of equal values) and ``peer`` a rank whose
+    value differs from this rank's (an out-of-line rank where there is one)."""
 
     code = ErrorCode.MISMATCH
 

@@ -386,7 +386,8 @@ cdef class Work:
             except Exception:
                 joined = missing = None
         if missing:
-            what += f"; ranks {missing} have not joined this instance (ranks {joined} have)"
+            what += (f"; it waits for rank {missing[0]} to join: ranks {missing} have not joined this instance "
+                     f"(ranks {joined} have)")
             if waiting is not None and waiting not in missing:
                 what += f"; the transfer waits for data from rank {waiting}, which waits for them"
             waiting = missing[0]
@@ -438,6 +439,8 @@ cdef class Work:
             if err is not None:
                 return err
         if status == DFCCL_STATUS_PEER_LOST:
+            if diag is not None:
+                diag.peer_lost(detail)   # the communicator takes no more collectives
             return PeerLostError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: the process of "
                 f"rank {detail} has died", rank=self.rank, tag=self.tag, origin=detail)
@@ -445,6 +448,9 @@ cdef class Work:
             return BackendError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
                 "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
+        if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
+            # This rank's own abort, relayed back by a peer that saw it first.
+            status = DFCCL_STATUS_ABORTED
         if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
             return PeerAbortedError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
