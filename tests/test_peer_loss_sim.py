@@ -90,8 +90,9 @@ def test_dead_peer_is_reported_on_every_survivor(how, peer_timeout, bound):
 
     uid = dfccl.UniqueId.create()
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queue), daemon=True)
+    # One queue per rank: a stopped process may hold a shared queue's lock.
+    queues = [ctx.Queue() for _ in range(N)]
+    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r]), daemon=True)
              for r in range(N)]
     for p in procs:
         p.start()
@@ -99,10 +100,17 @@ def test_dead_peer_is_reported_on_every_survivor(how, peer_timeout, bound):
     try:
         deadline = time.monotonic() + 120
         while len([r for r in results if r != VICTIM]) < N - 1 and time.monotonic() < deadline:
-            try:
-                rank, what, info = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except Exception:
-                break
+            got = None
+            for q in queues:
+                try:
+                    got = q.get_nowait()
+                    break
+                except Exception:
+                    continue
+            if got is None:
+                time.sleep(0.05)
+                continue
+            rank, what, info = got
             if rank == VICTIM and what == "ready":
                 os.kill(procs[VICTIM].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
                 continue

@@ -106,3 +106,30 @@ def test_abort_or_close_of_absent_rank_releases_the_others(how, path):
         assert time.monotonic() - t0 < 2.0
     finally:
         sc.settle(comms)
+
+
+# -- bad inputs of the reliability API ----------------------------------------------------
+@pytest.mark.parametrize("kw,frag", [
+    ({"peer_timeout": 0.5}, "peer_timeout must be None or a finite number of seconds >= 1"),
+    ({"peer_timeout": "10"}, "peer_timeout must be None"),
+    ({"peer_timeout": float("inf")}, "peer_timeout must be None"),
+    ({"peer_timeout": True}, "peer_timeout must be None"),
+    ({"flight_events": -1}, "flight_events must be >= 0"),
+    ({"flight_events": 1.5}, "flight_events must be an int"),
+])
+def test_comm_options_reliability_bad_values(kw, frag):
+    with pytest.raises(dfccl.InvalidArgumentError, match=frag):
+        dfccl.CommOptions(**kw)
+
+
+def test_flight_recorder_off_and_status_after_close():
+    comms = dfccl.Communicator.for_devices([DEV + 90, DEV + 91], backend="sim",
+                                           options=dfccl.CommOptions(flight_events=0))
+    xs = [np.ones(8, np.float32) for _ in range(2)]
+    for w in [c.all_reduce(x) for c, x in zip(comms, xs)]:
+        w.synchronize(timeout=TIMEOUT)
+    st = comms[0].status()
+    assert st.pending == [] and not [e for e in st.recent if e["event"] == "submit"]
+    sc.settle(comms)
+    assert comms[1].status().state == "closed"
+    assert "closed" in str(comms[1].status())

@@ -386,7 +386,7 @@ cdef class Work:
             except Exception:
                 joined = missing = None
         if missing:
-            what += (f"; it waits for rank {missing[0]} to join: ranks {missing} have not joined this instance "
+            what += (f"; it is waiting for rank {missing[0]} to join: ranks {missing} have not joined this instance "
                      f"(ranks {joined} have)")
             if waiting is not None and waiting not in missing:
                 what += f"; the transfer waits for data from rank {waiting}, which waits for them"
