@@ -56,6 +56,7 @@ struct TaskRun {
   uint32_t waiting_on;        // leader
   uint32_t status;            // leader
   int32_t detail;             // leader
+  bool relayed;               // leader: the failure came from elsewhere; detail = its origin rank
   bool progressed;
 };
 

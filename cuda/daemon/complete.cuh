@@ -9,7 +9,8 @@ namespace dfccl {
 
 // Records the first failure of a task so that its other channels stop too.
 DFCCL_DEV void record_failure(const BlockEnv &env, const TaskRun &run) {
-  const uint32_t word = (run.status << 16) | ((uint32_t)(run.detail + 1) & 0xffffu);
+  // status | relayed (bit 15) | detail + 1 (ranks < DFCCL_MAX_RANKS)
+  const uint32_t word = (run.status << 16) | (run.relayed ? 0x8000u : 0u) | ((uint32_t)(run.detail + 1) & 0x7fffu);
   atomic_cas_local(&env.args->slot_error[run.d->slot], 0u, word);
 }
 
@@ -92,7 +93,7 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   const uint32_t err = load_gpu(&a->slot_error[slot]);
   if (err != 0) {
     res.status = err >> 16;
-    res.detail = (int32_t)(err & 0xffffu) - 1;
+    res.detail = (int32_t)(err & 0x7fffu) - 1;
   }
   // Reset the slot's device words before the host may reuse the slot.
   store_gpu(&a->slot_counter[slot], 0u);

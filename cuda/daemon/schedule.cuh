@@ -125,6 +125,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   run.waiting_on = 0;
   run.status = DFCCL_STATUS_OK;
   run.detail = -1;
+  run.relayed = false;
   run.progressed = false;
   run.window_ns = 0;
   run.deadline_ns = 0;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "link.cuh"
+#include "reduce.cuh"
 
 namespace dfccl {
 
@@ -34,6 +35,49 @@ DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *
   return true;
 }
 
+// The leader, at pull time: whether a descriptor can be run at all.  Every
+// field that indexes device memory or divides is checked, so a corrupt or
+// hostile descriptor is rejected (DFCCL_STATUS_BAD_TASK), never run.  Every
+// block decides the same way from the same bytes.
+DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
+  if (d->slot >= a->nslots) return false;
+  if (d->kind >= DFCCL_NUM_KINDS || d->dtype >= DFCCL_NUM_DTYPES || d->op >= DFCCL_NUM_OPS ||
+      d->path >= DFCCL_NUM_PATHS)
+    return false;
+  if (d->nchannels == 0 || d->nchannels > a->nblocks) return false;
+  if (d->endpoint >= a->max_endpoints) return false;
+  const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
+  if (ep->nranks == 0 || ep->nranks > DFCCL_MAX_RANKS || ep->rank >= ep->nranks) return false;
+  if (d->bucket >= ep->table_capacity || d->root >= ep->nranks || d->instance == 0) return false;
+  if (ep->nranks > 1 && d->path == DFCCL_PATH_RING) {
+    const uint32_t esize = dtype_size(d->dtype);
+    if (d->slice_bytes < esize || d->slice_bytes % esize != 0 || d->fifo_slots == 0) return false;
+  }
+  return true;
+}
+
+// Block 0's leader completes a rejected descriptor at once (no channel ever
+// runs it); one whose slot is out of range cannot be reported there and is
+// only counted.
+DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
+  atomic_add(&a->state->bad_tasks, 1ull);
+  if (d->slot >= a->nslots) return;
+  dfccl_result res;
+  res.status = DFCCL_STATUS_BAD_TASK;
+  res.detail = -1;
+  res.preemptions = 0;
+  res.resumes = 0;
+  res.queued_ns = 0;
+  res.running_ns = 0;
+  res.wall_ns = 0;
+  res.waiting_on = 0;
+  res.nchannels = 0;
+  res.max_wait_ns = 0;
+  res.reserved = 0;
+  a->results[d->slot] = res;
+  store_release(&a->done[d->slot], d->gen);
+}
+
 // The leader.  `head`: this block's consumed count, kept in a register by the
 // caller and stored to device memory (where the host link reads it) when it
 // moves.  Returns how many entries were consumed.
@@ -51,6 +95,10 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
 #pragma unroll
     for (int i = 0; i < kWords; ++i) words[i] = load_pack(sqe + i);
     const dfccl_task_desc *d = reinterpret_cast<const dfccl_task_desc *>(words);
+    if (!valid_task(a, d)) {
+      if (env.block == 0) reject_task(a, d);
+      continue;
+    }
     if (env.block >= d->nchannels) continue;
     const bool chained = chain_behind_pending(env, d);
     dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);

@@ -102,8 +102,7 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     dfccl_chan_state *pc = record_chan(rec, c);
     if (load_acquire(&pc->ready) != run.token) {
       if ((polls & 15u) == 0 && load_relaxed(&pc->abort_token) == run.token) {
-        run.status = DFCCL_STATUS_PEER_ABORTED;
-        run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+        take_relayed(run, load_relaxed(&pc->abort_info));
         return -1;
       }
       return 0;
@@ -126,8 +125,7 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
       return -1;
     }
     if (abort_token == run.token) {
-      run.status = DFCCL_STATUS_PEER_ABORTED;
-      run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+      take_relayed(run, load_relaxed(&pc->abort_info));
       return -1;
     }
     *fifo_word = fifo;
@@ -164,8 +162,17 @@ DFCCL_DEV void mark_abort(uint64_t rec, uint32_t channel, uint64_t token, uint64
 
 DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   if (!is_leader()) return;
-  const uint32_t origin = run.status == DFCCL_STATUS_PEER_ABORTED && run.detail >= 0 ? (uint32_t)run.detail : run.ep->rank;
-  const uint64_t info = ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | origin;
+  // What travels: a failure that came from elsewhere keeps its status and
+  // origin (a mismatch or a lost peer reaches every rank as itself); one
+  // that starts here is a mismatch seen here, or this rank giving up.
+  uint32_t status = DFCCL_STATUS_PEER_ABORTED, origin = run.ep->rank;
+  if (run.relayed && run.detail >= 0) {
+    status = run.status;
+    origin = (uint32_t)run.detail;
+  } else if (run.status == DFCCL_STATUS_MISMATCH) {
+    status = DFCCL_STATUS_MISMATCH;
+  }
+  const uint64_t info = ((uint64_t)status << 32) | origin;
   mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), env.block, run.token, info);
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {

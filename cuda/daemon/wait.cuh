@@ -10,28 +10,58 @@
 
 namespace dfccl {
 
+// A failure that reached this run from elsewhere: abort_info is
+// (status << 32) | the rank where it started.
+DFCCL_DEV void take_relayed(TaskRun &run, uint64_t info) {
+  run.status = (uint32_t)(info >> 32);
+  run.detail = (int32_t)(info & 0xffffffffu);
+  run.relayed = true;
+}
+
+// Whether `rank` has left the communicator (aborted or closed): then it will
+// never publish or send again.  Read from the status its host keeps at the
+// start of its arena.
+DFCCL_DEV bool rank_left(const dfccl_endpoint *ep, uint32_t rank) {
+  const dfccl_rank_status *s = ptr<const dfccl_rank_status>(ep->peer_arena[rank]);
+  return load_relaxed(&s->state) != DFCCL_RANK_LIVE;
+}
+
 // Why a run must stop early, checked on the slow path of every wait: another
 // block of this task failed, a neighbour pushed an abort for this instance
-// into our record, or the host aborted the communicator (as the host link
-// copied it into device memory).
-DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run) {
+// into our record, the host aborted the communicator or found a peer's
+// process dead (as the host link copied it into device memory), or the rank
+// this wait is for (`peer`; any peer when it is not a rank) has left.
+DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
   const dfccl_daemon_args *a = env.args;
   uint32_t err = load_gpu(&a->slot_error[run.d->slot]);
   if (err != 0) {
     run.status = err >> 16;
-    run.detail = (int32_t)(err & 0xffffu) - 1;
+    run.relayed = (err & 0x8000u) != 0;
+    run.detail = (int32_t)(err & 0x7fffu) - 1;
     return true;
   }
-  if (load_acquire(&run.mine->abort_token) == run.token) {
-    uint64_t info = load_acquire(&run.mine->abort_info);
-    run.status = DFCCL_STATUS_PEER_ABORTED;
-    run.detail = (int32_t)(info & 0xffffffffu);
+  // The host's word first: this rank's own abort is not a peer's.
+  const uint32_t ep_word = load_gpu(&a->endpoint_abort_dev[run.d->endpoint]);
+  if (ep_word >= DFCCL_EP_PEER_LOST) {
+    take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_LOST << 32) | (ep_word - DFCCL_EP_PEER_LOST));
     return true;
   }
-  if (load_gpu(&a->endpoint_abort_dev[run.d->endpoint]) != 0) {
+  if (ep_word != 0) {
     run.status = DFCCL_STATUS_ABORTED;
     run.detail = -1;
     return true;
+  }
+  if (load_acquire(&run.mine->abort_token) == run.token) {
+    take_relayed(run, load_acquire(&run.mine->abort_info));
+    return true;
+  }
+  const dfccl_endpoint *ep = run.ep;
+  for (uint32_t p = peer < ep->nranks ? peer : 0; p < ep->nranks; ++p) {
+    if (p != ep->rank && rank_left(ep, p)) {
+      take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | p);
+      return true;
+    }
+    if (peer < ep->nranks) break;
   }
   return false;
 }
@@ -64,7 +94,7 @@ DFCCL_DEV int block_wait(BlockEnv &env, TaskRun &run, uint32_t peer, Ready ready
               now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
           // Aborts are checked every 256 spins (one word is in host memory)
           // and whenever the run is about to be preempted.
-          if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {
+          if (((spins & 255u) == 0 || expired) && abort_pending(env, run, peer)) {
             r = WAIT_ABORT;
             break;
           }

@@ -10,7 +10,7 @@ from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
 from dfccl.environment import init_from_env
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
-                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError,
+                          InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError,
                           StartupTimeoutError)
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.runtime import default_backend, device_count, device_synchronize, shutdown
@@ -39,6 +39,7 @@ __all__ = [
     "InvalidArgumentError",
     "MismatchError",
     "PeerAbortedError",
+    "PeerLostError",
     "AbortedError",
     "CollectiveTimeoutError",
     "StartupTimeoutError",

@@ -1,5 +1,5 @@
 """The ``dfccl`` command (also ``python -m dfccl``): ``demo``, ``bench``,
-``info`` and ``--version``.
+``info``, ``status`` and ``--version``.
 
 Bad arguments and setup failures (no GPU for ``--backend cuda``, an unknown
 device) end with one line, ``error: ...``, and exit code 2: no traceback."""
@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print result JSON files as Markdown tables instead of running")
 
     sub.add_parser("info", help="versions, GPUs, peer access, kernel image and defaults")
+
+    status = sub.add_parser("status", help="what the communicators of running processes are doing",
+                            description="Reads the status files that processes using dfccl keep up to date "
+                                        "(every second; DFCCL_STATUS=0 switches them off) and prints each "
+                                        "communicator's pending collectives and whom they wait for.")
+    status.add_argument("--pid", type=int, default=None, help="only this process")
+    status.add_argument("--dir", default=None, help="status file directory (default: $DFCCL_STATUS_DIR or /dev/shm)")
+    status.add_argument("--json", action="store_true", help="print the status files as JSON")
     return parser
 
 
@@ -191,6 +199,46 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_status(args: argparse.Namespace) -> int:
+    import glob
+    import json
+    import os
+
+    from dfccl.flight import format_status
+    from dfccl.liveness import process_alive, status_dir
+
+    directory = args.dir or status_dir()
+    if directory is None:
+        raise UsageError("status files are switched off (DFCCL_STATUS=0); pass --dir")
+    if not os.path.isdir(directory):
+        raise UsageError(f"status directory {directory} does not exist")
+    docs = []
+    for path in sorted(glob.glob(os.path.join(directory, f"dfccl-status-{os.getuid()}-*.json"))):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue   # being rewritten, or not ours
+        pid = doc.get("pid")
+        if not isinstance(pid, int) or not process_alive(pid):
+            continue   # a process that died without removing its file
+        if args.pid is not None and pid != args.pid:
+            continue
+        docs.append(doc)
+    if args.json:
+        print(json.dumps(docs, indent=2))
+        return 0
+    if not docs:
+        print(f"no running process with dfccl communicators (status files in {directory})")
+        return 0
+    for doc in docs:
+        age = time.time() - doc.get("time", time.time())
+        print(f"process {doc['pid']} ({len(doc['communicators'])} communicators, status {age:.1f} s old)")
+        for comm in doc["communicators"]:
+            print("  " + format_status(comm).replace("\n", "\n  "))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from dfccl.bench import WorkerError
     from dfccl.errors import BackendError, InvalidArgumentError
@@ -202,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
-        run = {"demo": _run_demo, "bench": _run_bench, "info": _run_info}[args.command]
+        run = {"demo": _run_demo, "bench": _run_bench, "info": _run_info, "status": _run_status}[args.command]
         return run(args)
     except (UsageError, BackendError, InvalidArgumentError) as exc:
         # One line: the first line of the message is the reason.

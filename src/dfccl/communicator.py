@@ -15,16 +15,19 @@ import numbers
 import secrets
 import threading
 import time
+import weakref
 from typing import Sequence
 
-from dfccl import runtime
+from dfccl import liveness, runtime
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
                                    KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
-                                   TASK_STAGED, TaskDescriptor, Work)
+                                   RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor, Work)
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
+from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
-                          PeerAbortedError, StartupTimeoutError)
+                          PeerAbortedError, PeerLostError, StartupTimeoutError)
+from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
@@ -303,6 +306,11 @@ class Communicator:
         self._plans = 0
         self._closed = False
         self._aborted = False
+        self._lost_rank: int | None = None
+        self._lost_why = ""
+        self._diag: EndpointDiagnostics | None = None
+        self._flight = FlightRecorder(rank=rank, world_size=world_size, comm_key=comm_key, backend=backend,
+                                      device=device, maxlen=self._options.flight_events)
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
@@ -319,6 +327,14 @@ class Communicator:
         self._direct = mode != "ring"
         self._staged = mode == "staged"
         self._registry = Registry(self) if self._staged and self._unique_id is not None else None
+        # Failures are explained from the peers' records; peers in other
+        # processes are watched (liveness.py).
+        self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
+        self._ctx.diagnostics[self._endpoint.id] = self._diag
+        me = weakref.ref(self)
+        self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
+            peer, "a peer reported its process dead")
+        liveness.register(self)
 
     # -- properties --------------------------------------------------------------
     @property
@@ -632,18 +648,58 @@ class Communicator:
         return Plan(self, kind, count, dtype, ReduceOp.SUM if op is _UNUSED else self._op(op, what), root, tag)
 
     # -- lifetime ------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Fails every pending collective of this rank (AbortedError here,
-        PeerAbortedError on peers waiting for it) without waiting for peers.
-        The communicator accepts no new collectives afterwards."""
-        if self._closed or self._aborted:
+    def abort(self, timeout: float = 10.0) -> None:
+        """Fails every pending collective of this rank (AbortedError here;
+        PeerAbortedError naming this rank on peers that wait for it, even for
+        collectives this rank never submitted) without waiting for peers, and
+        returns within ``timeout`` seconds whatever the traffic: a collective
+        the daemon has not let go of by then fails at once all the same (its
+        memory stays reserved until the daemon is done with it).  The
+        communicator accepts no new collectives afterwards; a new one on the
+        same devices works."""
+        timeout = _check_seconds("abort: timeout", timeout)
+        if self._closed:
             return
+        if not self._aborted:
+            self._aborted = True
+            if not self._ctx.closed:
+                # Our daemon first, then the peers (who read the status).
+                if self._lost_rank is None:
+                    self._endpoint.abort()
+                self._endpoint.write_status(RANK_ABORTED)
+            self._flight.note("abort", detail=f"rank {self._rank} aborted")
+        self._settle(timeout)
+
+    def _settle(self, timeout: float) -> None:
+        """Waits (bounded) for this rank's pending collectives to fail, then
+        fails the rest host-side (Context.abandon)."""
+        ep = self._endpoint
+        if ep.id is None or self._ctx.closed:
+            return
+        deadline = time.monotonic() + timeout
+        for w in self._ctx.pending_works(ep.id):
+            while not w.done() and time.monotonic() < deadline:
+                time.sleep(1e-4)
+            if not w.done():
+                self._ctx.abandon(w)
+
+    def _peer_lost(self, peer: int, why: str) -> None:
+        """The monitor found ``peer``'s process dead (liveness.py): every
+        pending and later collective fails with PeerLostError."""
+        if self._closed or self._lost_rank is not None:
+            return
+        self._lost_rank = peer
+        self._lost_why = why
+        self._flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
+        _log.warning("rank %d: peer rank %d is lost: %s", self._rank, peer, why)
+        if not self._aborted and not self._ctx.closed:
+            self._endpoint.abort(lost_rank=peer)
         self._aborted = True
-        self._endpoint.abort()
 
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
-        synchronize() first to finish them).  Idempotent."""
+        synchronize() first to finish them); peers waiting for this rank fail
+        with PeerAbortedError naming it.  Idempotent."""
         timeout = _check_seconds("close: timeout", timeout)
         if self._closed:
             return
@@ -651,13 +707,14 @@ class Communicator:
         pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
         if pending:
-            self.abort()
-            deadline = time.monotonic() + timeout
-            for w in pending:
-                while not w.done() and time.monotonic() < deadline:
-                    time.sleep(1e-4)
+            self.abort(timeout)
+        elif not self._aborted and ep.id is not None and not self._ctx.closed:
+            ep.write_status(RANK_CLOSED)
+        self._flight.note("close", detail=f"rank {self._rank} closed")
         self._closed = True
-        unfinished = any(not w.done() for w in pending)
+        # Abandoned collectives keep their slot (and our memory) until the daemon lets go.
+        unfinished = bool(pending) and ep.id is not None and not self._ctx.closed and \
+            bool(self._ctx.pending_works(ep.id))
         if self._registry is not None and not unfinished:
             self._registry.close()
         last = self._group.leave()
@@ -679,6 +736,9 @@ class Communicator:
 
     # -- internals -------------------------------------------------------------------
     def _check_open(self):
+        if self._lost_rank is not None and not self._closed:
+            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {self._lost_rank} "
+                                f"({self._lost_why}); close it", rank=self._rank, origin=self._lost_rank)
         if self._closed:
             raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
         if self._aborted:
@@ -777,11 +837,51 @@ class Communicator:
 
     def _submit_task(self, task: TaskDescriptor) -> Work:
         try:
-            return self._ctx.submit(task)
+            work = self._ctx.submit(task)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self._rank
             raise
+        self._flight.submitted(work, task.count, task.dtype)
+        return work
+
+    # -- diagnostics -------------------------------------------------------------------
+    def status(self) -> CommStatus:
+        """What this rank is doing now: every pending collective, how long
+        it has been pending, whom it waits for (the ranks that have not
+        joined it, else the rank whose data it waits for), and the last
+        events of the flight recorder.  ``print(comm.status())`` formats it."""
+        if self._lost_rank is not None:
+            state = f"peer rank {self._lost_rank} lost"
+        else:
+            state = "closed" if self._closed else "aborted" if self._aborted else "open"
+        st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
+                        path=getattr(self, "_mode", "?"), state=state)
+        ep = self._endpoint
+        if not self._closed and ep.id is not None and not self._ctx.closed:
+            now = time.monotonic_ns()
+            for w in self._ctx.pending_works(ep.id):
+                if w.done():
+                    continue
+                waiting = w.waiting_for()
+                joined = missing = None
+                if self._diag is not None:
+                    try:
+                        joined, missing = self._diag.joined_ranks(w.key, w.instance)
+                    except Exception:
+                        pass
+                if missing:
+                    what = "waiting for ranks to join"
+                elif waiting is not None:
+                    what = "every rank has joined; waiting for data"
+                else:
+                    what = "queued or transferring"
+                st.pending.append(PendingStatus(kind=w.kind, tag=w.tag, instance=w.instance,
+                                                age_s=(now - w.submitted_ns) / 1e9, state=what,
+                                                waiting_for=missing[0] if missing else waiting,
+                                                joined_ranks=joined, missing_ranks=missing))
+        st.recent = self._flight.events()[-20:]
+        return st
 
 
 def _overlap(a: Buffer, b: Buffer) -> bool:

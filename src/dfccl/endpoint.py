@@ -1,6 +1,10 @@
-"""One rank of a communicator on a daemon context: its arena (tag records and
-ring-path staging FIFOs, in device memory its peers map), the host mirror of
-its tag table, and its registration with the daemon."""
+"""One rank of a communicator on a daemon context: its arena (rank status, tag
+records and ring-path staging FIFOs, in device memory its peers map), the host
+mirror of its tag table, and its registration with the daemon.
+
+Arena layout: dfccl_rank_status (ARENA_STATUS_BYTES: state, heartbeat, pid,
+written by this rank's host, read by the peers' daemons and hosts), the tag
+table, then the staging."""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ import ctypes
 import os
 import socket
 
+import numpy as np
+
 from dfccl import runtime
-from dfccl._native.context import CHAN_STATE_BYTES, MAX_CHANNELS, RECORD_HEADER_BYTES
+from dfccl._native.context import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
+                                   RECORD_HEADER_BYTES)
 from dfccl.errors import BackendError
 from dfccl.registration import REG_SLOTS
 from dfccl.staging import StagingPool
@@ -31,7 +38,9 @@ class Endpoint:
         self.rank = rank
         self.nranks = nranks
         self.capacity = options.max_tags or 2 * ctx.nslots
-        self.table_bytes = _align(self.capacity * RECORD_STRIDE, 4096)
+        self.record_stride = RECORD_STRIDE
+        # Status header + table; the staging starts on the next page.
+        self.table_bytes = _align(ARENA_STATUS_BYTES + self.capacity * RECORD_STRIDE, 4096)
         self.arena_size = self.table_bytes + options.staging_bytes
         self.arena = self.backend.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
@@ -47,12 +56,18 @@ class Endpoint:
             self.reg_table = self.backend.alloc_device(nbytes, False)
             zeros = ctypes.create_string_buffer(nbytes)
             self.backend.copy_to_device(self.reg_table, ctypes.addressof(zeros), nbytes)
+        self.arenas: list[int] = []        # every rank's arena, as mapped here (after connect)
+        self.peers: list[dict] = []        # every rank's describe()
+        self._status = np.zeros(3, np.uint64)   # state, heartbeat, pid
+        self._status[2] = os.getpid()
+        self.write_status(RANK_LIVE)
 
     # -- bootstrap ---------------------------------------------------------------
     def describe(self) -> dict:
         """What peers need to reach this rank's arena (JSON-able)."""
         info = {
             "pid": os.getpid(),
+            "start_time": _process_start_time(os.getpid()),
             "host": socket.gethostname(),
             "backend": self.backend.name,
             "device": self.backend.device,
@@ -104,8 +119,11 @@ class Endpoint:
                 ptr = self.backend.import_memory(info["arena"])
                 self._imported.append(ptr)
                 arenas.append(ptr)
+        tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                        arenas, arenas, self.reg_table)
+                                        tables, arenas, self.reg_table)
+        self.arenas = arenas
+        self.peers = peers
         return mode
 
     def _reachable(self, info: dict, me: dict) -> bool:
@@ -142,10 +160,21 @@ class Endpoint:
         if self.shareable and self.arena:
             self.backend.unlink_export(self.arena)
 
+    # -- status ------------------------------------------------------------------
+    def write_status(self, state: int | None = None) -> None:
+        """Publishes this rank's state (RANK_*) and bumps its heartbeat, in
+        the status header of its arena, where peers look."""
+        if not self.arena:
+            return
+        if state is not None:
+            self._status[0] = state
+        self._status[1] += np.uint64(1)
+        self.backend.copy_to_device(self.arena, self._status.ctypes.data, 24)
+
     # -- teardown ----------------------------------------------------------------
-    def abort(self) -> None:
+    def abort(self, lost_rank: int = -1) -> None:
         if self.id is not None:
-            self.ctx.abort_endpoint(self.id)
+            self.ctx.abort_endpoint(self.id, lost_rank)
 
     def release(self, free_memory: bool) -> None:
         """Unregisters from the daemon; frees the arena only when no peer can
@@ -166,3 +195,20 @@ class Endpoint:
         if free_memory and self.reg_table:
             self.backend.free_device(self.reg_table)
             self.reg_table = 0
+
+
+def _process_start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot (field 22
+    of /proc/<pid>/stat), which tells a live process from a later one that
+    reuses its pid; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None

@@ -11,6 +11,7 @@ __all__ = [
     "InvalidArgumentError",
     "MismatchError",
     "PeerAbortedError",
+    "PeerLostError",
     "AbortedError",
     "CollectiveTimeoutError",
     "StartupTimeoutError",
@@ -29,6 +30,7 @@ class ErrorCode(enum.IntEnum):
     RESOURCE = 6
     BACKEND = 7
     CLOSED = 8
+    PEER_LOST = 9
 
 
 class DfcclError(RuntimeError):
@@ -50,13 +52,21 @@ class InvalidArgumentError(DfcclError, ValueError):
 
 class MismatchError(DfcclError):
     """Ranks submitted the same tag with different signatures (kind, count,
-    dtype, op, root).  ``peer`` is the rank whose signature differed."""
+    dtype, op, root).  Every rank of the instance gets it.  ``field`` is the
+    first field that differs, ``values`` maps each rank that has submitted
+    the instance to its value of that field, ``ranks`` are the ranks out of
+    line (not in the largest group of equal values) and ``peer`` a rank whose
+    value differs from this rank's (an out-of-line rank where there is one)."""
 
     code = ErrorCode.MISMATCH
 
-    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, peer: int | None = None) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, peer: int | None = None,
+                 field: str | None = None, values: dict | None = None, ranks: list[int] | None = None) -> None:
         super().__init__(message, rank=rank, tag=tag)
         self.peer = peer
+        self.field = field
+        self.values = values
+        self.ranks = ranks
 
 
 class PeerAbortedError(DfcclError):
@@ -70,6 +80,19 @@ class PeerAbortedError(DfcclError):
         self.origin = origin
 
 
+class PeerLostError(PeerAbortedError):
+    """The process of a peer died (killed, crashed, exited) while this rank
+    had collectives with it pending, or before it could take part.  ``origin``
+    (also ``peer``) is the lost rank.  The communicator is unusable
+    afterwards; close it.  Other communicators go on."""
+
+    code = ErrorCode.PEER_LOST
+
+    @property
+    def peer(self) -> int | None:
+        return self.origin
+
+
 class AbortedError(DfcclError):
     """The communicator was aborted or closed while the collective was pending."""
 
@@ -77,14 +100,20 @@ class AbortedError(DfcclError):
 
 
 class CollectiveTimeoutError(DfcclError, TimeoutError):
-    """``synchronize(timeout)`` ran out.  The collective stays pending; the
-    message names the peer it was last waiting for."""
+    """``synchronize(timeout)`` ran out.  The collective stays pending.
+    ``missing_ranks`` are the ranks that have not joined this instance,
+    ``joined_ranks`` those that have (None where unknown); ``waiting_on``
+    is the first missing rank, else the rank whose data the transfer
+    waits for."""
 
     code = ErrorCode.TIMEOUT
 
-    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, waiting_on: int | None = None) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, tag: object = None, waiting_on: int | None = None,
+                 missing_ranks: list[int] | None = None, joined_ranks: list[int] | None = None) -> None:
         super().__init__(message, rank=rank, tag=tag)
         self.waiting_on = waiting_on
+        self.missing_ranks = missing_ranks
+        self.joined_ranks = joined_ranks
 
 
 class StartupTimeoutError(CollectiveTimeoutError):

@@ -90,6 +90,12 @@ class CommOptions:
         whatever their size: a tag's FIFO (channels x ring_slots x slice) is
         at most staging_bytes // ring_tags, its slices shrinking to fit
         (docs/architecture.md, "Staging budget").
+    peer_timeout: seconds after which a peer in another process whose
+        heartbeat has stopped is declared lost (PeerLostError on every pending
+        and later collective); a peer whose process has exited is detected
+        within a fraction of a second whatever this is.  None: only exits
+        are detected (a stopped or hung peer is not).
+    flight_events: events the flight recorder keeps per rank (0: off).
     """
 
     path: str = "auto"
@@ -102,6 +108,8 @@ class CommOptions:
     bytes_per_channel: int | None = None
     staged_max_bytes: int | None = None
     ring_tags: int | None = None
+    peer_timeout: float | None = 10.0
+    flight_events: int = 1024
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -125,6 +133,14 @@ class CommOptions:
                 raise InvalidArgumentError(f"CommOptions.{name} must be >= 0, not {getattr(self, name)}")
         if self.ring_tags is not None and self.ring_tags < 1:
             raise InvalidArgumentError(f"CommOptions.ring_tags must be >= 1, not {self.ring_tags}")
+        if self.peer_timeout is not None:
+            t = self.peer_timeout
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 1.0 or t == float("inf"):
+                raise InvalidArgumentError(f"CommOptions.peer_timeout must be None or a finite number of seconds "
+                                           f">= 1, not {t!r}")
+        _check_ints(self, ("flight_events",))
+        if self.flight_events < 0:
+            raise InvalidArgumentError(f"CommOptions.flight_events must be >= 0, not {self.flight_events}")
         if self.bytes_per_channel is not None and self.bytes_per_channel < 1:
             raise InvalidArgumentError(f"CommOptions.bytes_per_channel must be >= 1, not {self.bytes_per_channel}")
 

@@ -128,7 +128,9 @@ def _seconds(timeout: Any) -> float | None:
 
 def _map_error(exc: BaseException) -> BaseException:
     if isinstance(exc, CollectiveTimeoutError) and not isinstance(exc, TorchCollectiveTimeoutError):
-        mapped = TorchCollectiveTimeoutError(str(exc), rank=exc.rank, tag=exc.tag, waiting_on=exc.waiting_on)
+        mapped = TorchCollectiveTimeoutError(str(exc), rank=exc.rank, tag=exc.tag, waiting_on=exc.waiting_on,
+                                             missing_ranks=getattr(exc, "missing_ranks", None),
+                                             joined_ranks=getattr(exc, "joined_ranks", None))
         mapped.__cause__ = exc
         return mapped
     return exc

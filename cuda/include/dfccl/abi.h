@@ -59,7 +59,8 @@ enum dfccl_op {
 /* Data path of one collective (docs/architecture.md, "Two data paths"). */
 enum dfccl_path {
   DFCCL_PATH_DIRECT = 0,  /* peers read each other's buffers in place */
-  DFCCL_PATH_RING = 1     /* chunks move through per-tag FIFOs, credit flow control */
+  DFCCL_PATH_RING = 1,    /* chunks move through per-tag FIFOs, credit flow control */
+  DFCCL_NUM_PATHS = 2
 };
 
 /* Completion status written into dfccl_result.status. */
@@ -68,8 +69,16 @@ enum dfccl_status {
   DFCCL_STATUS_MISMATCH = 1,      /* a peer submitted this tag with another signature */
   DFCCL_STATUS_PEER_ABORTED = 2,  /* a peer gave up this instance; detail = that rank */
   DFCCL_STATUS_ABORTED = 3,       /* the host aborted the communicator */
-  DFCCL_STATUS_BAD_TASK = 4       /* the descriptor failed a device-side sanity check */
+  DFCCL_STATUS_BAD_TASK = 4,      /* the descriptor failed a device-side sanity check */
+  DFCCL_STATUS_PEER_LOST = 5      /* a peer's process died; detail = that rank */
 };
+
+/* dfccl_control's per-endpoint abort words (endpoint_abort): 0 = live,
+ * DFCCL_EP_ABORTED = the host aborted this rank, DFCCL_EP_PEER_LOST + r =
+ * the host found rank r's process dead (every pending collective of the
+ * endpoint fails with DFCCL_STATUS_PEER_LOST, detail r). */
+#define DFCCL_EP_ABORTED 1u
+#define DFCCL_EP_PEER_LOST 0x100u
 
 /* dfccl_task_desc.flags */
 #define DFCCL_TASK_ONE_SHOT 1u      /* direct all-reduce small enough for one phase; taken
@@ -213,7 +222,8 @@ typedef struct dfccl_daemon_state {
   uint64_t abort_epoch;      /* last abort_epoch mirrored */
   uint32_t link_busy;        /* a block is reading the host words */
   uint32_t link_pad;
-  uint64_t pad[5];
+  uint64_t bad_tasks;        /* descriptors rejected with DFCCL_STATUS_BAD_TASK */
+  uint64_t pad[4];
   uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
   uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
@@ -257,6 +267,22 @@ typedef struct dfccl_daemon_args {
   uint32_t max_endpoints;
   uint32_t args_pad;
 } dfccl_daemon_args;
+
+/* ---- arena: rank status ------------------------------------------------- */
+/* The first DFCCL_ARENA_STATUS_BYTES of every rank's arena: written by the
+ * owner's host, read by the peers' daemons (whether a rank they wait for will
+ * ever come) and hosts (liveness).  The tag table follows it. */
+typedef struct dfccl_rank_status {
+  uint64_t state;         /* DFCCL_RANK_* */
+  uint64_t heartbeat;     /* bumped by the owner's host while it lives */
+  uint64_t pid;           /* owner's process */
+  uint64_t pad[5];
+} dfccl_rank_status;  /* 64 bytes */
+
+#define DFCCL_ARENA_STATUS_BYTES 256u
+#define DFCCL_RANK_LIVE 0u
+#define DFCCL_RANK_ABORTED 1u   /* abort(): pending collectives failed, no new ones */
+#define DFCCL_RANK_CLOSED 2u    /* close(): no new collectives */
 
 /* ---- arena: tag records ------------------------------------------------- */
 /* A tag record is a 128-byte header followed by one dfccl_chan_state per
@@ -316,6 +342,7 @@ static_assert(sizeof(dfccl_task_desc) == 112, "dfccl_task_desc layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
+static_assert(sizeof(dfccl_rank_status) == 64, "dfccl_rank_status layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
 #endif
 #endif

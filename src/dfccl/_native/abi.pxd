@@ -12,6 +12,10 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_SEND, DFCCL_RECV, DFCCL_ALL_TO_ALL
     int DFCCL_PATH_DIRECT, DFCCL_PATH_RING
     int DFCCL_STATUS_OK, DFCCL_STATUS_MISMATCH, DFCCL_STATUS_PEER_ABORTED, DFCCL_STATUS_ABORTED, DFCCL_STATUS_BAD_TASK
+    int DFCCL_STATUS_PEER_LOST
+    int DFCCL_NUM_KINDS, DFCCL_NUM_DTYPES, DFCCL_NUM_OPS, DFCCL_NUM_PATHS
+    unsigned int DFCCL_EP_ABORTED, DFCCL_EP_PEER_LOST
+    unsigned int DFCCL_ARENA_STATUS_BYTES, DFCCL_RANK_LIVE, DFCCL_RANK_ABORTED, DFCCL_RANK_CLOSED
     unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
     unsigned int DFCCL_RECORD_HEADER_BYTES
@@ -79,10 +83,16 @@ cdef extern from "dfccl/abi.h":
         uint64_t base_window_ns
         uint64_t max_window_ns
         uint64_t idle_quit_ns
+        uint64_t bad_tasks
         dfccl_block_profile profile[32]
 
     ctypedef struct dfccl_chan_state:
         pass
+
+    ctypedef struct dfccl_rank_status:
+        uint64_t state
+        uint64_t heartbeat
+        uint64_t pid
 
     ctypedef struct dfccl_endpoint:
         uint32_t rank

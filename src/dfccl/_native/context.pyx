@@ -15,7 +15,7 @@ import weakref
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
                                PyThread_acquire_lock, PyThread_release_lock, NOWAIT_LOCK,
                                WAIT_LOCK)
-from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
@@ -23,7 +23,7 @@ from dfccl._native.abi cimport *
 from dfccl._native.backend cimport Backend
 
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError,
-                          InvalidArgumentError, MismatchError, PeerAbortedError, ResourceError)
+                          InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError)
 
 cdef enum:
     NO_SLOT = 0xffffffff
@@ -33,6 +33,17 @@ STATUS_OK = DFCCL_STATUS_OK
 STATUS_MISMATCH = DFCCL_STATUS_MISMATCH
 STATUS_PEER_ABORTED = DFCCL_STATUS_PEER_ABORTED
 STATUS_ABORTED = DFCCL_STATUS_ABORTED
+STATUS_BAD_TASK = DFCCL_STATUS_BAD_TASK
+STATUS_PEER_LOST = DFCCL_STATUS_PEER_LOST
+NUM_KINDS = DFCCL_NUM_KINDS
+NUM_DTYPES = DFCCL_NUM_DTYPES
+NUM_OPS = DFCCL_NUM_OPS
+NUM_PATHS = DFCCL_NUM_PATHS
+# The rank status at the start of every arena (abi.h, dfccl_rank_status).
+ARENA_STATUS_BYTES = DFCCL_ARENA_STATUS_BYTES
+RANK_LIVE = DFCCL_RANK_LIVE
+RANK_ABORTED = DFCCL_RANK_ABORTED
+RANK_CLOSED = DFCCL_RANK_CLOSED
 
 KIND_ALL_REDUCE = DFCCL_ALL_REDUCE
 KIND_ALL_GATHER = DFCCL_ALL_GATHER
@@ -125,6 +136,14 @@ cdef class TaskDescriptor:
         return self.desc.nchannels
 
     @property
+    def count(self):
+        return self.desc.count
+
+    @property
+    def dtype(self):
+        return self.desc.dtype
+
+    @property
     def path(self):
         return self.desc.path
 
@@ -134,6 +153,27 @@ cdef class TaskDescriptor:
 
     def __repr__(self):
         return f"<dfccl.TaskDescriptor {self.kind} tag={self.tag!r} rank={self.rank} count={self.desc.count}>"
+
+
+cdef int _override_fields(dfccl_task_desc *d, dict fields) except -1:
+    """Tests only: writes named descriptor fields as given (no checks)."""
+    for name, value in fields.items():
+        if name == "kind": d.kind = <uint8_t>value
+        elif name == "dtype": d.dtype = <uint8_t>value
+        elif name == "op": d.op = <uint8_t>value
+        elif name == "path": d.path = <uint8_t>value
+        elif name == "nchannels": d.nchannels = <uint16_t>value
+        elif name == "root": d.root = <uint16_t>value
+        elif name == "endpoint": d.endpoint = <uint32_t>value
+        elif name == "bucket": d.bucket = <uint32_t>value
+        elif name == "slot": d.slot = <uint32_t>value
+        elif name == "instance": d.instance = <uint64_t>value
+        elif name == "slice_bytes": d.slice_bytes = <uint32_t>value
+        elif name == "fifo_slots": d.fifo_slots = <uint32_t>value
+        elif name == "count": d.count = <uint64_t>value
+        else:
+            raise InvalidArgumentError(f"raw descriptor field {name!r} is not one a test may set")
+    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -175,6 +215,7 @@ cdef class Work:
     cdef uint64_t _submitted_ns
     cdef uint64_t _retired_ns
     cdef object _error
+    cdef bint _abandoned
 
     def __cinit__(self):
         self._slot = NO_SLOT
@@ -253,7 +294,7 @@ cdef class Work:
                 raise self._timeout_error(timeout)
             if not self._retired:
                 self._ctx._retire(self._slot, self)
-        if self._error is not None:
+        if self._get_error() is not None:
             raise self._error
 
     def wait(self, stream):
@@ -261,7 +302,7 @@ cdef class Work:
         completion word); the host does not block.  CUDA backend only."""
         from dfccl.streams import stream_handle
         if self._retired:
-            if self._error is not None:
+            if self._get_error() is not None:
                 raise self._error
             return
         self._check_submitted()
@@ -285,7 +326,7 @@ cdef class Work:
 
     def exception(self):
         """The error of a completed collective, or None."""
-        return self._error if self._retired else None
+        return self._get_error() if self._retired else None
 
     @property
     def stats(self):
@@ -306,20 +347,65 @@ cdef class Work:
     def status(self):
         return self._status
 
-    cdef object _timeout_error(self, timeout):
+    @property
+    def key(self):
+        """The 64-bit key of the tag this collective is an instance of."""
+        return self._key
+
+    @property
+    def submitted_ns(self):
+        """Host monotonic clock (ns) at submission; 0 for a collective that had nothing to move."""
+        return self._submitted_ns
+
+    @property
+    def retired_ns(self):
+        """Host monotonic clock (ns) when the host saw it complete; 0 while pending."""
+        return self._retired_ns
+
+    @property
+    def detail(self):
+        """The rank the daemon's status names (-1: none)."""
+        return self._detail
+
+    def waiting_for(self):
+        """The rank the daemon last reported this pending collective waiting
+        for, or None (read live from device memory)."""
         cdef uint32_t word = 0
-        if not self._ctx.closed:
-            # Written live by the daemon into device memory (wait.cuh).
-            self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word,
-                                               self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
+        if self._retired or self._ctx is None or self._ctx.closed:
+            return None
+        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word,
+                                           self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
         waiting = <int>word - 1
+        return waiting if 0 <= waiting < 0xfff0 else None
+
+    cdef object _timeout_error(self, timeout):
+        # Written live by the daemon into device memory (wait.cuh).
+        waiting = self.waiting_for()
         what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
-        if waiting >= 0 and waiting < 0xfff0:
+        diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None
+        joined = missing = None
+        if diag is not None:
+            # Who has published this instance, read from the peers' records.
+            try:
+                joined, missing = diag.joined_ranks(self._key, self.instance)
+            except Exception:
+                joined = missing = None
+        if missing:
+            what += (f"; it is waiting for rank {missing[0]} to join: ranks {missing} have not joined this instance "
+                     f"(ranks {joined} have)")
+            if waiting is not None and waiting not in missing:
+                what += f"; the transfer waits for data from rank {waiting}, which waits for them"
+            waiting = missing[0]
+        elif missing is not None:
+            what += f"; every rank has joined it (ranks {joined})"
+            if waiting is not None:
+                what += f", the transfer waits for data from rank {waiting}"
+        elif waiting is not None:
             what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
         else:
             what += "; every peer has joined, the transfer is still in progress"
-        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag,
-                                      waiting_on=waiting if 0 <= waiting < 0xfff0 else None)
+        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag, waiting_on=waiting,
+                                      missing_ranks=missing, joined_ranks=joined)
 
     cdef void _finish(self, const dfccl_result *res, uint64_t now):
         """The leader of retirement (Context._retire, under the context lock):
@@ -339,11 +425,41 @@ cdef class Work:
         self._result.detail = -1
         self._finish(&self._result, now)
 
+    cdef object _get_error(self):
+        if self._error is None and self._retired and self._status != DFCCL_STATUS_OK:
+            self._error = self._make_error()
+        return self._error
+
     cdef object _make_error(self):
         cdef uint32_t status = self._status
         cdef int32_t detail = self._detail
         if status == DFCCL_STATUS_OK:
             return None
+        diag = self._ctx.diagnostics.get(self.endpoint) if self._ctx is not None else None
+        if status == DFCCL_STATUS_MISMATCH and diag is not None:
+            try:
+                err = diag.mismatch_error(self)
+            except Exception:
+                err = None
+            if err is not None:
+                return err
+        if status == DFCCL_STATUS_PEER_LOST:
+            if diag is not None:
+                diag.peer_lost(detail)   # the communicator takes no more collectives
+            return PeerLostError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: the process of "
+                f"rank {detail} has died", rank=self.rank, tag=self.tag, origin=detail)
+        if status == DFCCL_STATUS_BAD_TASK:
+            return BackendError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
+                "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
+        if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
+            # This rank's own abort, relayed back by a peer that saw it first.
+            status = DFCCL_STATUS_ABORTED
+        if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
+            return PeerAbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"{detail} was aborted or closed before it took part", rank=self.rank, tag=self.tag, origin=detail)
         if status == DFCCL_STATUS_MISMATCH:
             return MismatchError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
@@ -406,6 +522,7 @@ cdef class Context:
     cdef uint64_t exit_seen_ns
     cdef readonly uint64_t relaunch_backoff_ns
     cdef readonly uint64_t launches
+    cdef readonly dict diagnostics
     cdef object __weakref__
 
     def __cinit__(self):
@@ -468,7 +585,7 @@ cdef class Context:
         abort_dev_off = off
         off = _align(off + abort_words * 4, 256)
         ep_off = off
-        size = _align(off + <uint64_t>max_endpoints * sizeof(dfccl_endpoint), 4096)
+        size = _align(off + <uint64_t>abort_words * sizeof(dfccl_endpoint), 4096)  # the daemon checks indices against abort_words
         self.device_mem = backend.alloc_device(size)
         base = self.device_mem
         self.endpoints_dev = base + ep_off
@@ -513,6 +630,9 @@ cdef class Context:
         self.n_free = slots
         self.slot_work = [None] * slots
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
+        # endpoint id -> what explains its failures from the peers' records
+        # (dfccl.diagnostics.EndpointDiagnostics), set by the communicator.
+        self.diagnostics = {}
         _progress.register(self)
 
     cdef int _seed_policy_copies(self) except -1:
@@ -572,13 +692,18 @@ cdef class Context:
         return idx
 
     def remove_endpoint(self, int idx):
+        self.diagnostics.pop(idx, None)
         self.free_endpoints.append(idx)
 
-    def abort_endpoint(self, int idx):
+    def abort_endpoint(self, int idx, int lost_rank=-1):
         """Every pending and future collective of this endpoint fails with
-        AbortedError; peers see PeerAbortedError."""
+        AbortedError (peers see PeerAbortedError), or, with ``lost_rank``,
+        with PeerLostError naming that rank (whose process died)."""
         cdef uint32_t gen
-        dfccl_store_release_u32(&self.ep_abort[idx], 1)
+        if lost_rank >= 0:
+            dfccl_store_release_u32(&self.ep_abort[idx], DFCCL_EP_PEER_LOST + <uint32_t>lost_rank)
+        else:
+            dfccl_store_release_u32(&self.ep_abort[idx], DFCCL_EP_ABORTED)
         self._abort_flags_changed()
         # Unarmed stream-ordered tasks would never run: arm them so they fail.
         _acquire(self.lock)
@@ -592,11 +717,13 @@ cdef class Context:
         self._ensure_running()
 
     # -- submit --------------------------------------------------------------
-    def submit(self, TaskDescriptor task):
+    def submit(self, TaskDescriptor task, dict raw_fields=None):
         """Publishes one instance of ``task`` to the daemon (the host half of
         submit) and returns its Work.  Takes the tag's next instance and its
         record (and staging) from the endpoint's tag table; nothing waits for
-        peers."""
+        peers.  ``raw_fields`` (tests only) overwrites fields of the
+        descriptor as the daemon receives it, after every host check: the
+        way to show that the daemon rejects a corrupt one."""
         cdef uint32_t slot, gen, bucket
         cdef uint64_t instance, staging
         cdef dfccl_task_desc *d
@@ -640,6 +767,8 @@ cdef class Context:
             d.bucket = bucket
             d.slot = slot
             d.gen = gen
+            if raw_fields:
+                _override_fields(d, raw_fields)
             if task.has_stream:
                 self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
             else:
@@ -681,6 +810,46 @@ cdef class Context:
             return out
         finally:
             PyThread_release_lock(self.lock)
+
+    def abandon(self, Work work):
+        """Fails ``work`` now with AbortedError without waiting for the
+        daemon (an abort that must return).  Its slot, tag record and buffers
+        stay reserved until the daemon lets go of them; then the slot is
+        retired as usual (nothing is reused under a running collective)."""
+        cdef uint64_t now = dfccl_now_ns()
+        _acquire(self.lock)
+        try:
+            if work._retired or work._slot == NO_SLOT or self.slot_work[work._slot] is not work:
+                return False
+            memset(&work._result, 0, sizeof(dfccl_result))
+            work._result.status = DFCCL_STATUS_ABORTED
+            work._result.detail = -1
+            work._has_result = True
+            work._status = DFCCL_STATUS_ABORTED
+            work._detail = -1
+            work._retired_ns = now
+            work._retired = True
+            work._abandoned = True
+        finally:
+            PyThread_release_lock(self.lock)
+        work._error = work._make_error()
+        if work._callbacks:
+            callbacks, work._callbacks = work._callbacks, None
+            _progress.run_callbacks(work, callbacks)
+        return True
+
+    @property
+    def bad_tasks(self):
+        """How many descriptors the daemon rejected (DFCCL_STATUS_BAD_TASK)."""
+        cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
+        if st == NULL:
+            raise MemoryError
+        try:
+            self.backend.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.args.state,
+                                          sizeof(dfccl_daemon_state))
+            return st.bad_tasks
+        finally:
+            free(st)
 
     cdef int _wait_ring_entry(self, uint64_t position) except -1:
         """Returns once the daemon's host link has copied the ring entry at
@@ -738,7 +907,8 @@ cdef class Context:
             if dfccl_load_acquire_u32(&self.done[slot]) != work._gen:
                 return
             self._unlink(slot)
-            work._finish(&self.results[slot], now)
+            if not work._abandoned:
+                work._finish(&self.results[slot], now)
         finally:
             PyThread_release_lock(self.lock)
         self._after_retire(work)
@@ -755,7 +925,17 @@ cdef class Context:
 
     cdef int _after_retire(self, Work work) except -1:
         """Outside the lock: the tag's bookkeeping, the policy, callbacks."""
-        work._error = work._make_error()
+        if work._abandoned:
+            # Failed earlier (abandon); the daemon has let go of it only now.
+            work._keepalive = None
+            if work._tags is not None:
+                work._tags.release(work._key, True)
+                work._tags = None
+            return 0
+        # A mismatch is explained from every rank's record when first asked
+        # for (_get_error), by when the peers have published theirs.
+        if work._status != DFCCL_STATUS_MISMATCH:
+            work._error = work._make_error()
         if work._tags is not None:
             work._tags.release(work._key, work._status != DFCCL_STATUS_OK)
             work._tags = None
@@ -871,7 +1051,9 @@ cdef class Context:
                 slot = self.outstanding[self.n_outstanding - 1]
                 work = <Work>self.slot_work[slot]
                 self._unlink(slot)
-                if exited and dfccl_load_acquire_u32(&self.done[slot]) == work._gen:
+                if work._abandoned:
+                    pass
+                elif exited and dfccl_load_acquire_u32(&self.done[slot]) == work._gen:
                     work._finish(&self.results[slot], dfccl_now_ns())
                 else:
                     work._fail_closed(dfccl_now_ns())

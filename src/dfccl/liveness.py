@@ -1,0 +1,219 @@
+"""Peer liveness and the process status file: one monitor thread per process.
+
+Every `INTERVAL` seconds, for every open communicator of this process:
+- bumps this rank's heartbeat in the status header of its arena;
+- checks each peer in another process: its process must exist (a pid check
+  through /proc, guarded against pid reuse by the process start time, so an
+  exit, a kill or a crash is seen within one interval), and, where
+  `CommOptions.peer_timeout` is set, its heartbeat must have moved within
+  that many seconds (a stopped or hung process).  A peer that fails either
+  is *lost*: the communicator fails every pending and later collective with
+  PeerLostError naming it (Communicator._peer_lost);
+- every `STATUS_INTERVAL` seconds, writes what each communicator is doing to
+  the process status file (`python -m dfccl status` reads them).
+
+Ranks in this process are never checked (they cannot die alone).  The
+monitor holds communicators weakly and stops when none is left."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+import threading
+import time
+import weakref
+
+__all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive"]
+
+#: Seconds between liveness checks (a dead process is seen within about this).
+INTERVAL = 0.1
+#: Seconds between rewrites of the process status file.
+STATUS_INTERVAL = 1.0
+
+
+def status_dir() -> str | None:
+    """Where status files live: $DFCCL_STATUS_DIR, else /dev/shm (or the
+    temporary directory); None when DFCCL_STATUS=0 switches them off."""
+    if os.environ.get("DFCCL_STATUS", "1") == "0":
+        return None
+    d = os.environ.get("DFCCL_STATUS_DIR")
+    if d:
+        return d
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def status_path(pid: int | None = None) -> str | None:
+    d = status_dir()
+    if d is None:
+        return None
+    return os.path.join(d, f"dfccl-status-{os.getuid()}-{pid or os.getpid()}.json")
+
+
+def process_alive(pid: int, start_time: int | None = None) -> bool:
+    """Whether process ``pid`` runs (not exited, not a zombie), and is the one
+    that started at ``start_time`` (clock ticks since boot, /proc) if given."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        stat = None
+    if stat is not None:
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if fields and fields[0] in (b"Z", b"X"):
+            return False
+        if start_time is not None and len(fields) > 19 and int(fields[19]) != start_time:
+            return False
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _PeerWatch:
+    """Liveness state of one communicator's peers in other processes."""
+
+    def __init__(self, comm):
+        ep = comm._endpoint
+        me = ep.peers[ep.rank]
+        self.comm = weakref.ref(comm)
+        self.timeout = comm._options.peer_timeout
+        self.remote = [p for p, info in enumerate(ep.peers)
+                       if p != ep.rank and (info["pid"] != me["pid"] or info["host"] != me["host"])]
+        now = time.monotonic()
+        self.last_beat = {p: (-1, now) for p in self.remote}
+
+    def step(self, now: float) -> bool:
+        """One check; False once the communicator is gone or closed."""
+        comm = self.comm()
+        if comm is None or comm._closed:
+            return False
+        ep = comm._endpoint
+        try:
+            ep.write_status()
+        except Exception:
+            return False  # memory released under us: closing
+        if comm._lost_rank is not None or comm._aborted:
+            return True
+        diag = comm._diag
+        for p in self.remote:
+            info = ep.peers[p]
+            try:
+                state, beat, _pid = diag.rank_state(p)
+            except Exception:
+                comm._peer_lost(p, "its memory can no longer be read")
+                return True
+            if state != 0:
+                continue   # it left on purpose: the daemon fails what waits for it
+            if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):
+                comm._peer_lost(p, f"its process {info['pid']} has exited")
+                return True
+            last, since = self.last_beat[p]
+            if beat != last:
+                self.last_beat[p] = (beat, now)
+            elif self.timeout is not None and now - since > self.timeout - 2 * INTERVAL:
+                comm._peer_lost(p, f"its heartbeat stopped {now - since:.1f} s ago (process {info['pid']} "
+                                   "hung or stopped)")
+                return True
+        return True
+
+
+class _Monitor:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._watches: list[_PeerWatch] = []
+        self._comms: "weakref.WeakSet" = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+        self._next_status = 0.0
+        self._wrote_status = False
+
+    def register(self, comm) -> None:
+        with self._lock:
+            self._comms.add(comm)
+            if comm._endpoint.peers:
+                w = _PeerWatch(comm)
+                if w.remote:
+                    self._watches.append(w)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dfccl-monitor", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                watches = list(self._watches)
+                comms = [c for c in list(self._comms) if not c._closed]
+            alive = []
+            for w in watches:
+                try:
+                    if w.step(now):
+                        alive.append(w)
+                except Exception:
+                    alive.append(w)   # never let the monitor die; try again next time
+            with self._lock:
+                self._watches = [w for w in self._watches if w not in watches or w in alive]
+            if now >= self._next_status:
+                self._next_status = now + STATUS_INTERVAL
+                self._write_status(comms)
+            del comms
+            with self._lock:
+                if not self._watches and not any(not c._closed for c in self._comms):
+                    self._thread = None
+                    self._write_status([])
+                    return
+            time.sleep(INTERVAL)
+
+    def _write_status(self, comms) -> None:
+        path = status_path()
+        if path is None:
+            return
+        if not comms:
+            if self._wrote_status:
+                _remove(path)
+                self._wrote_status = False
+            return
+        entries = []
+        for c in comms:
+            try:
+                entries.append(c.status().to_dict())
+            except Exception:
+                continue
+        doc = {"pid": os.getpid(), "written_ns": time.monotonic_ns(), "time": time.time(), "communicators": entries}
+        tmp = f"{path}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f, default=repr)
+            os.replace(tmp, path)
+            self._wrote_status = True
+        except OSError:
+            _remove(tmp)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_monitor = _Monitor()
+
+
+def register(comm) -> None:
+    """Watches ``comm``'s peers and publishes its status (Communicator calls this)."""
+    _monitor.register(comm)
+
+
+@atexit.register
+def _remove_status_file() -> None:
+    path = status_path()
+    if path is not None and _monitor._wrote_status:
+        _remove(path)

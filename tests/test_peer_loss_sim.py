@@ -1,0 +1,130 @@
+"""A peer process that dies (os._exit, SIGKILL, between or during
+collectives) or stops (SIGSTOP) is reported on every survivor as
+PeerLostError naming it, within the bound; no survivor hangs, the survivors'
+other communicators keep working, and they close cleanly.  Simulator, one
+rank per process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+import pytest
+
+N = 3
+VICTIM = 2
+DEV = 3100
+
+
+def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
+    try:
+        import numpy as np
+
+        import dfccl
+
+        opts = dfccl.CommOptions(path="ring", peer_timeout=peer_timeout)
+        comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, N, backend="sim", device=DEV + rank,
+                                  options=opts, timeout=60)
+        x = np.ones(1024, np.float32)
+        comm.all_reduce(x, tag="warm").synchronize(timeout=60)
+        if rank == VICTIM:
+            if how == "exit_during":
+                comm.all_reduce(np.ones(1 << 16, np.float32), tag="work")
+                time.sleep(0.05)
+                os._exit(3)
+            if how == "exit_between":
+                os._exit(0)
+            queue.put((rank, "ready", None))
+            time.sleep(120)          # the test kills or stops us
+            os._exit(0)
+        # A second communicator on the same daemon, in this process only.
+        local = dfccl.Communicator.for_devices([DEV + rank, DEV + rank], backend="sim")
+        # "work" may complete when the victim did its part before dying;
+        # "work2" cannot (the victim never submits it).
+        elapsed = None
+        for tag in ("work", "work2"):
+            t0 = time.monotonic()
+            try:
+                comm.all_reduce(np.ones(1 << 16, np.float32), tag=tag).synchronize(timeout=60)
+            except dfccl.PeerLostError as exc:
+                elapsed = time.monotonic() - t0
+                assert exc.origin == VICTIM and exc.peer == VICTIM, exc
+                assert f"rank {VICTIM}" in str(exc)
+                break
+            if tag == "work2" or how != "exit_during":
+                queue.put((rank, "error", f"{tag} completed without the lost rank"))
+                return
+        try:
+            comm.all_reduce(x, tag="after")
+            queue.put((rank, "error", "submission after the loss was accepted"))
+            return
+        except dfccl.PeerLostError as exc:
+            assert exc.origin == VICTIM
+        st = comm.status()
+        assert st.state == f"peer rank {VICTIM} lost", st
+        assert any(e["event"] == "peer_lost" for e in st.recent)
+        ys = [np.full(64, i + 1, np.float32) for i in range(2)]
+        for ww in [c.all_reduce(y) for c, y in zip(local, ys)]:
+            ww.synchronize(timeout=30)
+        assert (ys[0] == 3).all()
+        for c in local:
+            c.close()
+        t1 = time.monotonic()
+        comm.close()
+        queue.put((rank, "ok", {"detected_s": elapsed, "close_s": time.monotonic() - t1}))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("how,peer_timeout,bound", [
+    ("exit_between", 10.0, 10.0),
+    ("exit_during", 10.0, 10.0),
+    ("sigkill", 10.0, 10.0),
+    ("sigstop", 2.0, 6.0),       # alive but stopped: only the heartbeat tells
+])
+def test_dead_peer_is_reported_on_every_survivor(how, peer_timeout, bound):
+    import dfccl
+
+    uid = dfccl.UniqueId.create()
+    ctx = mp.get_context("spawn")
+    # One queue per rank: a stopped process may hold a shared queue's lock.
+    queues = [ctx.Queue() for _ in range(N)]
+    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r]), daemon=True)
+             for r in range(N)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len([r for r in results if r != VICTIM]) < N - 1 and time.monotonic() < deadline:
+            got = None
+            for q in queues:
+                try:
+                    got = q.get_nowait()
+                    break
+                except Exception:
+                    continue
+            if got is None:
+                time.sleep(0.05)
+                continue
+            rank, what, info = got
+            if rank == VICTIM and what == "ready":
+                os.kill(procs[VICTIM].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+                continue
+            results[rank] = (what, info)
+    finally:
+        if how == "sigstop" and procs[VICTIM].is_alive():
+            os.kill(procs[VICTIM].pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r in range(N - 1):
+        assert r in results, f"rank {r} did not report (hung?): {results}"
+        what, info = results[r]
+        assert what == "ok", f"rank {r}: {info}"
+        assert info["detected_s"] < bound, f"rank {r} saw the loss after {info['detected_s']:.1f} s"
+        assert info["close_s"] < 5.0

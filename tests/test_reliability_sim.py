@@ -1,0 +1,135 @@
+"""Failures must be loud and precise, on the simulator: timeouts name who has
+and has not joined, a signature mismatch reaches every rank with the field,
+the values and the ranks, aborting or closing a rank releases the ranks that
+wait for it, and a dead peer process is reported as PeerLostError."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import scenarios as sc
+
+DEV = 2800          # device ids of this module: 2800..2999
+TIMEOUT = 30.0
+
+
+def _comms(n, path, dev):
+    return dfccl.Communicator.for_devices(list(range(dev, dev + n)), backend="sim",
+                                          options=dfccl.CommOptions(path=path))
+
+
+# -- defect: the wrong rank named on the ring path ----------------------------------------
+@pytest.mark.parametrize("path", ("ring", "direct"))
+def test_timeout_names_ranks_that_have_not_joined(path):
+    comms = _comms(4, path, DEV + (0 if path == "ring" else 10))
+    try:
+        xs = [np.full(4096, r + 1, np.float32) for r in range(4)]
+        works = [comms[r].all_reduce(xs[r], tag="t") for r in range(3)]   # rank 3 never comes
+        for r in range(3):
+            with pytest.raises(dfccl.CollectiveTimeoutError) as info:
+                works[r].synchronize(timeout=0.3)
+            err = info.value
+            assert err.missing_ranks == [3], str(err)
+            assert err.joined_ranks == [0, 1, 2], str(err)
+            assert err.waiting_on == 3
+            assert "ranks [3] have not joined" in str(err), str(err)
+            assert "ranks [0, 1, 2] have" in str(err), str(err)
+            assert "rank 0, which has not joined" not in str(err)
+        works.append(comms[3].all_reduce(xs[3], tag="t"))
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert (xs[0] == 10).all()
+    finally:
+        sc.settle(comms)
+
+
+# -- defect: a mismatch reaches one rank only ---------------------------------------------
+@pytest.mark.parametrize("path", ("ring", "direct"))
+def test_mismatch_reaches_every_rank_naming_field_values_and_ranks(path):
+    comms = _comms(3, path, DEV + (20 if path == "ring" else 30))
+    try:
+        works = [comms[0].all_reduce(np.ones(8, np.float32), tag="m")]
+        works += [comms[r].all_reduce(np.ones(16, np.float32), tag="m") for r in (1, 2)]
+        for r, w in enumerate(works):
+            with pytest.raises(dfccl.MismatchError) as info:
+                w.synchronize(timeout=TIMEOUT)
+            err = info.value
+            msg = str(err)
+            assert err.rank == r and err.tag == "m"
+            assert err.field == "count", msg
+            assert err.values == {0: 8, 1: 16, 2: 16}, msg
+            assert err.ranks == [0], msg
+            assert "count" in msg and "rank 0 has 8" in msg and "ranks [1, 2] have 16" in msg, msg
+        # The communicator goes on: the next instance of the tag matches.
+        xs = [np.full(8, r + 1, np.float32) for r in range(3)]
+        ws = [c.all_reduce(x, tag="m") for c, x in zip(comms, xs)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        assert (xs[1] == 6).all()
+    finally:
+        sc.settle(comms)
+
+
+def test_mismatch_names_dtype_and_op():
+    comms = _comms(2, "direct", DEV + 40)
+    try:
+        w0 = comms[0].all_reduce(np.ones(8, np.float32), op="max", tag="d")
+        w1 = comms[1].all_reduce(np.ones(8, np.float32), op="sum", tag="d")
+        for w in (w0, w1):
+            with pytest.raises(dfccl.MismatchError) as info:
+                w.synchronize(timeout=TIMEOUT)
+            assert info.value.field == "op", str(info.value)
+            assert "max" in str(info.value) and "sum" in str(info.value)
+    finally:
+        sc.settle(comms)
+
+
+# -- defect: aborting or closing the absent rank does not release the others -------------
+@pytest.mark.parametrize("how", ("abort", "close"))
+@pytest.mark.parametrize("path", ("ring", "direct"))
+def test_abort_or_close_of_absent_rank_releases_the_others(how, path):
+    comms = _comms(4, path, DEV + (50 if path == "ring" else 60) + (0 if how == "abort" else 5))
+    try:
+        works = [comms[r].all_reduce(np.ones(4096, np.float32), tag="x") for r in range(3)]
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        getattr(comms[3], how)()
+        for w in works:
+            with pytest.raises(dfccl.PeerAbortedError) as info:
+                w.synchronize(timeout=5.0)   # far less than a collective timeout
+            assert info.value.origin == 3, str(info.value)
+            assert "rank 3" in str(info.value)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        sc.settle(comms)
+
+
+# -- bad inputs of the reliability API ----------------------------------------------------
+@pytest.mark.parametrize("kw,frag", [
+    ({"peer_timeout": 0.5}, "peer_timeout must be None or a finite number of seconds >= 1"),
+    ({"peer_timeout": "10"}, "peer_timeout must be None"),
+    ({"peer_timeout": float("inf")}, "peer_timeout must be None"),
+    ({"peer_timeout": True}, "peer_timeout must be None"),
+    ({"flight_events": -1}, "flight_events must be >= 0"),
+    ({"flight_events": 1.5}, "flight_events must be an int"),
+])
+def test_comm_options_reliability_bad_values(kw, frag):
+    with pytest.raises(dfccl.InvalidArgumentError, match=frag):
+        dfccl.CommOptions(**kw)
+
+
+def test_flight_recorder_off_and_status_after_close():
+    comms = dfccl.Communicator.for_devices([DEV + 90, DEV + 91], backend="sim",
+                                           options=dfccl.CommOptions(flight_events=0))
+    xs = [np.ones(8, np.float32) for _ in range(2)]
+    for w in [c.all_reduce(x) for c, x in zip(comms, xs)]:
+        w.synchronize(timeout=TIMEOUT)
+    st = comms[0].status()
+    assert st.pending == [] and not [e for e in st.recent if e["event"] == "submit"]
+    sc.settle(comms)
+    assert comms[1].status().state == "closed"
+    assert "closed" in str(comms[1].status())
