@@ -25,7 +25,10 @@ TIMEOUT = 60
 
 
 def launch(n: int, scenario: str, *extra: str, timeout: float = 240) -> tuple[int, str, list[dict]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(TESTS)]))
+    # The ranks import dfccl from where this process did (any install), and
+    # print a traceback if they crash.
+    package_root = os.path.dirname(os.path.dirname(dfccl.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, str(TESTS)]), PYTHONFAULTHANDLER="1")
     proc = subprocess.run([sys.executable, "-m", "dfccl.launch", "-n", str(n), *extra,
                            str(TESTS / "launch_target.py"), scenario],
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -94,7 +97,10 @@ def test_launch_stops_the_rest_when_one_fails():
 
 
 def test_launch_forwards_sigterm():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(TESTS)]))
+    # The ranks import dfccl from where this process did (any install), and
+    # print a traceback if they crash.
+    package_root = os.path.dirname(os.path.dirname(dfccl.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, str(TESTS)]), PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen([sys.executable, "-m", "dfccl.launch", "-n", "2", "--grace", "2",
                              str(TESTS / "launch_target.py"), "fail"], env=dict(env, RANK_THAT_FAILS="none"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

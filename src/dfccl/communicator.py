@@ -305,6 +305,10 @@ class Communicator:
                                   shareable=shareable)
         self._plans = 0
         self._closed = False
+        # Held by the liveness monitor while it touches this rank's arena and
+        # its mappings of the peers' (liveness.py), and by close() while it
+        # marks the communicator closed, before any of that memory goes.
+        self._teardown_lock = threading.Lock()
         self._aborted = False
         self._lost_rank: int | None = None
         self._lost_why = ""
@@ -711,7 +715,8 @@ class Communicator:
         elif not self._aborted and ep.id is not None and not self._ctx.closed:
             ep.write_status(RANK_CLOSED)
         self._flight.note("close", detail=f"rank {self._rank} closed")
-        self._closed = True
+        with self._teardown_lock:
+            self._closed = True
         # Abandoned collectives keep their slot (and our memory) until the daemon lets go.
         unfinished = bool(pending) and ep.id is not None and not self._ctx.closed and \
             bool(self._ctx.pending_works(ep.id))

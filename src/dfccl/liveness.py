@@ -93,36 +93,48 @@ class _PeerWatch:
     def step(self, now: float) -> bool:
         """One check; False once the communicator is gone or closed."""
         comm = self.comm()
-        if comm is None or comm._closed:
+        if comm is None:
             return False
+        # The arena and the peers' mappings are only touched under the
+        # communicator's teardown lock: close() frees them once it has marked
+        # the communicator closed, and a write into unmapped memory is a crash,
+        # not an exception.
+        with comm._teardown_lock:
+            if comm._closed:
+                return False
+            lost = self._check(comm, now)
+            if lost is not None:
+                comm._peer_lost(*lost)
+        return True
+
+    def _check(self, comm, now: float) -> tuple[int, str] | None:
+        """Bumps this rank's heartbeat and checks the peers; the lost peer and
+        why, or None."""
         ep = comm._endpoint
         try:
             ep.write_status()
         except Exception:
-            return False  # memory released under us: closing
+            return None
         if comm._lost_rank is not None or comm._aborted:
-            return True
+            return None
         diag = comm._diag
         for p in self.remote:
             info = ep.peers[p]
             try:
                 state, beat, _pid = diag.rank_state(p)
             except Exception:
-                comm._peer_lost(p, "its memory can no longer be read")
-                return True
+                return p, "its memory can no longer be read"
             if state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
             if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):
-                comm._peer_lost(p, f"its process {info['pid']} has exited")
-                return True
+                return p, f"its process {info['pid']} has exited"
             last, since = self.last_beat[p]
             if beat != last:
                 self.last_beat[p] = (beat, now)
             elif self.timeout is not None and now - since > self.timeout - 2 * INTERVAL:
-                comm._peer_lost(p, f"its heartbeat stopped {now - since:.1f} s ago (process {info['pid']} "
-                                   "hung or stopped)")
-                return True
-        return True
+                return p, (f"its heartbeat stopped {now - since:.1f} s ago (process {info['pid']} "
+                           "hung or stopped)")
+        return None
 
 
 class _Monitor:
@@ -183,7 +195,10 @@ class _Monitor:
         entries = []
         for c in comms:
             try:
-                entries.append(c.status().to_dict())
+                with c._teardown_lock:   # status() reads the arenas (see _PeerWatch.step)
+                    if c._closed:
+                        continue
+                    entries.append(c.status().to_dict())
             except Exception:
                 continue
         doc = {"pid": os.getpid(), "written_ns": time.monotonic_ns(), "time": time.time(), "communicators": entries}
