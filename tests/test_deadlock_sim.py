@@ -5,7 +5,6 @@ preemption is what saves them."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
@@ -16,12 +15,11 @@ import dfccl
 from dfccl import scenarios as sc
 
 PATHS = ("direct", "ring")
-_device_ids = itertools.count()
 
 
 def make_comms(n: int, path: str, *, per_device: int = 1, context_options=None):
     """n ranks on fresh simulated GPUs (``per_device`` ranks share one)."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     devices = [base + r // per_device for r in range(n)]
     return dfccl.Communicator.for_devices(devices, backend="sim", options=dfccl.CommOptions(path=path),
                                           context_options=context_options)
@@ -74,7 +72,7 @@ def test_overlapping_communicators(path, rng):
     pair, each rank issuing its share in its own order across communicators
     (the tensor/data/pipeline-parallel pattern)."""
     n = 4
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     devices = [base + r for r in range(n)]
     opts = dfccl.CommOptions(path=path)
     world = dfccl.Communicator.for_devices(devices, backend="sim", options=opts)
@@ -200,7 +198,7 @@ def test_one_tag_pending_with_different_channel_counts(path, rng):
     large instances of one tag (4, 1, 4, 1, 4 channels) before rank 1 submits
     any; a later large instance must not start on channel 2 while an earlier
     one still waits there."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.CommOptions(path=path, channels=4, bytes_per_channel=4096)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
                                            context_options=dfccl.ContextOptions(blocks=4))
@@ -217,7 +215,7 @@ def test_one_tag_pending_with_different_channel_counts(path, rng):
 def test_freed_bucket_taken_by_another_tag(path, rng):
     """A tag's record bucket, freed once its instances completed, is taken by
     another tag whose instances then queue up: they still run one at a time."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.CommOptions(path=path, max_tags=1)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts)
     try:
@@ -232,7 +230,7 @@ def test_submission_ring_wraps_many_times(rng):
     """A small ring (8 slots, 16 entries) reused 40 times over by collectives
     that use 1 or 4 of 4 channels, so that blocks skip entries: every
     collective is copied, pulled and run exactly once."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.CommOptions(path="direct", channels=4, bytes_per_channel=1024)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
                                            context_options=dfccl.ContextOptions(blocks=4, max_outstanding=8))
@@ -262,7 +260,7 @@ def test_without_preemption_the_same_order_hangs(rng):
     """Control: with preemption off (infinite windows: run to completion like
     NCCL), A,B vs B,A never completes; the timeout reports which rank each
     side waits for, and abort() releases both sides."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.ContextOptions(preemption=False)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
                                            options=dfccl.CommOptions(path="direct"))
@@ -300,7 +298,7 @@ def test_sixty_four_ranks_random_orders(path, rng):
     """64 simulated GPUs (one block each), every rank its own order of a few
     collectives of different kinds: deadlock experiments past the GPUs we
     have."""
-    base = 5000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     comms = dfccl.Communicator.for_devices(list(range(base, base + 64)), backend="sim",
                                            options=dfccl.CommOptions(path=path),
                                            context_options=dfccl.ContextOptions(blocks=1, max_outstanding=64))

@@ -7,7 +7,6 @@ argument checks.  "direct" runs the in-place read path, "ring" the FIFO path
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -18,11 +17,10 @@ from dfccl import scenarios as sc
 
 PATHS = ("direct", "ring")
 TIMEOUT = 60
-_device_ids = itertools.count()
 
 
 def make_comms(n: int, path: str, **options):
-    base = 7000 + 100 * next(_device_ids)
+    base = sc.fresh_sim_devices(1)[0]
     return dfccl.Communicator.for_devices([base + r for r in range(n)], backend="sim",
                                           options=dfccl.CommOptions(path=path, **options))
 

@@ -37,7 +37,7 @@ class Endpoint:
         self.backend = ctx.backend
         self.rank = rank
         self.nranks = nranks
-        self.capacity = options.max_tags or 2 * ctx.nslots
+        self.capacity = options.max_tags   # resolved: equal on every rank
         self.record_stride = RECORD_STRIDE
         # Status header + table; the staging starts on the next page.
         self.table_bytes = _align(ARENA_STATUS_BYTES + self.capacity * RECORD_STRIDE, 4096)

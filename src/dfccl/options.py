@@ -64,6 +64,12 @@ class ContextOptions:
                 raise InvalidArgumentError(f"ContextOptions.{name} must be >= 0, not {getattr(self, name)}")
 
 
+#: Tag records per rank when CommOptions.max_tags is None: twice the default
+#: number of outstanding collectives, so that the default context never runs
+#: out of records before it runs out of slots.
+DEFAULT_MAX_TAGS = 2 * 4096
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommOptions:
     """How one communicator moves data.  Must be equal on every rank.
@@ -74,8 +80,10 @@ class CommOptions:
         ring otherwise and above that size), "direct" (like auto, but an
         error where a peer is not reachable) or "ring".
     channels: most channels one collective uses; None: all daemon blocks.
-    max_tags: tag records per rank (tags pending at once); None: twice
-        max_outstanding.
+    max_tags: tag records per rank (tags bound at once); None: 8,192, twice
+        the default ContextOptions.max_outstanding.  A property of the
+        communicator, equal on every rank whatever each device's context
+        options.
     staging_bytes: ring-path FIFO memory per rank.
     ring_slots: FIFO slots per channel (pipelining depth of the ring), >= 2.
     max_slice_bytes: largest FIFO slot (a multiple of 16).
@@ -149,6 +157,7 @@ class CommOptions:
         gpu = backend == "cuda"
         return replace(
             self,
+            max_tags=self.max_tags if self.max_tags is not None else DEFAULT_MAX_TAGS,
             staging_bytes=self.staging_bytes if self.staging_bytes is not None else (256 << 20 if gpu else 64 << 20),
             ring_tags=self.ring_tags if self.ring_tags is not None else (8 if gpu else 128),
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else (512 << 10 if gpu else 64 << 10),

@@ -11,6 +11,7 @@ everything, checks every output element, and reports preemption counters.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,21 @@ SENTINEL = 77
 
 
 # -- references --------------------------------------------------------------------
+_next_sim_device = itertools.count(100_000, 100)
+
+
+def fresh_sim_devices(n: int) -> list[int]:
+    """``n`` simulated device numbers no other caller in this process gets:
+    each simulated device has one daemon context per process, created with
+    the options of its first user, so tests that need their own context
+    options (or a daemon to themselves) take fresh ones.  Blocks of 100 from
+    100,000 up, clear of the fixed ranges tests use for shared devices."""
+    base = next(_next_sim_device)
+    if n > 100:
+        raise ValueError(f"at most 100 fresh devices per call, not {n}")
+    return [base + r for r in range(n)]
+
+
 def random_input(rng: np.random.Generator, dtype: str, count: int, op: str) -> np.ndarray:
     """Fresh random data, never all zeros.  Products use values near 1 (floats)
     or small magnitudes (integers) so that results stay meaningful."""
