@@ -78,7 +78,7 @@ DFCCL_DEV uint64_t instance_token(uint64_t key, uint64_t instance) {
 DFCCL_DEV uint64_t task_signature(const dfccl_task_desc &d, uint32_t nranks) {
   return (uint64_t)d.kind | ((uint64_t)d.dtype << 4) | ((uint64_t)d.op << 8) | ((uint64_t)d.path << 12) |
          ((uint64_t)d.root << 16) | ((uint64_t)d.nchannels << 32) | ((uint64_t)nranks << 40) |
-         ((uint64_t)(d.flags & (DFCCL_TASK_ONE_SHOT | DFCCL_TASK_STAGED)) << 48);
+         ((uint64_t)(d.flags & (DFCCL_TASK_ONE_SHOT | DFCCL_TASK_STAGED | DFCCL_TASK_LL)) << 48);
 }
 
 // Counters of the ring protocol carry the instance in their high half so that

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "transfer_direct.cuh"
+#include "transfer_ll.cuh"
 #include "transfer_ring.cuh"
 
 namespace dfccl {
@@ -25,6 +26,7 @@ DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
 
 DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
   if (run.ep->nranks == 1) return run_single_rank(env, run);
+  if (run.d->flags & DFCCL_TASK_LL) return run_ll(env, run);
   if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);
   return run_ring(env, run);
 }

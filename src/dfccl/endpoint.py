@@ -1,6 +1,9 @@
-"""One rank of a communicator on a daemon context: its arena (tag records and
-ring-path staging FIFOs, in device memory its peers map), the host mirror of
-its tag table, and its registration with the daemon."""
+"""One rank of a communicator on a daemon context: its arena (tag records, the
+LL region and ring-path staging FIFOs, in device memory its peers map), the
+host mirror of its tag table, and its registration with the daemon.
+
+Arena layout: | tag table | LL region (planning.ll_region_bytes) | staging |,
+each part 4096-aligned."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import socket
 from dfccl import runtime
 from dfccl._native.context import CHAN_STATE_BYTES, MAX_CHANNELS, RECORD_HEADER_BYTES
 from dfccl.errors import BackendError
+from dfccl.planning import ll_region_bytes
 from dfccl.staging import StagingPool
 from dfccl.tags import TagTable
 
@@ -30,10 +34,14 @@ class Endpoint:
         self.nranks = nranks
         self.capacity = options.max_tags or 2 * ctx.nslots
         self.table_bytes = _align(self.capacity * RECORD_STRIDE, 4096)
-        self.arena_size = self.table_bytes + options.staging_bytes
+        self.ll_max_bytes = options.ll_max_bytes or 0
+        self.ll_offset = self.table_bytes
+        self.ll_bytes = _align(ll_region_bytes(self.capacity, nranks, self.ll_max_bytes), 4096)
+        staging_base = self.ll_offset + self.ll_bytes
+        self.arena_size = staging_base + options.staging_bytes
         self.arena = self.backend.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
-        self.staging = StagingPool(self.table_bytes, options.staging_bytes)
+        self.staging = StagingPool(staging_base, options.staging_bytes)
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []
@@ -50,6 +58,7 @@ class Endpoint:
             "arena_ptr": self.arena,
             "capacity": self.capacity,
             "stride": RECORD_STRIDE,
+            "ll_max_bytes": self.ll_max_bytes,
             "bus_id": getattr(self.backend, "pci_bus_id", None),
         }
         if self.shareable:
@@ -70,6 +79,9 @@ class Endpoint:
             if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
                 raise BackendError(f"rank {p} uses {info['capacity']} tag records of {info['stride']} bytes, "
                                    f"rank {self.rank} {self.capacity} of {RECORD_STRIDE}: CommOptions differ")
+            if info.get("ll_max_bytes", 0) != self.ll_max_bytes:
+                raise BackendError(f"rank {p} has an LL region for {info.get('ll_max_bytes', 0)} bytes per peer, "
+                                   f"rank {self.rank} for {self.ll_max_bytes}: CommOptions differ")
             if info["backend"] != self.backend.name:
                 raise BackendError(f"rank {p} runs the {info['backend']} backend, rank {self.rank} {self.backend.name}")
             same_process = info["pid"] == me["pid"] and info["host"] == me["host"]
@@ -91,7 +103,7 @@ class Endpoint:
                 self._imported.append(ptr)
                 arenas.append(ptr)
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                        arenas, arenas)
+                                        arenas, arenas, self.ll_offset, self.ll_max_bytes)
         return mode
 
     def _reachable(self, info: dict, me: dict) -> bool:

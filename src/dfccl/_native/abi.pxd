@@ -11,7 +11,7 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_ALL_REDUCE, DFCCL_ALL_GATHER, DFCCL_REDUCE_SCATTER, DFCCL_BROADCAST, DFCCL_REDUCE
     int DFCCL_PATH_DIRECT, DFCCL_PATH_RING
     int DFCCL_STATUS_OK, DFCCL_STATUS_MISMATCH, DFCCL_STATUS_PEER_ABORTED, DFCCL_STATUS_ABORTED, DFCCL_STATUS_BAD_TASK
-    unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED
+    unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED, DFCCL_TASK_LL
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
     unsigned int DFCCL_RECORD_HEADER_BYTES
 
@@ -88,6 +88,8 @@ cdef extern from "dfccl/abi.h":
         uint32_t table_capacity
         uint32_t record_stride
         uint64_t comm_key
+        uint64_t ll_offset
+        uint32_t ll_max_bytes
         uint64_t peer_table[64]
         uint64_t peer_arena[64]
 

@@ -14,6 +14,7 @@ KIND_REDUCE: int
 PATH_DIRECT: int
 PATH_RING: int
 TASK_ONE_SHOT: int
+TASK_LL: int
 MAX_CHANNELS: int
 MAX_RANKS: int
 RECORD_HEADER_BYTES: int
@@ -51,7 +52,8 @@ class Context:
     launches: int
     def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any) -> None: ...
     def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,
-                     peer_tables: list[int], peer_arenas: list[int]) -> int: ...
+                     peer_tables: list[int], peer_arenas: list[int], ll_offset: int = 0,
+                     ll_max_bytes: int = 0) -> int: ...
     def remove_endpoint(self, idx: int) -> None: ...
     def abort_endpoint(self, idx: int) -> None: ...
     def submit(self, work: Work, endpoint: int, bucket: int, tag_key: int, instance: int, kind: int, dtype: int,
