@@ -25,6 +25,7 @@ struct BlockShared {
   uint64_t dsts[2];
   uint32_t active_len;
   uint32_t cursor;
+  uint32_t handoff;        // run active[pick] again at once (a chained successor)
 };
 
 // Outcome of one wait, one step, one run.

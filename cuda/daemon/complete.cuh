@@ -29,7 +29,9 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   // last block to count sees every block's; its release below publishes
   // them all to the host.
   const uint32_t slot = d->slot;
-  const uint32_t finished = atomic_add_local(&a->slot_counter[slot], 1u) + 1u;
+  // A one-channel task has no other part to count (and nothing to gather
+  // from other blocks): it skips the GPU-scope atomic.
+  const uint32_t finished = d->nchannels == 1 ? 1u : atomic_add_local(&a->slot_counter[slot], 1u) + 1u;
   if (finished != d->nchannels) return;
 
   dfccl_result res;

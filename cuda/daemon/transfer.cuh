@@ -27,6 +27,10 @@ DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
 DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
   if (run.ep->nranks == 1) return run_single_rank(env, run);
   if (run.d->flags & DFCCL_TASK_LL) return run_ll(env, run);
+  if (run.step == 0) {  // (LL checks this itself, with its credits)
+    const int w = ll_handover(env, run);
+    if (w != WAIT_OK) return stop_run(w);
+  }
   if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);
   return run_ring(env, run);
 }

@@ -5,8 +5,9 @@
 // never waits for the receiver; the only wait on data is a poll of its own
 // memory until every peer's lines for this instance are there:
 //
-//   PUBLISH  this rank's record (for peers on other paths, and for probing)
-//   PUSH     per peer: credit check (local), then the lines, in one go
+//   PUSH     credit from every peer (local words), then publish this rank's
+//            record (for probing, and for peers on other paths) and store
+//            the lines into every peer's area, in one go
 //   RECV     per peer: find its bucket (cached), poll the local area
 //   FINISH   unpack, reduce in rank order (or gather), acknowledge
 //
@@ -27,17 +28,18 @@
 // instance are never accepted.
 //
 // Preemption: the credit wait and the polls are the only waits; the context
-// keeps which peers were pushed (pos[0]) and polled (pos[1]).  A resumed run
+// keeps the step and which peers were polled (pos[1]).  A resumed run
 // re-checks the lines of the peer it was polling; verified peers' lines stay
 // in place until this rank acknowledges them (at FINISH), so FINISH, which
 // has no wait, sees all of them.
 #pragma once
 
 #include "transfer_common.cuh"
+#include "transfer_direct.cuh"  // kAnyPeer
 
 namespace dfccl {
 
-enum LLStep { L_PUBLISH = 0, L_PUSH = 1, L_RECV = 2, L_FINISH = 3, L_DONE = 4 };
+enum LLStep { L_PUSH = 0, L_RECV = 1, L_FINISH = 2, L_DONE = 3 };
 
 constexpr uint32_t kLLHeaderLines = 2;  // token line, signature line
 constexpr uint32_t kLLReprobePolls = 64;
@@ -173,6 +175,33 @@ DFCCL_DEV bool ll_credit(const TaskRun &run, const dfccl_record_header *own, uin
   const uint64_t i0 = load_own(&own->ll_inst[0]), i1 = load_own(&own->ll_inst[1]);
   const uint64_t last = i0 > i1 ? i0 : i1;
   return last == 0 || ack == ll_ack_word(key, last);
+}
+
+// The leader: credit from every peer at once.  Pushing to all peers only
+// when all credits are there means an instance that any rank completed has
+// been pushed to every rank, so every receiver can take it whenever its
+// daemon visits it; a credit wait therefore waits only for peers' daemons to
+// run, never on another credit (the deadlock-freedom argument in
+// docs/design-decisions.md, "LL").
+DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own) {
+  for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i)
+    if (!ll_credit(run, own, (run.ep->rank + 1 + i) % run.ep->nranks)) return false;
+  return true;
+}
+
+// Every path, before its first step of an instance (transfer.cuh): a bucket
+// whose LL areas still hold another tag's lines is handed over only when
+// every peer took them.  Until then this rank does not publish (which
+// rewrites the record's key), so peers still find the old tag's bucket by
+// probing.  One local load when the bucket did not change tags.
+DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
+  if (run.ep->ll_max_bytes == 0 || run.ep->nranks < 2) return WAIT_OK;
+  const dfccl_record_header *own = ptr<const dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  uint64_t key = 0;
+  if (is_leader()) key = load_own(&own->ll_key);
+  key = from_leader(key);
+  if (key == 0 || key == run.d->tag_key) return WAIT_OK;
+  return block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
 }
 
 // The control warp: this rank's lines for `receiver`, into its area.
@@ -380,22 +409,13 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
   dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, r, run.d->bucket));
   for (;;) {
     switch (run.step) {
-      case L_PUBLISH:
+      case L_PUSH: {
+        // Credits first: publishing rewrites the record's key, which peers
+        // still taking an old tag's lines from this bucket look up.
+        int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
+        if (w != WAIT_OK) return stop_run(w);
         publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
-        run.pos[0] = 0;
-        run.pos[1] = 0;
-        run.step = L_PUSH;
-        run.progressed = true;
-        break;
-      case L_PUSH:
-        while (run.pos[0] + 1 < n) {
-          const uint32_t p = (r + 1 + (uint32_t)run.pos[0]) % n;
-          int w = block_wait(env, run, p, [&]() -> int { return ll_credit(run, own, p) ? 1 : 0; });
-          if (w != WAIT_OK) return stop_run(w);
-          ll_push(run, p);
-          run.pos[0] += 1;
-          run.progressed = true;
-        }
+        for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
         if (is_leader()) {
@@ -406,8 +426,11 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
           }
           own->ll_inst[run.d->instance & 1u] = run.d->instance;
         }
+        run.pos[1] = 0;
         run.step = L_RECV;
+        run.progressed = true;
         break;
+      }
       case L_RECV:
         while (run.pos[1] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[1];
