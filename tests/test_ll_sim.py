@@ -224,40 +224,47 @@ def _colliding_tags(comm_key: int, capacity: int, count: int) -> list[str]:
 
 def test_bucket_taken_over_while_a_peer_lags():
     """Rank 0 finishes tag A, then tag B takes A's bucket (capacity 2, same
-    home bucket).  Rank 1 has not yet taken A's lines (its daemon is busy with
-    a long copy), so B's push must wait for rank 1's acknowledgement of A;
-    then everything completes with the right values."""
+    home bucket).  Rank 1 has not yet taken A's lines (its only block is busy
+    with a long copy), so B must wait for rank 1's acknowledgement of A
+    before it publishes and pushes; then everything completes correctly.
+    Both are instance 1 of their tag, so B's lines go to the very area that
+    held A's: without the wait they would overwrite A's before rank 1 took
+    them, and rank 1's A would never complete."""
     ctx_opts = dfccl.ContextOptions(blocks=1, base_window_ns=200_000, max_window_ns=1_000_000, adaptive=False)
-    comms = dfccl.Communicator.for_devices([0, 1], backend="sim", options=CommOptions(ll_max_bytes=LL, max_tags=2),
+    # Devices of their own: context options are per device and process.
+    comms = dfccl.Communicator.for_devices([90, 91], backend="sim", options=CommOptions(ll_max_bytes=LL, max_tags=2),
                                            context_options=ctx_opts)
     # Another communicator on rank 1's device: one rank, a long copy.
-    busy = dfccl.Communicator.for_devices([1], backend="sim", context_options=ctx_opts)[0]
+    busy = dfccl.Communicator.for_devices([91], backend="sim", context_options=ctx_opts)[0]
+    big = np.ones(96 << 20, dtype=np.uint8)
+    big_out = np.zeros_like(big)
+    lagged = 0
     try:
-        tag_a, tag_b = _colliding_tags(comms[0]._comm_key, 2, 2)
-        a = [sc.RankInstance(sc.Spec(tag_a, "all_reduce", 8, "int32", "sum"), c, 1) for c in comms]
-        b = [sc.RankInstance(sc.Spec(tag_b, "all_reduce", 8, "int32", "sum"), c, 2) for c in comms]
-        big = np.ones(48 << 20, dtype=np.uint8)
-        big_out = np.zeros_like(big)
-        w1a = a[1].submit()           # pushes, then polls for rank 0 until preempted
-        time.sleep(0.05)
-        w_busy = busy.all_reduce(big, big_out)  # holds rank 1's only block
-        time.sleep(0.01)
         table = comms[0]._endpoint.tags
-        w0a = a[0].submit()
-        bucket_a = table._tags[tag_key(comms[0]._comm_key, tag_a)].bucket
-        w0a.synchronize(timeout=TIMEOUT)  # rank 1's lines were there
-        assert not w1a.done() and not w_busy.done()  # rank 1 has not taken rank 0's lines yet
-        w0b = b[0].submit()           # takes A's bucket on rank 0
-        assert table._tags[tag_key(comms[0]._comm_key, tag_b)].bucket == bucket_a
-        w1b = b[1].submit()
-        for w in (w0b, w1a, w1b, w_busy):
-            w.synchronize(timeout=TIMEOUT)
-        for inst in a + b:
-            inst.verify()
-        assert np.array_equal(big, big_out)
-        # Both are instance 1 of their tag, so B's lines go to the very area
-        # that held A's: without the credit, they would have overwritten A's
-        # before rank 1 took them, and rank 1's A would never complete.
+        for attempt in range(3):
+            tag_a, tag_b = _colliding_tags(comms[0]._comm_key, 2, 2 + 2 * attempt)[-2:]
+            a = [sc.RankInstance(sc.Spec(tag_a, "all_reduce", 8, "int32", "sum"), c, 1) for c in comms]
+            b = [sc.RankInstance(sc.Spec(tag_b, "all_reduce", 8, "int32", "sum"), c, 2) for c in comms]
+            w1a = a[1].submit()           # pushes, then polls for rank 0 until preempted
+            time.sleep(0.02)
+            w_busy = busy.all_reduce(big, big_out)  # holds rank 1's only block
+            time.sleep(0.002)
+            w0a = a[0].submit()
+            bucket_a = table._tags[tag_key(comms[0]._comm_key, tag_a)].bucket
+            w0a.synchronize(timeout=TIMEOUT)  # rank 1's lines were there
+            lagged += not w1a.done()          # rank 1 has not taken rank 0's lines yet
+            w0b = b[0].submit()           # takes A's bucket on rank 0
+            assert table._tags[tag_key(comms[0]._comm_key, tag_b)].bucket == bucket_a
+            w1b = b[1].submit()
+            for w in (w0b, w1a, w1b, w_busy):
+                w.synchronize(timeout=TIMEOUT)
+            for inst in a + b:
+                inst.verify()
+            assert np.array_equal(big, big_out)
+            big_out[:] = 0
+            if lagged:
+                break
+        assert lagged, "rank 1 never lagged: the scenario did not happen"
     finally:
         busy.close()
         for c in comms:

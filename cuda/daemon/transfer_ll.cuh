@@ -282,6 +282,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
           token = true;
         } else if (i == 1 && ll_data(l) != check) {
           bad = true;
+          arrived = false;
         }
       }
     }
