@@ -232,10 +232,10 @@ def test_bucket_taken_over_while_a_peer_lags():
     them, and rank 1's A would never complete."""
     ctx_opts = dfccl.ContextOptions(blocks=1, base_window_ns=200_000, max_window_ns=1_000_000, adaptive=False)
     # Devices of their own: context options are per device and process.
-    comms = dfccl.Communicator.for_devices([90, 91], backend="sim", options=CommOptions(ll_max_bytes=LL, max_tags=2),
+    comms = dfccl.Communicator.for_devices([7790, 7791], backend="sim", options=CommOptions(ll_max_bytes=LL, max_tags=2),
                                            context_options=ctx_opts)
     # Another communicator on rank 1's device: one rank, a long copy.
-    busy = dfccl.Communicator.for_devices([91], backend="sim", context_options=ctx_opts)[0]
+    busy = dfccl.Communicator.for_devices([7791], backend="sim", context_options=ctx_opts)[0]
     big = np.ones(96 << 20, dtype=np.uint8)
     big_out = np.zeros_like(big)
     lagged = 0
@@ -384,6 +384,25 @@ def test_timeout_names_the_missing_rank():
         w1 = comms[1].all_reduce(np.ones(4, np.float32), np.zeros(4, np.float32), tag="late")
         for w in (w0, w1):
             w.synchronize(timeout=TIMEOUT)
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_abort_after_the_push_reaches_a_later_peer():
+    """Rank 0 pushed its lines, then gave the instance up: rank 1, arriving
+    later, must not take them (the token line is marked aborted)."""
+    comms = _comms(2)
+    try:
+        w0 = comms[0].all_reduce(np.ones(4, np.float32), np.zeros(4, np.float32), tag="gone")
+        time.sleep(0.02)
+        comms[0].abort()
+        with pytest.raises(dfccl.AbortedError):
+            w0.synchronize(timeout=TIMEOUT)
+        w1 = comms[1].all_reduce(np.ones(4, np.float32), np.zeros(4, np.float32), tag="gone")
+        with pytest.raises(dfccl.PeerAbortedError) as err:
+            w1.synchronize(timeout=TIMEOUT)
+        assert err.value.origin == 0
     finally:
         for c in comms:
             c.close()

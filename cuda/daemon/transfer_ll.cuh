@@ -226,6 +226,24 @@ DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
   }
 }
 
+// The control warp, when this instance failed after its push: its token
+// line in every peer's area is overwritten with the token marked aborted and
+// the origin of the failure, so peers still polling for these lines fail
+// with PeerAbortedError instead of taking a contribution this rank gave up
+// on (a peer that already took the lines has completed; that race is the
+// same on every path).  The credit for these areas was checked at the push.
+constexpr uint64_t kLLAbortMark = 0xab0a7ab0a7ab0a71ull;
+
+DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t origin) {
+  const dfccl_endpoint *ep = run.ep;
+  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
+    const uint64_t area = ll_area(ep, (ep->rank + 1 + i) % ep->nranks, ep->rank, run.d->bucket, run.d->instance);
+    ll_store(area + 16, origin, flag);
+    ll_store(area, run.token ^ kLLAbortMark, flag);
+  }
+}
+
 // ---- RECV ----------------------------------------------------------------------
 // The leader: the record of `peer` for this tag: cached in this context, else
 // in this rank's record header (where the tag met it last), else found by
@@ -272,12 +290,13 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
   uint32_t spins = 0;
   int r = WAIT_OK;
   for (;;) {
-    bool arrived = area != 0, token = false, bad = false;
+    bool arrived = area != 0, token = false, bad = false, aborted = false;
     if (area != 0) {
       for (uint64_t i = lane_index(); i < lines; i += lane_count()) {
         const LLLine l = ll_load(area + 16 * i);
         if (!ll_valid(l, flag) || (i == 0 && ll_data(l) != run.token)) {
           arrived = false;
+          aborted |= i == 0 && ll_valid(l, flag) && ll_data(l) == (run.token ^ kLLAbortMark);
         } else if (i == 0) {
           token = true;
         } else if (i == 1 && ll_data(l) != check) {
@@ -287,6 +306,15 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
       }
     }
     if (warp_all(arrived)) break;
+    if (warp_any(aborted)) {  // the sender gave this instance up (ll_poison)
+      if (is_leader()) {
+        const LLLine l = ll_load(area + 16);
+        run.status = DFCCL_STATUS_PEER_ABORTED;
+        run.detail = ll_valid(l, flag) ? (int32_t)ll_data(l) : (int32_t)peer;
+      }
+      r = WAIT_ABORT;
+      break;
+    }
     // The signature line counts only next to its instance's token line.
     if (warp_any(bad) && warp_any(token)) {
       if (is_leader()) {
@@ -308,8 +336,15 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
           rec = found;
           moved = ll_area(ep, ep->rank, peer, bucket_of(ep, peer, rec), run.d->instance);
         }
+        // A peer that failed before its push marked its own record (push_abort).
+        const dfccl_chan_state *pc = found != 0 ? record_chan(found, env.block) : nullptr;
+        if (pc != nullptr && load_relaxed(&pc->abort_token) == run.token) {
+          run.status = DFCCL_STATUS_PEER_ABORTED;
+          run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+          decision = WAIT_ABORT;
+        }
       }
-      if ((spins & 3u) == 0) {
+      if (decision == WAIT_OK && (spins & 3u) == 0) {
         if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
         const bool expired = now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
         if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {
@@ -436,6 +471,10 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         while (run.pos[1] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[1];
           int w = ll_wait_lines(env, run, (r + 1 + i) % n, i);
+          if (w == WAIT_ABORT) {
+            const uint32_t origin = run.status == DFCCL_STATUS_PEER_ABORTED && run.detail >= 0 ? (uint32_t)run.detail : r;
+            ll_poison(run, (uint32_t)from_leader(origin));
+          }
           if (w != WAIT_OK) return stop_run(w);
           run.pos[1] += 1;
           run.progressed = true;
