@@ -111,9 +111,9 @@ DFCCL_DEV void store_bytes8(uint64_t addr, uint64_t v, uint32_t n) {
 }
 
 // ---- names ---------------------------------------------------------------------
-// Line flag of (tag, instance): consecutive instances differ, so an area
-// never holds lines that pass for the next instance that uses it; never zero,
-// so a zeroed area matches nothing.  The token line also carries the 64-bit
+// Line flag of (tag, instance): instances two apart (which share an area)
+// differ, so an area never holds lines that pass for the next instance that
+// uses it; never zero, so a zeroed area matches nothing.  The token line also carries the 64-bit
 // instance token, checked in full.
 DFCCL_DEV uint32_t ll_flag(uint64_t key, uint64_t instance) {
   return ((uint32_t)(mix64(key) >> 32) + (uint32_t)instance) | 1u;
