@@ -111,6 +111,10 @@ def main(argv=None) -> int:
     p.add_argument("--depths", default="1,8,64,512,2048")
     p.add_argument("--devices", default=None)
     p.add_argument("--path", default="auto", choices=("auto", "direct", "ring"))
+    p.add_argument("--protocol", default="auto", choices=("auto", "ll", "simple"),
+                   help="CommOptions.protocol: 'll' takes the LL protocol up to --ll-max-bytes")
+    p.add_argument("--ll-max-bytes", type=int, default=None, help="CommOptions.ll_max_bytes (default: from the budget)")
+    p.add_argument("--max-tags", type=int, default=None, help="CommOptions.max_tags (fewer leave room for a larger LL limit)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else list(range(runtime.cuda_device_count()))
@@ -118,11 +122,13 @@ def main(argv=None) -> int:
         print("needs at least two ranks (--devices 0,0 puts two on one GPU)", file=sys.stderr)
         return 2
     rng = np.random.default_rng()
-    comms = dfccl.Communicator.for_devices(devices, backend="cuda", options=dfccl.CommOptions(path=args.path))
+    options = dfccl.CommOptions(path=args.path, protocol=args.protocol, ll_max_bytes=args.ll_max_bytes,
+                                max_tags=args.max_tags)
+    comms = dfccl.Communicator.for_devices(devices, backend="cuda", options=options)
     # NCCL takes one rank per GPU; with ranks sharing a GPU only dfccl runs.
     nccl = Nccl(devices) if len(set(devices)) == len(devices) else None
     machine = {"ranks": len(devices), "gpus": len(set(devices)), "nccl_version": nccl.version if nccl else None,
-               "dfccl_path": comms[0].path,
+               "dfccl_path": comms[0].path, "dfccl_protocol": args.protocol, "ll_max_bytes": comms[0].ll_max_bytes,
                "date": datetime.datetime.now().isoformat(timespec="seconds")}
     print(json.dumps(machine))
     rows = []

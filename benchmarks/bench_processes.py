@@ -39,7 +39,7 @@ def _time_b2b(submit, finish, iters):
     return (time.perf_counter() - t0) / iters
 
 
-def _worker(rank, nprocs, uid, port, sizes, iters, out_path, results):
+def _worker(rank, nprocs, uid, port, sizes, iters, out_path, results, options=None):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
     import torch.distributed as dist
@@ -49,7 +49,8 @@ def _worker(rank, nprocs, uid, port, sizes, iters, out_path, results):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
                             device_id=torch.device("cuda", rank))
-    comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nprocs, backend="cuda", device=rank)
+    comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nprocs, backend="cuda", device=rank,
+                              options=dfccl.CommOptions(**(options or {})))
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     for size in sizes:
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--step", type=int, default=4)
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--protocol", default="auto", choices=("auto", "ll", "simple"), help="CommOptions.protocol")
+    p.add_argument("--ll-max-bytes", type=int, default=None, help="CommOptions.ll_max_bytes")
+    p.add_argument("--max-tags", type=int, default=None, help="CommOptions.max_tags")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     import dfccl
@@ -128,7 +132,9 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.nprocs, uid, port, sizes, args.iters, args.out, results))
+    options = {"protocol": args.protocol, "ll_max_bytes": args.ll_max_bytes, "max_tags": args.max_tags}
+    procs = [ctx.Process(target=_worker, args=(r, args.nprocs, uid, port, sizes, args.iters, args.out, results,
+                                               options))
              for r in range(args.nprocs)]
     for pr in procs:
         pr.start()
