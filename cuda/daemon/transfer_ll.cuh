@@ -239,8 +239,9 @@ DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t origin) {
   const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
     const uint64_t area = ll_area(ep, (ep->rank + 1 + i) % ep->nranks, ep->rank, run.d->bucket, run.d->instance);
-    ll_store(area + 16, origin, flag);
+    // Either line alone says "aborted" (they land in no fixed order).
     ll_store(area, run.token ^ kLLAbortMark, flag);
+    ll_store(area + 16, kLLAbortMark ^ origin, flag);
   }
 }
 
@@ -299,6 +300,9 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
           aborted |= i == 0 && ll_valid(l, flag) && ll_data(l) == (run.token ^ kLLAbortMark);
         } else if (i == 0) {
           token = true;
+        } else if (i == 1 && (ll_data(l) ^ kLLAbortMark) < DFCCL_MAX_RANKS) {
+          aborted = true;
+          arrived = false;
         } else if (i == 1 && ll_data(l) != check) {
           bad = true;
           arrived = false;
@@ -309,8 +313,9 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
     if (warp_any(aborted)) {  // the sender gave this instance up (ll_poison)
       if (is_leader()) {
         const LLLine l = ll_load(area + 16);
+        const uint64_t origin = ll_data(l) ^ kLLAbortMark;
         run.status = DFCCL_STATUS_PEER_ABORTED;
-        run.detail = ll_valid(l, flag) ? (int32_t)ll_data(l) : (int32_t)peer;
+        run.detail = ll_valid(l, flag) && origin < DFCCL_MAX_RANKS ? (int32_t)origin : (int32_t)peer;
       }
       r = WAIT_ABORT;
       break;
