@@ -161,18 +161,19 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
 // The leader: may this rank write instance k into `receiver`'s parity area of
 // its bucket?  Yes once the receiver acknowledged the last instance written
 // there: the same tag's (k - 2, normally long done), or, when the bucket
-// changed tags, the old tag's last instance in either parity.
+// changed tags, the old tag's last instance in either parity.  The header's
+// LL words are read at GPU scope: other blocks read them for the handover.
 DFCCL_DEV bool ll_credit(const TaskRun &run, const dfccl_record_header *own, uint32_t receiver) {
-  const uint64_t key = load_own(&own->ll_key);
+  const uint64_t key = load_gpu(&own->ll_key);
   if (key == 0) return true;
   const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
   if (key == run.d->tag_key) {
-    const uint64_t last = load_own(&own->ll_inst[run.d->instance & 1u]);
+    const uint64_t last = load_gpu(&own->ll_inst[run.d->instance & 1u]);
     if (last == 0) return true;
     return (ack & 0xffffffff00000000ull) == (mix64(key) & 0xffffffff00000000ull) &&
            (ack & 0xffffffffull) >= (last & 0xffffffffull);
   }
-  const uint64_t i0 = load_own(&own->ll_inst[0]), i1 = load_own(&own->ll_inst[1]);
+  const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
   const uint64_t last = i0 > i1 ? i0 : i1;
   return last == 0 || ack == ll_ack_word(key, last);
 }
@@ -198,7 +199,8 @@ DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
   if (run.ep->ll_max_bytes == 0 || run.ep->nranks < 2) return WAIT_OK;
   const dfccl_record_header *own = ptr<const dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
   uint64_t key = 0;
-  if (is_leader()) key = load_own(&own->ll_key);
+  // GPU scope: block 0 (LL runs there) writes these words, any block reads.
+  if (is_leader()) key = load_gpu(&own->ll_key);
   key = from_leader(key);
   if (key == 0 || key == run.d->tag_key) return WAIT_OK;
   return block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
