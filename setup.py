@@ -10,6 +10,7 @@
   builds, CI without GPUs); the sources are still shipped for NVRTC.
 """
 
+import glob
 import os
 import shutil
 import subprocess
@@ -66,6 +67,8 @@ def extensions():
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",
+                  # The simulator compiles the daemon sources: rebuild when they change.
+                  depends=sorted(glob.glob(os.path.join("cuda", "**", "*.*"), recursive=True)),
                   extra_compile_args=CXX_FLAGS + ["-pthread"], extra_link_args=["-pthread"]),
     ]
     # The CUDA backend needs no CUDA headers: it declares the driver ABI itself
