@@ -12,6 +12,7 @@
   builds, CI without GPUs); the sources are still shipped for NVRTC.
 """
 
+import glob
 import os
 import shutil
 import subprocess

@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--path", default="auto", choices=("auto", "direct", "ring"))
     p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
+    p.add_argument("--protocol", default="auto", choices=("auto", "ll", "simple"),
+                   help="CommOptions.protocol: 'll' takes the LL protocol up to --ll-max-bytes")
+    p.add_argument("--ll-max-bytes", type=int, default=None, help="CommOptions.ll_max_bytes (default: from the budget)")
+    p.add_argument("--max-tags", type=int, default=None, help="CommOptions.max_tags (fewer leave room for a larger LL limit)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
 
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     n = len(devices)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
-    comms = dfccl.Communicator.for_devices(devices, backend=backend, options=dfccl.CommOptions(path=args.path))
+    comms = dfccl.Communicator.for_devices(devices, backend=backend, options=dfccl.CommOptions(
+        path=args.path, protocol=args.protocol, ll_max_bytes=args.ll_max_bytes, max_tags=args.max_tags))
     machine = {"host": socket.gethostname(), "backend": backend, "devices": devices, "ranks": n,
                "gpus": len(set(devices)), "dfccl": dfccl.__version__, "dfccl_path": comms[0].path,
                "channels": comms[0].channels, "seed": seed,

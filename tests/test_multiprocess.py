@@ -24,9 +24,11 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         from dfccl import scenarios as sc
 
+        # The LL scenarios: a larger LL limit than the default, in fewer buckets.
+        ll = {"ll_max_bytes": 1024, "max_tags": 64} if scenario.startswith("ll") else {}
         comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend=backend, device=device,
-                                  options=dfccl.CommOptions(path=path), timeout=TIMEOUT)
-        out = {"path": comm.path}
+                                  options=dfccl.CommOptions(path=path, **ll), timeout=TIMEOUT)
+        out = {"path": comm.path, "ll_max_bytes": comm.ll_max_bytes}
         if scenario == "collectives":
             # Sizes on both sides of the staged limit; odd counts; every kind.
             limit = comm._options.staged_max_bytes
@@ -54,6 +56,34 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             for i in insts:
                 i.verify()
             out["checked"] = len(insts)
+        elif scenario == "ll":
+            # Every LL kind, dtype and op around the limit, in and out of
+            # place; then divergent orders across tags and a deep queue.
+            done = 0
+            for k, kind in enumerate(("all_reduce", "all_gather", "reduce_scatter")):
+                for dtype in sc.DTYPES:
+                    esize = np.dtype(dtype).itemsize
+                    for j, op in enumerate(sc.OPS if kind != "all_gather" else ("sum",)):
+                        for count in (1, 1024 // esize, 1024 // esize + 1):
+                            for in_place in (False, True):
+                                spec = sc.Spec(("ll", kind, dtype, op, count, int(in_place)), kind, count, dtype, op)
+                                inst = sc.RankInstance(spec, comm, seed + done, in_place=in_place)
+                                inst.submit().synchronize(timeout=TIMEOUT)
+                                inst.verify()
+                                done += 1
+            specs = [sc.Spec(("lld", i), ("all_reduce", "all_gather", "reduce_scatter")[i % 3], 5 + i, "float32")
+                     for i in range(9)]
+            insts = [sc.RankInstance(s, comm, seed + 50 + i) for i, s in enumerate(specs)]
+            order = insts if rank % 2 == 0 else insts[::-1]
+            works = [i.submit() for i in order]
+            queue = [sc.RankInstance(sc.Spec("llq", "all_reduce", 3, "float32"), comm, seed + 900 + i)
+                     for i in range(200)]
+            works += [i.submit() for i in queue]
+            for w in works:
+                w.synchronize(timeout=TIMEOUT)
+            for i in insts + queue:
+                i.verify()
+            out["checked"] = done + len(insts) + len(queue)
         elif scenario == "queue":
             # Many instances of one tag queued before any completes: they
             # share the tag's record and staging.
@@ -175,6 +205,12 @@ def test_point_to_point_across_processes_sim(path, nranks):
     assert all(o["checked"] == 7 for o in outs)
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_ll_across_processes_sim(nranks):
+    outs = run_ranks(nranks, "sim", "auto", "ll")
+    assert all(o["path"] == "staged" and o["ll_max_bytes"] == 1024 for o in outs)
+
+
 def _gpus() -> list[int]:
     """Up to two visible GPUs (processes share one where there is one)."""
     from dfccl import runtime
@@ -192,6 +228,12 @@ def test_collectives_one_process_per_gpu(path):
 @pytest.mark.gpu
 def test_divergent_order_one_process_per_gpu():
     run_ranks(2, "cuda", "auto", "divergent", devices=_gpus())
+
+
+@pytest.mark.gpu
+def test_ll_one_process_per_gpu():
+    outs = run_ranks(2, "cuda", "auto", "ll", devices=_gpus())
+    assert all(o["ll_max_bytes"] == 1024 for o in outs)
 
 
 @pytest.mark.gpu

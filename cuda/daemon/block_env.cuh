@@ -25,6 +25,7 @@ struct BlockShared {
   uint64_t dsts[2];
   uint32_t active_len;
   uint32_t cursor;
+  uint32_t handoff;        // run active[pick] again at once (a chained successor)
 };
 
 // Outcome of one wait, one step, one run.
@@ -84,7 +85,7 @@ DFCCL_DEV uint64_t task_signature(const dfccl_task_desc &d, uint32_t nranks) {
   const uint64_t root = p2p ? 0 : (uint64_t)d.root;
   return kind | ((uint64_t)d.dtype << 4) | ((uint64_t)d.op << 8) | ((uint64_t)d.path << 12) |
          (root << 16) | ((uint64_t)d.nchannels << 32) | ((uint64_t)nranks << 40) |
-         ((uint64_t)(d.flags & (DFCCL_TASK_ONE_SHOT | DFCCL_TASK_STAGED)) << 48);
+         ((uint64_t)(d.flags & (DFCCL_TASK_ONE_SHOT | DFCCL_TASK_STAGED | DFCCL_TASK_LL)) << 48);
 }
 
 // Counters of the ring protocol carry the instance in their high half so that

@@ -19,6 +19,7 @@ namespace dfccl {
 
 constexpr uint32_t kNoTask = 0xffffffffu;
 constexpr uint32_t kPolicyRefreshPasses = 64;
+constexpr uint32_t kMaxHandoffs = 4;  // chained successors run back to back before a full pass
 
 // Per-block copy of the host-published policy words (refreshed periodically:
 // they live in host memory, a PCIe round trip away).
@@ -108,11 +109,13 @@ DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t n
 // Runs active[pick] once; the leader saves its context and, when it is over,
 // completes it and takes it off the active list.  `picked_ns`: when the
 // scheduler chose it (leader), for the block's profile (`prof`, the leader's
-// register copy).
+// register copy).  `handoffs`: how many runs this pass already handed the
+// channel on without a scheduler pass.
 DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_profile &prof, uint32_t *active,
-                       uint32_t pick, uint64_t picked_ns) {
+                       uint32_t pick, uint64_t picked_ns, uint32_t handoffs) {
   const dfccl_daemon_args *a = env.args;
   BlockShared *sm = env.sm;
+  if (is_leader()) sm->handoff = 0;
   dfccl_task_ctx *ctx = ctx_at(a, active[pick], env.block);
   TaskRun run;
   run.ctx = ctx;
@@ -168,6 +171,14 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
       // oldest keeps its priority through its longer window.
       if (ctx->successor != 0) {
         active[pick] = ctx->successor - 1;
+        // Hand the channel straight to the successor when it may run: the
+        // scheduler pass in between (host link, pull, quit check, pick) has
+        // nothing to add for it.  Bounded, so that pulls and the other
+        // tasks wait at most kMaxHandoffs runs.
+        if (handoffs < kMaxHandoffs && runnable(env, ctx_at(a, active[pick], env.block))) {
+          sm->handoff = 1;
+          sm->pick = pick;
+        }
       } else {
         for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
         sm->active_len -= 1;
@@ -264,7 +275,11 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
       control_sync();
       continue;
     }
-    run_one(env, policy, prof, active, pick, picked_ns);
+    run_one(env, policy, prof, active, pick, picked_ns, 0);
+    for (uint32_t handoffs = 1; sm->handoff; ++handoffs) {
+      if (is_leader()) picked_ns = now_ns();
+      run_one(env, policy, prof, active, sm->pick, picked_ns, handoffs);
+    }
   }
   dismiss_movers(sm);
   if (is_leader()) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "transfer_direct.cuh"
+#include "transfer_ll.cuh"
 #include "transfer_ring.cuh"
 #include "transfer_p2p.cuh"
 
@@ -26,6 +27,11 @@ DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
 
 DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
   if (run.ep->nranks == 1) return run_single_rank(env, run);
+  if (run.d->flags & DFCCL_TASK_LL) return run_ll(env, run);
+  if (run.step == 0) {  // (LL checks this itself, with its credits)
+    const int w = ll_handover(env, run);
+    if (w != WAIT_OK) return stop_run(w);
+  }
   if (run.d->kind == DFCCL_SEND || run.d->kind == DFCCL_RECV) return run_p2p(env, run);
   if (run.d->kind == DFCCL_ALL_TO_ALL) return run_all_to_all(env, run);
   if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);

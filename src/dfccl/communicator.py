@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
@@ -29,7 +30,7 @@ from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, Inval
                           PeerAbortedError, PeerLostError, StartupTimeoutError)
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.options import CommOptions, ContextOptions
-from dfccl.planning import Geometry, plan_geometry
+from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
 from dfccl.registration import Registry, RegistrationHandle, register as _register, registered_task_fields
 from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
@@ -300,6 +301,13 @@ class Communicator:
         self._registry: Registry | None = None
         self._splits = 0
         self._ctx = runtime.get_context(backend, device, context_options)
+        opts = self._options
+        if opts.protocol == "simple":
+            self._options = replace(opts, ll_max_bytes=0)
+        elif opts.ll_max_bytes is None:
+            capacity = opts.max_tags
+            ll = default_ll_max_bytes(capacity, world_size, opts.ll_memory_bytes) if ll_capable(world_size, True) else 0
+            self._options = replace(opts, ll_max_bytes=ll)
         self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
@@ -327,6 +335,10 @@ class Communicator:
                                        "host with peer access between the devices); use 'auto' or 'ring'")
         if self._options.path == "ring":
             mode = "ring"
+        if self._options.protocol == "ll" and not (ll_capable(self._size, mode != "ring")
+                                                   and self._options.ll_max_bytes):
+            raise InvalidArgumentError(f"protocol='ll' needs 2..8 ranks whose arenas all map each other (path "
+                                       f"{mode!r}, {self._size} ranks) and ll_max_bytes > 0; use 'auto' or 'simple'")
         self._mode = mode
         self._direct = mode != "ring"
         self._staged = mode == "staged"
@@ -364,6 +376,13 @@ class Communicator:
         peers in other processes, up to CommOptions.staged_max_bytes; the ring
         above) or "ring"."""
         return self._mode
+
+    @property
+    def ll_max_bytes(self) -> int:
+        """Largest per-rank piece that takes the LL protocol (0: none)."""
+        if not ll_capable(self._size, self._direct) or self._options.protocol == "simple":
+            return 0
+        return self._options.ll_max_bytes or 0
 
     @property
     def channels(self) -> int:

@@ -1,10 +1,11 @@
 """One rank of a communicator on a daemon context: its arena (rank status, tag
-records and ring-path staging FIFOs, in device memory its peers map), the host
-mirror of its tag table, and its registration with the daemon.
+records, the LL region and ring-path staging FIFOs, in device memory its peers
+map), the host mirror of its tag table, and its registration with the daemon.
 
-Arena layout: dfccl_rank_status (ARENA_STATUS_BYTES: state, heartbeat, pid,
-written by this rank's host, read by the peers' daemons and hosts), the tag
-table, then the staging."""
+Arena layout: | dfccl_rank_status (ARENA_STATUS_BYTES: state, heartbeat, pid,
+written by this rank's host, read by the peers' daemons and hosts) + the tag
+table | LL region (planning.ll_region_bytes) | staging |, each part
+4096-aligned."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dfccl._native.context import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHA
                                    RECORD_HEADER_BYTES)
 from dfccl.errors import BackendError
 from dfccl.registration import REG_SLOTS
+from dfccl.planning import ll_region_bytes
 from dfccl.staging import StagingPool
 from dfccl.tags import TagTable
 
@@ -39,12 +41,16 @@ class Endpoint:
         self.nranks = nranks
         self.capacity = options.max_tags   # resolved: equal on every rank
         self.record_stride = RECORD_STRIDE
-        # Status header + table; the staging starts on the next page.
+        # Status header + table; the LL region and the staging follow, page aligned.
         self.table_bytes = _align(ARENA_STATUS_BYTES + self.capacity * RECORD_STRIDE, 4096)
-        self.arena_size = self.table_bytes + options.staging_bytes
+        self.ll_max_bytes = options.ll_max_bytes or 0
+        self.ll_offset = self.table_bytes
+        self.ll_bytes = _align(ll_region_bytes(self.capacity, nranks, self.ll_max_bytes), 4096)
+        staging_base = self.ll_offset + self.ll_bytes
+        self.arena_size = staging_base + options.staging_bytes
         self.arena = self.backend.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
-        self.staging = StagingPool(self.table_bytes, options.staging_bytes)
+        self.staging = StagingPool(staging_base, options.staging_bytes)
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []
@@ -75,6 +81,7 @@ class Endpoint:
             "arena_ptr": self.arena,
             "capacity": self.capacity,
             "stride": RECORD_STRIDE,
+            "ll_max_bytes": self.ll_max_bytes,
             "bus_id": getattr(self.backend, "pci_bus_id", None),
         }
         if self.shareable:
@@ -99,6 +106,9 @@ class Endpoint:
             if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
                 raise BackendError(f"rank {p} uses {info['capacity']} tag records of {info['stride']} bytes, "
                                    f"rank {self.rank} {self.capacity} of {RECORD_STRIDE}: CommOptions differ")
+            if info.get("ll_max_bytes", 0) != self.ll_max_bytes:
+                raise BackendError(f"rank {p} has an LL region for {info.get('ll_max_bytes', 0)} bytes per peer, "
+                                   f"rank {self.rank} for {self.ll_max_bytes}: CommOptions differ")
             if info["backend"] != self.backend.name:
                 raise BackendError(f"rank {p} runs the {info['backend']} backend, rank {self.rank} {self.backend.name}")
             same_process = info["pid"] == me["pid"] and info["host"] == me["host"]
@@ -121,7 +131,7 @@ class Endpoint:
                 arenas.append(ptr)
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                        tables, arenas, self.reg_table)
+                                        tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes)
         self.arenas = arenas
         self.peers = peers
         return mode

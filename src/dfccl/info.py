@@ -138,6 +138,7 @@ def _gpus() -> tuple[list[dict], list[list[bool]]]:
 
 def _defaults(backend: str) -> dict:
     from dfccl.options import CommOptions, ContextOptions
+    from dfccl.planning import default_ll_max_bytes
     from dfccl.policy import default_policy
 
     pol = default_policy(backend, ContextOptions())
@@ -147,7 +148,10 @@ def _defaults(backend: str) -> dict:
                                                                               pol.max_base_ns / 1000),
             "max_window_us": pol.max_window_ns / 1000, "idle_quit_us": pol.idle_quit_ns / 1000,
             "max_outstanding": ContextOptions().max_outstanding, "staging_mib": comm.staging_bytes / (1 << 20),
-            "one_shot_kib": comm.one_shot_bytes / 1024, "bytes_per_channel_kib": comm.bytes_per_channel / 1024}
+            "one_shot_kib": comm.one_shot_bytes / 1024, "bytes_per_channel_kib": comm.bytes_per_channel / 1024,
+            "ll_max_bytes_2_ranks": default_ll_max_bytes(2 * ContextOptions().max_outstanding, 2,
+                                                         comm.ll_memory_bytes),
+            "ll_memory_mib": comm.ll_memory_bytes / (1 << 20)}
 
 
 def collect_info() -> dict:
@@ -213,4 +217,6 @@ def print_info(out: TextIO = sys.stdout) -> dict:
           f"{d['window_range_us'][1]:g} us), at most {d['max_window_us']:g} us; idle quit {d['idle_quit_us']:g} us")
         p(f"  ring staging {d['staging_mib']:g} MiB per rank; one-shot all_reduce up to {d['one_shot_kib']:g} KiB; "
           f"one channel per {d['bytes_per_channel_kib']:g} KiB")
+        p(f"  LL protocol up to {d['ll_max_bytes_2_ranks']} bytes per rank with 2 ranks (LL region "
+          f"{d['ll_memory_mib']:g} MiB per rank; fewer max_tags allow more, up to 4096)")
     return info

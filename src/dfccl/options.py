@@ -8,7 +8,11 @@ from dataclasses import dataclass, field, replace
 
 from dfccl.errors import InvalidArgumentError
 
-__all__ = ["ContextOptions", "CommOptions"]
+__all__ = ["ContextOptions", "CommOptions", "LL_MAX_BYTES_LIMIT"]
+
+#: Largest CommOptions.ll_max_bytes: beyond a few KiB per peer the direct
+#: paths' bulk moves beat LL's 50 % line overhead anyway.
+LL_MAX_BYTES_LIMIT = 64 << 10
 
 
 def _check_ints(obj, names: tuple[str, ...]) -> None:
@@ -104,6 +108,19 @@ class CommOptions:
         within a fraction of a second whatever this is.  None: only exits
         are detected (a stopped or hung peer is not).
     flight_events: events the flight recorder keeps per rank (0: off).
+    protocol: "auto" (the eager low-latency protocol, LL, for all-reduce,
+        all-gather and reduce-scatter whose per-rank piece is at most
+        ll_max_bytes, on direct and staged communicators of 2..8 ranks; the
+        paths above otherwise), "ll" (like auto, but an error where a
+        communicator cannot use LL at all) or "simple" (never LL).
+    ll_max_bytes: largest per-rank piece (bytes each rank sends every peer:
+        the buffer of an all-reduce, the send buffer of an all-gather, the
+        recv buffer of a reduce-scatter) that takes LL; 0 turns LL off.  It
+        sizes the LL region of every rank's arena: max_tags x ranks x 2 x
+        16 x (2 + ll_max_bytes / 8) bytes of receive areas, plus small acks
+        and scratch (docs/architecture.md, "LL").  None: the largest
+        multiple of 16 up to 4096 whose region fits ll_memory_bytes.
+    ll_memory_bytes: budget of the LL region when ll_max_bytes is None.
     """
 
     path: str = "auto"
@@ -118,13 +135,24 @@ class CommOptions:
     ring_tags: int | None = None
     peer_timeout: float | None = 10.0
     flight_events: int = 1024
+    protocol: str = "auto"
+    ll_max_bytes: int | None = None
+    ll_memory_bytes: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if self.path not in ("auto", "direct", "ring"):
             raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
         _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
-                           "one_shot_bytes", "bytes_per_channel", "ring_tags"))
+                           "one_shot_bytes", "bytes_per_channel", "ring_tags",
+                           "ll_max_bytes", "ll_memory_bytes"))
+        if self.protocol not in ("auto", "ll", "simple"):
+            raise InvalidArgumentError(f"CommOptions.protocol must be 'auto', 'll' or 'simple', not {self.protocol!r}")
+        if self.ll_max_bytes is not None and not 0 <= self.ll_max_bytes <= LL_MAX_BYTES_LIMIT:
+            raise InvalidArgumentError(f"CommOptions.ll_max_bytes must be in 0..{LL_MAX_BYTES_LIMIT}, not "
+                                       f"{self.ll_max_bytes}")
+        if self.ll_memory_bytes is not None and self.ll_memory_bytes < 0:
+            raise InvalidArgumentError(f"CommOptions.ll_memory_bytes must be >= 0, not {self.ll_memory_bytes}")
         # One slot deadlocks the ring: a step that receives and sends needs the
         # next rank to free its slot first, and the next rank waits likewise.
         if not 2 <= self.ring_slots <= 64:
@@ -164,4 +192,5 @@ class CommOptions:
             one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
             staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
+            ll_memory_bytes=self.ll_memory_bytes if self.ll_memory_bytes is not None else (128 << 20 if gpu else 8 << 20),
         )

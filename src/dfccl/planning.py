@@ -1,17 +1,45 @@
-"""How one collective runs: its path, channels and ring geometry.  A pure
-function of (kind, count, dtype, ranks, options), so every rank computes the
-same answer without talking; the daemon checks that they agree (the
-signature includes all of it)."""
+"""How one collective runs: its path, protocol, channels and ring geometry.
+A pure function of (kind, count, dtype, ranks, options), so every rank
+computes the same answer without talking; the daemon checks that they agree
+(the signature includes all of it).
+
+The size table (docs/architecture.md, "Choosing a protocol"), for a
+communicator whose peers are all reachable (direct or staged):
+
+=====================================  ===========================================
+per-rank piece / bytes one rank moves  protocol
+=====================================  ===========================================
+piece <= ll_max_bytes (AR, AG, RS;     LL: eager flagged stores, one channel
+2..8 ranks)
+moved <= one_shot_bytes (all-reduce)   direct, one phase (two if any rank is in place)
+moved <= staged_max_bytes (staged)     direct (two-shot all-reduce)
+above                                  ring (staged communicators); direct
+                                       (in-process communicators)
+=====================================  ===========================================
+
+Channels: one per ``bytes_per_channel`` bytes moved, at most the
+communicator's; LL always one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING,
-                                   TASK_ONE_SHOT, TASK_STAGED)
+                                   TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
-__all__ = ["Geometry", "plan_geometry"]
+__all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
+           "default_ll_max_bytes"]
+
+#: Collectives LL runs: the symmetric ones (every rank receives from every
+#: rank), whose instance order alone keeps two parities of areas safe.
+LL_KINDS = (KIND_ALL_REDUCE, KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
+#: Most ranks LL serves: a receiver finds its peers' buckets in its record
+#: header's cache, which holds 8 (DFCCL_PEER_CACHE), and LL's per-peer pushes
+#: stop paying beyond a host's GPUs.
+LL_MAX_RANKS = 8
+_LL_HEADER_LINES = 2
+_DEFAULT_LL_CAP = 4096
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,35 @@ def ring_slice_cap(nchannels: int, options) -> int:
     return max(256, min(options.max_slice_bytes, per_tag // (nchannels * options.ring_slots)) // 16 * 16)
 
 
+def ll_capable(nranks: int, direct: bool) -> bool:
+    """Whether a communicator can use LL at all: every peer's arena mapped
+    (direct or staged) and 2..LL_MAX_RANKS ranks."""
+    return direct and 2 <= nranks <= LL_MAX_RANKS
+
+
+def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
+    """Bytes of the LL region of one rank's arena (cuda/daemon/transfer_ll.cuh):
+    receive areas [bucket][sender][parity] of 16 x (2 + ceil(ll_max_bytes / 8))
+    bytes, acks [bucket][receiver] of 8 bytes (256-aligned), scratch [rank] of
+    ll_max_bytes rounded up to 16."""
+    if ll_max_bytes <= 0:
+        return 0
+    area = 16 * (_LL_HEADER_LINES + _ceil_div(ll_max_bytes, 8))
+    return (capacity * nranks * 2 * area + _round_up(capacity * nranks * 8, 256)
+            + nranks * _round_up(ll_max_bytes, 16))
+
+
+def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
+    """The largest multiple of 16 up to 4096 whose LL region fits ``budget``
+    (0 if not even 16 does)."""
+    per_area = budget // max(1, capacity * nranks * 2)
+    lines = per_area // 16 - _LL_HEADER_LINES
+    best = min(_DEFAULT_LL_CAP, max(0, lines * 8) // 16 * 16)
+    while best > 0 and ll_region_bytes(capacity, nranks, best) > budget:
+        best -= 16
+    return best
+
+
 def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
                   options, *, staged: bool = False) -> Geometry:
     """``direct``: every peer is reachable for the direct path; ``staged``:
@@ -70,6 +127,10 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     nch = max(1, min(max_channels, _ceil_div(total, options.bytes_per_channel)))
     if nranks == 1:
         return Geometry(PATH_DIRECT, nch)
+    ll_max = options.ll_max_bytes or 0
+    if (options.protocol != "simple" and kind in LL_KINDS and ll_capable(nranks, direct)
+            and count * esize <= ll_max):
+        return Geometry(PATH_DIRECT, 1, flags=TASK_LL)
     if direct and (not staged or total <= options.staged_max_bytes):
         # Small enough for one phase; the daemon still runs two phases when any
         # rank turns out to be in place (it learns that while meeting peers).

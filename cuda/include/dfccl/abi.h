@@ -99,6 +99,9 @@ enum dfccl_status {
 #define DFCCL_REG_BIT (1ull << 63)
 #define DFCCL_REG_SLOT_SHIFT 40
 #define DFCCL_REG_OFFSET_MASK ((1ull << DFCCL_REG_SLOT_SHIFT) - 1ull)
+#define DFCCL_TASK_LL 16u           /* eager low-latency protocol (cuda/daemon/transfer_ll.cuh): every
+                                       rank stores its contribution into every peer's receive area
+                                       in flagged 16-byte lines; one channel, path DIRECT */
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -238,7 +241,10 @@ typedef struct dfccl_endpoint {
   uint64_t comm_key;
   uint64_t reg_table;       /* device, [nranks][DFCCL_REG_SLOTS]: peers' registered allocations as
                                mapped here (0: none); 0 when the communicator has no staged path */
-  uint64_t pad[4];
+  uint64_t ll_offset;       /* LL region in each rank's arena (docs/architecture.md, "LL") */
+  uint32_t ll_max_bytes;    /* LL payload per (sender, receiver); 0 = no LL region */
+  uint32_t ll_pad;
+  uint64_t pad[2];
   uint64_t peer_table[DFCCL_MAX_RANKS]; /* each rank's tag table, as mapped here */
   uint64_t peer_arena[DFCCL_MAX_RANKS]; /* each rank's arena base, as mapped here */
 } dfccl_endpoint;
@@ -294,7 +300,12 @@ typedef struct dfccl_record_header {
      (as mapped here), valid while cache_key is the record's key */
   uint64_t cache_key;
   uint64_t peer_rec[DFCCL_PEER_CACHE];
-  uint64_t pad[6];
+  /* owner's daemon only, LL sender side, per bucket (across the tags that
+     hold it): the tag whose lines this bucket's areas hold last, and per
+     parity the last instance pushed there (0: none since that tag came) */
+  uint64_t ll_key;
+  uint64_t ll_inst[2];
+  uint64_t pad[3];
 } dfccl_record_header;
 
 typedef struct dfccl_chan_state {
@@ -344,6 +355,7 @@ static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
 static_assert(sizeof(dfccl_rank_status) == 64, "dfccl_rank_status layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
+static_assert(sizeof(dfccl_endpoint) == 64 + 2 * 8 * DFCCL_MAX_RANKS, "dfccl_endpoint layout");
 #endif
 #endif
 

@@ -16,7 +16,7 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_NUM_KINDS, DFCCL_NUM_DTYPES, DFCCL_NUM_OPS, DFCCL_NUM_PATHS
     unsigned int DFCCL_EP_ABORTED, DFCCL_EP_PEER_LOST
     unsigned int DFCCL_ARENA_STATUS_BYTES, DFCCL_RANK_LIVE, DFCCL_RANK_ABORTED, DFCCL_RANK_CLOSED
-    unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED
+    unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED, DFCCL_TASK_LL
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
     unsigned int DFCCL_RECORD_HEADER_BYTES
 
@@ -101,6 +101,8 @@ cdef extern from "dfccl/abi.h":
         uint32_t record_stride
         uint64_t comm_key
         uint64_t reg_table
+        uint64_t ll_offset
+        uint32_t ll_max_bytes
         uint64_t peer_table[64]
         uint64_t peer_arena[64]
 

@@ -57,6 +57,7 @@ PATH_DIRECT = DFCCL_PATH_DIRECT
 PATH_RING = DFCCL_PATH_RING
 TASK_ONE_SHOT = DFCCL_TASK_ONE_SHOT
 TASK_STAGED = DFCCL_TASK_STAGED
+TASK_LL = DFCCL_TASK_LL
 MAX_CHANNELS = DFCCL_MAX_CHANNELS
 MAX_RANKS = DFCCL_MAX_RANKS
 RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
@@ -666,8 +667,12 @@ cdef class Context:
 
     # -- endpoints -----------------------------------------------------------
     def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
-                     peer_tables, peer_arenas, uint64_t reg_table=0):
-        """Registers one rank of a communicator with the daemon; returns its id."""
+                     peer_tables, peer_arenas, uint64_t reg_table=0, uint64_t ll_offset=0,
+                     uint32_t ll_max_bytes=0):
+        """Registers one rank of a communicator with the daemon; returns its id.
+        ``reg_table``: the peers' registered allocations as mapped here
+        (registration.py); ``ll_offset`` / ``ll_max_bytes``: the LL region of
+        every rank's arena (endpoint.py, ll_region_bytes)."""
         cdef dfccl_endpoint ep
         if not self.free_endpoints:
             raise ResourceError(f"too many communicators on {self.backend.name}:{self.backend.device} "
@@ -682,6 +687,8 @@ cdef class Context:
         ep.record_stride = record_stride
         ep.comm_key = comm_key
         ep.reg_table = reg_table
+        ep.ll_offset = ll_offset
+        ep.ll_max_bytes = ll_max_bytes
         for i in range(nranks):
             ep.peer_table[i] = peer_tables[i]
             ep.peer_arena[i] = peer_arenas[i]

@@ -1,0 +1,502 @@
+// The eager low-latency (LL) protocol for small symmetric collectives
+// (all-reduce, all-gather, reduce-scatter; one channel).  Every rank stores its
+// contribution straight into every peer's receive area, in 16-byte lines of
+// {data 4 B, flag 4 B, data 4 B, flag 4 B} whose flags name the instance, and
+// never waits for the receiver; the only wait on data is a poll of its own
+// memory until every peer's lines for this instance are there:
+//
+//   PUSH     credit from every peer (local words), then publish this rank's
+//            record (for probing, and for peers on other paths) and store
+//            the lines into every peer's area, in one go
+//   RECV     per peer: find its bucket (cached), poll the local area
+//   FINISH   unpack, reduce in rank order (or gather), acknowledge
+//
+// There is no final wait: the sender's buffer is free once its stores are
+// issued, and a completed rank is done with its peers.
+//
+// Receive areas (docs/architecture.md, "LL"): in the receiver's arena, one per
+// (sender, sender's tag bucket, parity of the instance).  The sender knows its
+// bucket; the receiver knows it from the sender's record address, cached per
+// tag in its record header (found by probing once).  Overwrite safety: a
+// sender writes instance k into the parity-(k & 1) area only after every
+// receiver acknowledged the last instance it wrote there (the ack word
+// receivers post into the sender's arena after unpacking); for the same tag
+// that is instance k - 2, which the receiver consumed before it could send
+// its part of k - 1, so the check passes at once.  When another tag takes the
+// bucket over, its first push waits until every receiver acknowledged the old
+// tag's last instance.  Flags carry (tag, instance): lines from another tag or
+// instance are never accepted.
+//
+// Preemption: the credit wait and the polls are the only waits; the context
+// keeps the step and which peers were polled (pos[1]).  A resumed run
+// re-checks the lines of the peer it was polling; verified peers' lines stay
+// in place until this rank acknowledges them (at FINISH), so FINISH, which
+// has no wait, sees all of them.
+#pragma once
+
+#include "transfer_common.cuh"
+#include "transfer_direct.cuh"  // kAnyPeer
+
+namespace dfccl {
+
+enum LLStep { L_PUSH = 0, L_RECV = 1, L_FINISH = 2, L_DONE = 3 };
+
+constexpr uint32_t kLLHeaderLines = 2;  // token line, signature line
+constexpr uint32_t kLLReprobePolls = 64;
+
+// ---- lanes of the control warp ------------------------------------------------
+#if DFCCL_GPU
+DFCCL_DEV uint32_t lane_index() { return threadIdx.x; }
+DFCCL_DEV uint32_t lane_count() { return 32u; }
+DFCCL_DEV bool warp_all(bool p) { return __all_sync(0xffffffffu, p) != 0; }
+DFCCL_DEV bool warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+#else
+DFCCL_DEV uint32_t lane_index() { return 0; }
+DFCCL_DEV uint32_t lane_count() { return 1; }
+DFCCL_DEV bool warp_all(bool p) { return p; }
+DFCCL_DEV bool warp_any(bool p) { return p; }
+#endif
+
+// ---- one line ------------------------------------------------------------------
+struct LLLine {
+  uint32_t d1, f1, d2, f2;
+};
+
+#if DFCCL_GPU
+// One 16-byte store; each 8-byte half {data, flag} lands whole, so a reader
+// that sees both flags sees both data words.
+DFCCL_DEV void ll_store(uint64_t addr, uint64_t data, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"((uint32_t)data), "r"(flag),
+               "r"((uint32_t)(data >> 32)), "r"(flag)
+               : "memory");
+}
+DFCCL_DEV LLLine ll_load(uint64_t addr) {
+  LLLine l;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(l.d1), "=r"(l.f1), "=r"(l.d2), "=r"(l.f2)
+               : "l"(addr)
+               : "memory");
+  return l;
+}
+#else
+DFCCL_DEV void ll_store(uint64_t addr, uint64_t data, uint32_t flag) {
+  uint64_t *w = ptr<uint64_t>(addr);
+  __atomic_store_n(w, (data & 0xffffffffull) | ((uint64_t)flag << 32), __ATOMIC_RELAXED);
+  __atomic_store_n(w + 1, (data >> 32) | ((uint64_t)flag << 32), __ATOMIC_RELAXED);
+}
+DFCCL_DEV LLLine ll_load(uint64_t addr) {
+  const uint64_t *w = ptr<const uint64_t>(addr);
+  const uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+  const uint64_t b = __atomic_load_n(w + 1, __ATOMIC_RELAXED);
+  return LLLine{(uint32_t)a, (uint32_t)(a >> 32), (uint32_t)b, (uint32_t)(b >> 32)};
+}
+#endif
+
+DFCCL_DEV bool ll_valid(const LLLine &l, uint32_t flag) { return l.f1 == flag && l.f2 == flag; }
+DFCCL_DEV uint64_t ll_data(const LLLine &l) { return (uint64_t)l.d1 | ((uint64_t)l.d2 << 32); }
+
+// Up to 8 bytes at addr (fewer at the end of a buffer), any alignment.
+DFCCL_DEV uint64_t load_bytes8(uint64_t addr, uint32_t n) {
+  if (n == 8 && (addr & 7u) == 0) return load_elem(ptr<const uint64_t>(addr));
+  uint64_t v = 0;
+  for (uint32_t i = 0; i < n; ++i) v |= (uint64_t)load_elem(ptr<const uint8_t>(addr + i)) << (8 * i);
+  return v;
+}
+DFCCL_DEV void store_bytes8(uint64_t addr, uint64_t v, uint32_t n) {
+  if (n == 8 && (addr & 7u) == 0) {
+    *ptr<uint64_t>(addr) = v;
+    return;
+  }
+  for (uint32_t i = 0; i < n; ++i) ptr<uint8_t>(addr)[i] = (uint8_t)(v >> (8 * i));
+}
+
+// ---- names ---------------------------------------------------------------------
+// Line flag of (tag, instance): instances two apart (which share an area)
+// differ, so an area never holds lines that pass for the next instance that
+// uses it; never zero, so a zeroed area matches nothing.  The token line also carries the 64-bit
+// instance token, checked in full.
+DFCCL_DEV uint32_t ll_flag(uint64_t key, uint64_t instance) {
+  return ((uint32_t)(mix64(key) >> 32) + (uint32_t)instance) | 1u;
+}
+// What a receiver acknowledges: (tag, instance) in one word.
+DFCCL_DEV uint64_t ll_ack_word(uint64_t key, uint64_t instance) {
+  return (mix64(key) & 0xffffffff00000000ull) | (instance & 0xffffffffull);
+}
+// What must match between ranks (the record's signature check, in a line).
+DFCCL_DEV uint64_t ll_check_word(const TaskRun &run) {
+  return mix64(task_signature(*run.d, run.ep->nranks) ^ mix64(run.d->count + 0x51ed27u));
+}
+
+// ---- the LL region of an arena (endpoint.py, ll_region_bytes) -------------------
+//   areas:   [bucket][sender][parity] of ll_area_bytes
+//   acks:    [bucket][receiver] of 8 bytes (in the sender's arena)
+//   scratch: [rank] of round_up(ll_max_bytes, 16) (the receiver's unpacked copies)
+DFCCL_DEV uint64_t ll_payload_lines(const dfccl_endpoint *ep) { return ceil_div(ep->ll_max_bytes, 8); }
+DFCCL_DEV uint64_t ll_area_bytes(const dfccl_endpoint *ep) { return 16ull * (kLLHeaderLines + ll_payload_lines(ep)); }
+DFCCL_DEV uint64_t ll_areas_bytes(const dfccl_endpoint *ep) {
+  return (uint64_t)ep->table_capacity * ep->nranks * 2ull * ll_area_bytes(ep);
+}
+DFCCL_DEV uint64_t ll_area(const dfccl_endpoint *ep, uint32_t receiver, uint32_t sender, uint32_t bucket,
+                           uint64_t instance) {
+  const uint64_t index = ((uint64_t)bucket * ep->nranks + sender) * 2ull + (instance & 1u);
+  return ep->peer_arena[receiver] + ep->ll_offset + index * ll_area_bytes(ep);
+}
+DFCCL_DEV uint64_t *ll_ack(const dfccl_endpoint *ep, uint32_t sender, uint32_t bucket, uint32_t receiver) {
+  return ptr<uint64_t>(ep->peer_arena[sender] + ep->ll_offset + ll_areas_bytes(ep) +
+                       ((uint64_t)bucket * ep->nranks + receiver) * 8ull);
+}
+DFCCL_DEV uint64_t ll_scratch(const dfccl_endpoint *ep, uint32_t p) {
+  const uint64_t acks = round_up((uint64_t)ep->table_capacity * ep->nranks * 8ull, 256);
+  return ep->peer_arena[ep->rank] + ep->ll_offset + ll_areas_bytes(ep) + acks + (uint64_t)p * round_up(ep->ll_max_bytes, 16);
+}
+
+// Bytes each rank sends every peer (equal for the three kinds: `count` is the
+// per-rank piece) and where they start in the sender's input.
+DFCCL_DEV uint64_t ll_bytes(const TaskRun &run) { return run.d->count * dtype_size(run.d->dtype); }
+DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
+  return run.d->send_addr + (run.d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)receiver * ll_bytes(run) : 0);
+}
+
+// ---- PUSH --------------------------------------------------------------------------
+// The leader: may this rank write instance k into `receiver`'s parity area of
+// its bucket?  Yes once the receiver acknowledged the last instance written
+// there: the same tag's (k - 2, normally long done), or, when the bucket
+// changed tags, the old tag's last instance in either parity.  The header's
+// LL words are read at GPU scope: other blocks read them for the handover.
+DFCCL_DEV bool ll_credit(const TaskRun &run, const dfccl_record_header *own, uint32_t receiver) {
+  const uint64_t key = load_gpu(&own->ll_key);
+  if (key == 0) return true;
+  const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
+  if (key == run.d->tag_key) {
+    const uint64_t last = load_gpu(&own->ll_inst[run.d->instance & 1u]);
+    if (last == 0) return true;
+    return (ack & 0xffffffff00000000ull) == (mix64(key) & 0xffffffff00000000ull) &&
+           (ack & 0xffffffffull) >= (last & 0xffffffffull);
+  }
+  const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
+  const uint64_t last = i0 > i1 ? i0 : i1;
+  return last == 0 || ack == ll_ack_word(key, last);
+}
+
+// The leader: credit from every peer at once.  Pushing to all peers only
+// when all credits are there means an instance that any rank completed has
+// been pushed to every rank, so every receiver can take it whenever its
+// daemon visits it; a credit wait therefore waits only for peers' daemons to
+// run, never on another credit (the deadlock-freedom argument in
+// docs/design-decisions.md, "LL").
+DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own) {
+  for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i)
+    if (!ll_credit(run, own, (run.ep->rank + 1 + i) % run.ep->nranks)) return false;
+  return true;
+}
+
+// Every path, before its first step of an instance (transfer.cuh): a bucket
+// whose LL areas still hold another tag's lines is handed over only when
+// every peer took them.  Until then this rank does not publish (which
+// rewrites the record's key), so peers still find the old tag's bucket by
+// probing.  One local load when the bucket did not change tags.
+DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
+  if (run.ep->ll_max_bytes == 0 || run.ep->nranks < 2) return WAIT_OK;
+  const dfccl_record_header *own = ptr<const dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  uint64_t key = 0;
+  // GPU scope: block 0 (LL runs there) writes these words, any block reads.
+  if (is_leader()) key = load_gpu(&own->ll_key);
+  key = from_leader(key);
+  if (key == 0 || key == run.d->tag_key) return WAIT_OK;
+  return block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
+}
+
+// The control warp: this rank's lines for `receiver`, into its area.
+DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
+  const dfccl_endpoint *ep = run.ep;
+  const uint64_t area = ll_area(ep, receiver, ep->rank, run.d->bucket, run.d->instance);
+  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  const uint64_t bytes = ll_bytes(run);
+  const uint64_t src = ll_source(run, receiver);
+  const uint64_t lines = kLLHeaderLines + ceil_div(bytes, 8);
+  for (uint64_t i = lane_index(); i < lines; i += lane_count()) {
+    uint64_t v;
+    if (i == 0) {
+      v = run.token;
+    } else if (i == 1) {
+      v = ll_check_word(run);
+    } else {
+      const uint64_t off = (i - kLLHeaderLines) * 8;
+      v = load_bytes8(src + off, bytes - off < 8 ? (uint32_t)(bytes - off) : 8u);
+    }
+    ll_store(area + 16 * i, v, flag);
+  }
+}
+
+// The control warp, when this instance failed after its push: its token
+// line in every peer's area is overwritten with the token marked aborted and
+// the origin of the failure, so peers still polling for these lines fail
+// with PeerAbortedError instead of taking a contribution this rank gave up
+// on (a peer that already took the lines has completed; that race is the
+// same on every path).  The credit for these areas was checked at the push.
+constexpr uint64_t kLLAbortMark = 0xab0a7ab0a7ab0a71ull;
+
+DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t origin) {
+  const dfccl_endpoint *ep = run.ep;
+  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
+    const uint64_t area = ll_area(ep, (ep->rank + 1 + i) % ep->nranks, ep->rank, run.d->bucket, run.d->instance);
+    // Either line alone says "aborted" (they land in no fixed order).
+    ll_store(area, run.token ^ kLLAbortMark, flag);
+    ll_store(area + 16, kLLAbortMark ^ origin, flag);
+  }
+}
+
+// ---- RECV ----------------------------------------------------------------------
+// The leader: the record of `peer` for this tag: cached in this context, else
+// in this rank's record header (where the tag met it last), else found by
+// probing (0: not there yet).  Caches what it finds in both places.
+DFCCL_DEV uint64_t ll_peer_record(TaskRun &run, uint32_t peer, uint32_t index, bool reprobe) {
+  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  uint64_t rec = run.ctx->peer_rec[index];
+  if (rec == 0 && load_own(&own->cache_key) == run.d->tag_key) rec = load_own(&own->peer_rec[peer]);
+  if (rec == 0 || reprobe) {
+    const uint64_t found = probe_record(run.ep, peer, run.d->tag_key);
+    if (found != 0) rec = found;
+  }
+  if (rec != 0 && rec != run.ctx->peer_rec[index]) {
+    run.ctx->peer_rec[index] = rec;
+    if (load_own(&own->cache_key) != run.d->tag_key) {
+      for (uint32_t i = 0; i < DFCCL_PEER_CACHE; ++i) own->peer_rec[i] = 0;
+    }
+    own->peer_rec[peer] = rec;
+    own->cache_key = run.d->tag_key;
+  }
+  return rec;
+}
+
+DFCCL_DEV uint32_t bucket_of(const dfccl_endpoint *ep, uint32_t peer, uint64_t rec) {
+  return (uint32_t)((rec - ep->peer_table[peer]) / ep->record_stride);
+}
+
+// Waits until every line of `peer` for this instance is in this rank's area.
+// Every lane of the control warp checks its share of the lines on each poll;
+// the leader keeps the deadline, checks aborts like block_wait, and every
+// kLLReprobePolls polls looks the peer's record up afresh (the peer's tag may
+// have moved to another bucket since it was cached).  A token line whose flag
+// matches but whose signature line differs is a mismatch.
+DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t index) {
+  const dfccl_endpoint *ep = run.ep;
+  uint64_t rec = 0;
+  if (is_leader()) rec = ll_peer_record(run, peer, index, false);
+  rec = from_leader(rec);
+  uint64_t area = rec != 0 ? ll_area(ep, ep->rank, peer, bucket_of(ep, peer, rec), run.d->instance) : 0;
+  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  const uint64_t check = ll_check_word(run);
+  const uint64_t lines = kLLHeaderLines + ceil_div(ll_bytes(run), 8);
+  uint64_t start = 0;
+  uint32_t spins = 0;
+  int r = WAIT_OK;
+  for (;;) {
+    bool arrived = area != 0, token = false, bad = false, aborted = false;
+    if (area != 0) {
+      for (uint64_t i = lane_index(); i < lines; i += lane_count()) {
+        const LLLine l = ll_load(area + 16 * i);
+        if (!ll_valid(l, flag) || (i == 0 && ll_data(l) != run.token)) {
+          arrived = false;
+          aborted |= i == 0 && ll_valid(l, flag) && ll_data(l) == (run.token ^ kLLAbortMark);
+        } else if (i == 0) {
+          token = true;
+        } else if (i == 1 && (ll_data(l) ^ kLLAbortMark) < DFCCL_MAX_RANKS) {
+          aborted = true;
+          arrived = false;
+        } else if (i == 1 && ll_data(l) != check) {
+          bad = true;
+          arrived = false;
+        }
+      }
+    }
+    if (warp_all(arrived)) break;
+    if (warp_any(aborted)) {  // the sender gave this instance up (ll_poison)
+      if (is_leader()) {
+        const LLLine l = ll_load(area + 16);
+        const uint64_t origin = ll_data(l) ^ kLLAbortMark;
+        run.status = DFCCL_STATUS_PEER_ABORTED;
+        run.detail = ll_valid(l, flag) && origin < DFCCL_MAX_RANKS ? (int32_t)origin : (int32_t)peer;
+      }
+      r = WAIT_ABORT;
+      break;
+    }
+    // The signature line counts only next to its instance's token line.
+    if (warp_any(bad) && warp_any(token)) {
+      if (is_leader()) {
+        run.status = DFCCL_STATUS_MISMATCH;
+        run.detail = (int32_t)peer;
+      }
+      r = WAIT_ABORT;
+      break;
+    }
+    int decision = WAIT_OK;  // leader: WAIT_OK = keep polling
+    uint64_t moved = 0;
+    if (is_leader()) {
+      if (start == 0) start = now_ns();
+      spin_pause();
+      ++spins;
+      if (area == 0 || spins % kLLReprobePolls == 0) {
+        const uint64_t found = ll_peer_record(run, peer, index, true);
+        if (found != 0 && found != rec) {
+          rec = found;
+          moved = ll_area(ep, ep->rank, peer, bucket_of(ep, peer, rec), run.d->instance);
+        }
+        // A peer that failed before its push marked its own record (push_abort).
+        const dfccl_chan_state *pc = found != 0 ? record_chan(found, env.block) : nullptr;
+        if (pc != nullptr && load_relaxed(&pc->abort_token) == run.token) {
+          run.status = DFCCL_STATUS_PEER_ABORTED;
+          run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+          decision = WAIT_ABORT;
+        }
+      }
+      if (decision == WAIT_OK && (spins & 3u) == 0) {
+        if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
+        const bool expired = now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
+        if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {
+          decision = WAIT_ABORT;
+        } else if (expired) {
+          decision = WAIT_EXPIRED;
+          run.waiting_on = peer + 1;
+        }
+      }
+    }
+    moved = from_leader(moved);
+    if (moved != 0) area = moved;
+    decision = (int)from_leader((uint64_t)decision);
+    if (decision != WAIT_OK) {
+      r = decision;
+      break;
+    }
+  }
+  if (is_leader() && r == WAIT_OK) {
+    const uint64_t now = now_ns();
+    if (start != 0 && now - start > run.max_wait_ns) run.max_wait_ns = now - start;
+    run.deadline_ns = now + run.window_ns;
+  }
+  return r;
+}
+
+// ---- FINISH --------------------------------------------------------------------
+// The control warp: peer p's payload out of its lines, to dst.
+DFCCL_DEV void ll_unpack(const TaskRun &run, uint32_t p, uint64_t dst) {
+  const dfccl_endpoint *ep = run.ep;
+  const uint64_t area = ll_area(ep, ep->rank, p, bucket_of(ep, p, run.ctx->peer_rec[(p + ep->nranks - ep->rank - 1) % ep->nranks]),
+                                run.d->instance);
+  const uint64_t bytes = ll_bytes(run);
+  const uint64_t n = ceil_div(bytes, 8);
+  for (uint64_t i = lane_index(); i < n; i += lane_count()) {
+    const LLLine l = ll_load(area + 16 * (kLLHeaderLines + i));
+    const uint64_t off = i * 8;
+    store_bytes8(dst + off, ll_data(l), bytes - off < 8 ? (uint32_t)(bytes - off) : 8u);
+  }
+}
+
+DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
+  control_sync();  // the leader's cached peer records, for every lane
+  const dfccl_task_desc *d = run.d;
+  const dfccl_endpoint *ep = run.ep;
+  const uint32_t n = ep->nranks, r = ep->rank;
+  const uint64_t bytes = ll_bytes(run);
+  if (d->kind == DFCCL_ALL_GATHER) {
+    for (uint32_t p = 0; p < n; ++p)
+      if (p != r) ll_unpack(run, p, d->recv_addr + (uint64_t)p * bytes);
+    const uint64_t mine = d->recv_addr + (uint64_t)r * bytes;
+    if (d->send_addr != mine) {
+      if (is_leader()) {
+        env.sm->srcs[0] = d->send_addr;
+        env.sm->dsts[0] = mine;
+      }
+      move_data(env, run, 1, 1, d->count, 1);
+    }
+  } else {
+    for (uint32_t p = 0; p < n; ++p)
+      if (p != r) ll_unpack(run, p, ll_scratch(ep, p));
+    // The unpacked copies before the movers read them (the move barrier
+    // orders the block's memory; the warp sync keeps the lanes together).
+    control_sync();
+    if (is_leader()) {
+      for (uint32_t p = 0; p < n; ++p)
+        env.sm->srcs[p] = p == r ? d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0)
+                                 : ll_scratch(ep, p);
+      env.sm->dsts[0] = d->recv_addr;
+    }
+    move_data(env, run, n, 1, d->count, d->op == DFCCL_AVG ? n : 1);
+  }
+  // Every peer's lines are consumed: acknowledge (posted stores, nobody
+  // waits for them unless it reuses the area).
+  control_sync();
+  if (is_leader()) {
+    const uint64_t ack = ll_ack_word(d->tag_key, d->instance);
+    for (uint32_t i = 0; i + 1 < n; ++i) {
+      const uint32_t p = (r + 1 + i) % n;
+      store_relaxed(ll_ack(ep, p, bucket_of(ep, p, run.ctx->peer_rec[i]), r), ack);
+    }
+  }
+}
+
+DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
+  const uint32_t n = run.ep->nranks, r = run.ep->rank;
+  // The host plans LL only where it fits (planning.py); anything else would
+  // write past the areas.
+  const uint32_t kind = run.d->kind;
+  if (run.d->nchannels != 1 || ll_bytes(run) > run.ep->ll_max_bytes || n > DFCCL_PEER_CACHE ||
+      (kind != DFCCL_ALL_REDUCE && kind != DFCCL_ALL_GATHER && kind != DFCCL_REDUCE_SCATTER)) {
+    if (is_leader()) {
+      run.status = DFCCL_STATUS_BAD_TASK;
+      run.detail = -1;
+    }
+    return RUN_FAILED;
+  }
+  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, r, run.d->bucket));
+  for (;;) {
+    switch (run.step) {
+      case L_PUSH: {
+        // Credits first: publishing rewrites the record's key, which peers
+        // still taking an old tag's lines from this bucket look up.
+        int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
+        if (w != WAIT_OK) return stop_run(w);
+        publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
+        for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
+        // What the areas of this bucket now hold, for the next push's credit.
+        control_sync();
+        if (is_leader()) {
+          if (load_own(&own->ll_key) != run.d->tag_key) {
+            own->ll_inst[0] = 0;
+            own->ll_inst[1] = 0;
+            own->ll_key = run.d->tag_key;
+          }
+          own->ll_inst[run.d->instance & 1u] = run.d->instance;
+        }
+        run.pos[1] = 0;
+        run.step = L_RECV;
+        run.progressed = true;
+        break;
+      }
+      case L_RECV:
+        while (run.pos[1] + 1 < n) {
+          const uint32_t i = (uint32_t)run.pos[1];
+          int w = ll_wait_lines(env, run, (r + 1 + i) % n, i);
+          if (w == WAIT_ABORT) {
+            const uint32_t origin = run.status == DFCCL_STATUS_PEER_ABORTED && run.detail >= 0 ? (uint32_t)run.detail : r;
+            ll_poison(run, (uint32_t)from_leader(origin));
+          }
+          if (w != WAIT_OK) return stop_run(w);
+          run.pos[1] += 1;
+          run.progressed = true;
+        }
+        run.step = L_FINISH;
+        break;
+      case L_FINISH:
+        ll_finish(env, run);
+        run.step = L_DONE;
+        run.progressed = true;
+        break;
+      default:
+        return RUN_DONE;
+    }
+  }
+}
+
+}  // namespace dfccl
