@@ -236,14 +236,24 @@ DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
 // same on every path).  The credit for these areas was checked at the push.
 constexpr uint64_t kLLAbortMark = 0xab0a7ab0a7ab0a71ull;
 
-DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t origin) {
+// The poison's second line carries (status << 32 | origin rank), so that a
+// mismatch or a lost peer reaches every rank as itself (push_abort's rule).
+DFCCL_DEV uint64_t ll_poison_word(uint32_t status, uint32_t origin) {
+  return kLLAbortMark ^ (((uint64_t)status << 32) | origin);
+}
+DFCCL_DEV bool ll_poison_valid(uint64_t data) {
+  const uint64_t x = data ^ kLLAbortMark;
+  return (x & 0xffffffffull) < DFCCL_MAX_RANKS && (x >> 32) != 0 && (x >> 32) < 16;
+}
+
+DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t status, uint32_t origin) {
   const dfccl_endpoint *ep = run.ep;
   const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
     const uint64_t area = ll_area(ep, (ep->rank + 1 + i) % ep->nranks, ep->rank, run.d->bucket, run.d->instance);
     // Either line alone says "aborted" (they land in no fixed order).
     ll_store(area, run.token ^ kLLAbortMark, flag);
-    ll_store(area + 16, kLLAbortMark ^ origin, flag);
+    ll_store(area + 16, ll_poison_word(status, origin), flag);
   }
 }
 
@@ -302,7 +312,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
           aborted |= i == 0 && ll_valid(l, flag) && ll_data(l) == (run.token ^ kLLAbortMark);
         } else if (i == 0) {
           token = true;
-        } else if (i == 1 && (ll_data(l) ^ kLLAbortMark) < DFCCL_MAX_RANKS) {
+        } else if (i == 1 && ll_poison_valid(ll_data(l))) {
           aborted = true;
           arrived = false;
         } else if (i == 1 && ll_data(l) != check) {
@@ -315,9 +325,8 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
     if (warp_any(aborted)) {  // the sender gave this instance up (ll_poison)
       if (is_leader()) {
         const LLLine l = ll_load(area + 16);
-        const uint64_t origin = ll_data(l) ^ kLLAbortMark;
-        run.status = DFCCL_STATUS_PEER_ABORTED;
-        run.detail = ll_valid(l, flag) && origin < DFCCL_MAX_RANKS ? (int32_t)origin : (int32_t)peer;
+        const bool known = ll_valid(l, flag) && ll_poison_valid(ll_data(l));
+        take_relayed(run, known ? ll_data(l) ^ kLLAbortMark : ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | peer);
       }
       r = WAIT_ABORT;
       break;
@@ -346,15 +355,14 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
         // A peer that failed before its push marked its own record (push_abort).
         const dfccl_chan_state *pc = found != 0 ? record_chan(found, env.block) : nullptr;
         if (pc != nullptr && load_relaxed(&pc->abort_token) == run.token) {
-          run.status = DFCCL_STATUS_PEER_ABORTED;
-          run.detail = (int32_t)(load_relaxed(&pc->abort_info) & 0xffffffffu);
+          take_relayed(run, load_relaxed(&pc->abort_info));
           decision = WAIT_ABORT;
         }
       }
       if (decision == WAIT_OK && (spins & 3u) == 0) {
         if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
         const bool expired = now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
-        if (((spins & 255u) == 0 || expired) && abort_pending(env, run)) {
+        if (((spins & 255u) == 0 || expired) && abort_pending(env, run, peer)) {
           decision = WAIT_ABORT;
         } else if (expired) {
           decision = WAIT_EXPIRED;
@@ -479,8 +487,16 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
           const uint32_t i = (uint32_t)run.pos[1];
           int w = ll_wait_lines(env, run, (r + 1 + i) % n, i);
           if (w == WAIT_ABORT) {
-            const uint32_t origin = run.status == DFCCL_STATUS_PEER_ABORTED && run.detail >= 0 ? (uint32_t)run.detail : r;
-            ll_poison(run, (uint32_t)from_leader(origin));
+            // What travels, as in push_abort: a relayed failure keeps its
+            // status and origin; one that starts here names this rank.
+            uint32_t status = DFCCL_STATUS_PEER_ABORTED, origin = r;
+            if (run.relayed && run.detail >= 0) {
+              status = run.status;
+              origin = (uint32_t)run.detail;
+            } else if (run.status == DFCCL_STATUS_MISMATCH) {
+              status = DFCCL_STATUS_MISMATCH;
+            }
+            ll_poison(run, (uint32_t)from_leader(status), (uint32_t)from_leader(origin));
           }
           if (w != WAIT_OK) return stop_run(w);
           run.pos[1] += 1;
