@@ -145,6 +145,7 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self._next_status = 0.0
         self._wrote_status = False
+        self._stopping = False   # set at interpreter exit: write nothing more
 
     def register(self, comm) -> None:
         with self._lock:
@@ -185,7 +186,7 @@ class _Monitor:
 
     def _write_status(self, comms) -> None:
         path = status_path()
-        if path is None:
+        if path is None or self._stopping:
             return
         if not comms:
             if self._wrote_status:
@@ -206,8 +207,12 @@ class _Monitor:
         try:
             with open(tmp, "w") as f:
                 json.dump(doc, f, default=repr)
-            os.replace(tmp, path)
-            self._wrote_status = True
+            with self._lock:   # not after the exit handler removed the file
+                if self._stopping:
+                    _remove(tmp)
+                    return
+                os.replace(tmp, path)
+                self._wrote_status = True
         except OSError:
             _remove(tmp)
 
@@ -229,6 +234,11 @@ def register(comm) -> None:
 
 @atexit.register
 def _remove_status_file() -> None:
+    # The monitor is a daemon thread that outlives this handler: stop its
+    # writes first (under its lock), then remove what it wrote.
+    with _monitor._lock:
+        _monitor._stopping = True
+        wrote = _monitor._wrote_status
     path = status_path()
-    if path is not None and _monitor._wrote_status:
+    if path is not None and wrote:
         _remove(path)
