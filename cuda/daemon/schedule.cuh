@@ -55,14 +55,24 @@ DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx 
 }
 
 // The leader: may this task run now?  It must be armed (a stream-ordered
-// submission is armed when its stream gets there).  Earlier instances of its
-// tag on this channel are done: it entered the active list only then
-// (chain_behind_pending in submit.cuh).
+// submission is armed when its stream gets there), and past its `after`.
+// Earlier instances of its tag on this channel are done: it entered the
+// active list only then (chain_behind_pending in submit.cuh).
 DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
   if (ctx->state == DFCCL_CTX_PULLED) {
     // Device memory, written by the submitting stream's cuStreamWriteValue32.
     if (load_acquire(&env.args->armed[ctx->desc.slot]) != ctx->desc.gen) return false;
     ctx->state = DFCCL_CTX_ARMED;
+  }
+  if (ctx->desc.after != 0) {
+    // An earlier instance of the tag lays the shared staging out differently:
+    // it must be over on every channel first (its completion word carries its
+    // generation or, once the slot was reused, a later one).  Host memory:
+    // only such instances pay this read, until it passes.
+    const uint32_t slot = (uint32_t)(ctx->desc.after >> 32) - 1u;
+    const uint32_t gen = (uint32_t)ctx->desc.after;
+    if ((int32_t)(load_acquire(&env.args->done[slot]) - gen) < 0) return false;
+    ctx->desc.after = 0;
   }
   return true;
 }

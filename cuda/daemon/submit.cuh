@@ -49,6 +49,7 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
   if (ep->nranks == 0 || ep->nranks > DFCCL_MAX_RANKS || ep->rank >= ep->nranks) return false;
   if (d->bucket >= ep->table_capacity || d->root >= ep->nranks || d->instance == 0) return false;
+  if ((d->after >> 32) > a->nslots) return false;
   if (ep->nranks > 1 && d->path == DFCCL_PATH_RING) {
     const uint32_t esize = dtype_size(d->dtype);
     if (d->slice_bytes < esize || d->slice_bytes % esize != 0 || d->fifo_slots == 0) return false;

@@ -57,7 +57,8 @@ def tag_key(comm_key: int, tag: object) -> int:
 
 
 class _TagState:
-    __slots__ = ("bucket", "submitted", "pending", "poisoned", "transient", "fifo", "fifo_bytes", "retired_fifos")
+    __slots__ = ("bucket", "submitted", "pending", "poisoned", "transient", "fifo", "fifo_bytes", "retired_fifos",
+                 "fifo_layout", "last_slot_gen")
 
     def __init__(self, transient: bool):
         self.bucket = -1
@@ -68,6 +69,8 @@ class _TagState:
         self.fifo = -1            # staging this tag's instances share (one at a time per channel)
         self.fifo_bytes = 0
         self.retired_fifos: list[tuple[int, int]] = []  # smaller FIFOs still used by pending instances
+        self.fifo_layout: object = None   # how the latest instance lays the staging out
+        self.last_slot_gen = 0            # ((slot + 1) << 32) | gen of the latest instance with staging
 
 
 class TagTable:
@@ -98,23 +101,35 @@ class TagTable:
 
     def acquire(self, key: int, transient: bool) -> tuple[int, int]:
         """Registers the next instance of ``key``.  Returns (bucket, instance)."""
-        bucket, instance, _ = self.acquire_staged(key, transient, 0)
+        bucket, instance, _, _ = self.acquire_staged(key, transient, 0)
         return bucket, instance
 
-    def acquire_staged(self, key: int, transient: bool, staging_bytes: int) -> tuple[int, int, int]:
+    def acquire_staged(self, key: int, transient: bool, staging_bytes: int,
+                       layout: object = None) -> tuple[int, int, int, int]:
         """Like acquire(), and reserves ``staging_bytes`` of staging for the
-        tag (shared with its other instances).  Returns (bucket, instance,
-        staging offset or 0)."""
+        tag, shared with its other instances.  ``layout`` says how the
+        instance's channels use it.  Returns (bucket, instance, staging offset
+        or 0, after): ``after`` names an earlier instance (the descriptor's
+        ``after``) that must be over on every channel before this one starts.
+
+        Instances of a tag run one after the other on each channel, not across
+        channels: channel 0 of instance k + 1 may run while channel 1 of
+        instance k still does.  Instances that lay the staging out alike use
+        the same part of it on each channel, so that order is enough; one that
+        lays it out differently (another size or channel count) would write
+        where another channel of a pending instance still works, so it waits
+        for the latest one to be over everywhere (which the earlier ones were
+        before it)."""
         st = self._tags.get(key)
         if st is None:
             st = self._tags[key] = _TagState(transient)
         fresh = st.bucket < 0
         if fresh:
             st.bucket = self._claim(key)
-        offset = 0
+        offset = after = 0
         if staging_bytes:
             try:
-                offset = self._reserve_staging(key, st, staging_bytes)
+                offset, after = self._reserve_staging(key, st, staging_bytes, layout)
             except BaseException:
                 if fresh:
                     self._owner[st.bucket] = 0
@@ -128,7 +143,12 @@ class TagTable:
             self.used += 1
         st.submitted += 1
         st.pending += 1
-        return st.bucket, st.submitted, offset
+        return st.bucket, st.submitted, offset, after
+
+    def note_slot(self, key: int, slot_gen: int) -> None:
+        """The completion slot and generation of the instance just acquired
+        with staging: ((slot + 1) << 32) | gen, for later instances' ``after``."""
+        self._tags[key].last_slot_gen = slot_gen
 
     def cancel(self, key: int) -> None:
         """Undoes the last acquire() of ``key`` (its submission failed before
@@ -210,9 +230,12 @@ class TagTable:
         raise ResourceError(f"all {cap} tag records of this rank are in use (tags pending at once); "
                             "raise CommOptions.max_tags")
 
-    def _reserve_staging(self, key: int, st: _TagState, nbytes: int) -> int:
+    def _reserve_staging(self, key: int, st: _TagState, nbytes: int, layout: object) -> tuple[int, int]:
+        """(offset, after): see acquire_staged."""
         if st.fifo >= 0 and st.fifo_bytes >= nbytes:
-            return st.fifo
+            after = st.last_slot_gen if st.pending and layout != st.fifo_layout else 0
+            st.fifo_layout = layout
+            return st.fifo, after
         off = self._staging.alloc(nbytes)
         while off is None and self._idle:
             # Give back the staging of idle tags, oldest first.
@@ -230,5 +253,6 @@ class TagTable:
                 st.retired_fifos.append((st.fifo, st.fifo_bytes))
             else:
                 self._staging.free(st.fifo, st.fifo_bytes)
-        st.fifo, st.fifo_bytes = off, nbytes
-        return off
+        # A new region: nothing pending uses it, so no wait.
+        st.fifo, st.fifo_bytes, st.fifo_layout = off, nbytes, layout
+        return off, 0

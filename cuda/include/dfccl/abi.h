@@ -128,7 +128,10 @@ typedef struct dfccl_task_desc {
   uint32_t reserved1;     /* zero */
   uint64_t aux_offset;    /* all-to-all: this instance's split table in its arena
                              (dfccl_a2a_table); zero otherwise */
-  uint64_t reserved2;     /* zero */
+  uint64_t after;         /* ((slot + 1) << 32) | gen of an earlier instance of this tag that must
+                             be complete on every channel before this one runs on any: they
+                             share the tag's staging but lay it out differently (tags.py);
+                             zero = none */
 } dfccl_task_desc;  /* 112 bytes */
 
 /* Host <-> daemon control words, in host-mapped memory.  Host-written and

@@ -28,6 +28,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t instance
         uint64_t send_reg
         uint64_t aux_offset
+        uint64_t after
         uint64_t fifo_offset
         uint32_t endpoint
         uint32_t bucket

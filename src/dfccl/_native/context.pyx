@@ -98,6 +98,15 @@ cdef class TaskDescriptor:
     cdef uint64_t stream
     cdef readonly object owners
     cdef object tags
+    cdef object layout
+
+    cdef object staging_layout(self):
+        """How the collective's channels use its staging (TagTable.acquire_staged):
+        equal for instances whose every channel uses the same part of it."""
+        if self.layout is None:
+            self.layout = (self.desc.kind, self.desc.dtype, self.desc.path, self.desc.flags, self.desc.nchannels,
+                           self.desc.count, self.desc.slice_bytes, self.desc.fifo_slots, self.desc.send_reg != 0)
+        return self.layout
 
     def __init__(self, *, str kind, object tag, int rank, uint64_t key, bint transient, object tags,
                  uint32_t endpoint, int kind_code, int dtype, int op, int path, int root, int nchannels,
@@ -128,6 +137,7 @@ cdef class TaskDescriptor:
         self.transient = transient
         self.tags = tags
         self.staging_bytes = staging_bytes
+        self.layout = None
         self.has_stream = stream is not None
         self.stream = 0 if stream is None else <uint64_t>stream
         self.owners = owners
@@ -732,7 +742,7 @@ cdef class Context:
         descriptor as the daemon receives it, after every host check: the
         way to show that the daemon rejects a corrupt one."""
         cdef uint32_t slot, gen, bucket
-        cdef uint64_t instance, staging
+        cdef uint64_t instance, staging, after
         cdef dfccl_task_desc *d
         cdef Work work
         if self.closed:
@@ -743,7 +753,8 @@ cdef class Context:
                 "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
         if task.desc.nchannels < 1 or task.desc.nchannels > self.nblocks:
             raise ValueError(f"nchannels {task.desc.nchannels} outside 1..{self.nblocks}")
-        bucket, instance, staging = task.tags.acquire_staged(task.key, task.transient, task.staging_bytes)
+        bucket, instance, staging, after = task.tags.acquire_staged(
+            task.key, task.transient, task.staging_bytes, task.staging_layout() if task.staging_bytes else None)
         work = Work.__new__(Work)
         work._ctx = self
         work._keepalive = task.owners
@@ -774,6 +785,9 @@ cdef class Context:
             d.bucket = bucket
             d.slot = slot
             d.gen = gen
+            d.after = after
+            if task.staging_bytes:
+                task.tags.note_slot(task.key, ((<uint64_t>slot + 1) << 32) | gen)
             if raw_fields:
                 _override_fields(d, raw_fields)
             if task.has_stream:
