@@ -1,8 +1,11 @@
-"""The torch.distributed backend on GPUs, one process per rank (rank r on GPU
-r mod the GPUs visible, so one GPU runs both ranks, time-sliced between the
-processes): the simulator scenarios with CUDA tensors, plus what only CUDA
-has: stream ordering, a host that never blocks, side streams, timeouts and
-graph capture."""
+"""The torch.distributed backend on 2 GPUs, one process per GPU: the
+simulator scenarios with CUDA tensors (collectives, point to point and
+all-to-all), plus what only CUDA has: stream ordering, a host that never
+blocks, side streams, timeouts and graph capture.
+
+Not on one GPU: two processes sharing a GPU are time-sliced (each
+collective waits for the other process's slice, milliseconds), and these
+scenarios then outrun their time limits (seen on one H200)."""
 
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ dist = pytest.importorskip("torch.distributed")
 from test_torch_sim import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
                             _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(180),
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 GPUs visible to torch")]
 
 WORLD = 2
 
