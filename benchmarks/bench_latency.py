@@ -56,7 +56,7 @@ class Buffers:
     def _empty(self, device: int, count: int):
         if self.backend == "sim":
             return np.empty(count, dtype=self.case.dtype)
-        from dfccl import arrays
+        from dfccl.testing import arrays
 
         return arrays.DeviceArray(device, count, self.case.dtype)
 

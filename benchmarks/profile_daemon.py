@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import dfccl
-from dfccl import arrays, scenarios as sc
+from dfccl.testing import arrays, scenarios as sc
 
 
 def main(argv=None) -> int:

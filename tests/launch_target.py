@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 import dfccl
-from dfccl import arrays
+from dfccl.testing import arrays
 
 TIMEOUT = 60
 

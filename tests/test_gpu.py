@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import arrays, runtime, scenarios as sc
+from dfccl import runtime
+from dfccl.testing import arrays, scenarios as sc
 
 pytestmark = pytest.mark.gpu
 
@@ -280,7 +281,8 @@ def test_control_without_preemption_hangs():
     import sys
     code = r"""
 import numpy as np, dfccl, sys
-from dfccl import scenarios as sc, runtime
+from dfccl import runtime
+from dfccl.testing import scenarios as sc
 n = runtime.cuda_device_count()
 comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda",
         context_options=dfccl.ContextOptions(preemption=False), options=dfccl.CommOptions(path="direct"))
@@ -313,7 +315,7 @@ def test_nccl_stream_ordered_inconsistent_order_hangs():
     """NCCL on the canonical case dfccl completes above (test_inconsistent_order):
     two communicators whose collectives share one stream per GPU, issued in
     opposite orders (NCCL through CuPy, one thread per GPU).  NCCL hangs."""
-    from dfccl import nccl_reference
+    from dfccl.testing import nccl_reference
 
     if not nccl_reference.cupy_nccl_available(2):
         pytest.skip("CuPy with NCCL and two GPUs are needed (pip install cupy-cuda13x)")
@@ -331,7 +333,7 @@ def test_nccl_through_torch_on_same_scenario(scenario):
     stream, so opposite orders on two groups can run concurrently and
     complete; a synchronise between the collectives hangs, and opposite
     orders within one communicator reduce A with B."""
-    ref = pytest.importorskip("dfccl.nccl_reference")
+    ref = pytest.importorskip("dfccl.testing.nccl_reference")
     if not ref.available("nccl"):
         pytest.skip("torch.distributed with NCCL is not available")
     verdict = ref.run_nccl_scenario(scenario, world_size=2, timeout=10.0)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import scenarios as sc
+from dfccl.testing import scenarios as sc
 from dfccl.environment import job_from_env
 
 TESTS = Path(__file__).parent

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import arrays, runtime, scenarios as sc
+from dfccl import runtime
+from dfccl.testing import arrays, scenarios as sc
 from dfccl._native.context import KIND_ALL_REDUCE, TASK_LL
 from dfccl.planning import plan_geometry
 from dfccl.types import as_data_type

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import scenarios as sc
+from dfccl.testing import scenarios as sc
 from dfccl import communicator as comm_mod
 from dfccl._native.sim_backend import _shm_dir
 from reference import KINDS

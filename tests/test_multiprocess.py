@@ -22,7 +22,7 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             results) -> None:
     try:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        from dfccl import scenarios as sc
+        from dfccl.testing import scenarios as sc
 
         # The LL scenarios: a larger LL limit than the default, in fewer buckets.
         ll = {"ll_max_bytes": 1024, "max_tags": 64} if scenario.startswith("ll") else {}
@@ -112,8 +112,8 @@ def _point_to_point(comm, seed: int) -> int:
     """Sends around the ring (recvs posted after the sends; sizes across the
     FIFO's slices and channels), a collective in opposite orders around them,
     a queue on one pair tag, and all-to-alls even and uneven (with zeros)."""
-    from dfccl import arrays
-    from dfccl import scenarios as sc
+    from dfccl.testing import arrays
+    from dfccl.testing import scenarios as sc
 
     r, n = comm.rank, comm.world_size
     nxt, prv = (r + 1) % n, (r - 1) % n

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import arrays, runtime, scenarios as sc
+from dfccl import runtime
+from dfccl.testing import arrays, scenarios as sc
 
 pytestmark = pytest.mark.gpu
 TIMEOUT = 60

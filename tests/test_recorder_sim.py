@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import scenarios as sc
+from dfccl.testing import scenarios as sc
 from dfccl import trace
 from dfccl._native.context import NUM_DTYPES, NUM_KINDS, NUM_OPS, NUM_PATHS
 

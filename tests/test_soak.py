@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl import arrays, runtime
+from dfccl import runtime
+from dfccl.testing import arrays
 
 DEV = 3900          # simulator device ids of this module: 3900..3999
 TIMEOUT = 60.0

@@ -199,7 +199,7 @@ class Case:
 
     def inputs(self, seed) -> list[np.ndarray]:
         """Every rank's input, the same in every process that asks (seeded), never all zeros."""
-        from dfccl import scenarios as sc
+        from dfccl.testing import scenarios as sc
 
         rng = np.random.default_rng(seed)
         if self.dtype == "bfloat16":
@@ -210,7 +210,7 @@ class Case:
 
     def expected(self, inputs: list[np.ndarray], rank: int) -> np.ndarray | None:
         """What rank's output must hold; None where nothing is checked (non-root of reduce)."""
-        from dfccl import scenarios as sc
+        from dfccl.testing import scenarios as sc
 
         if self.kind == "all_gather":
             return np.concatenate(inputs)
@@ -266,7 +266,7 @@ def count_wrong(got: np.ndarray, want: np.ndarray | None, dtype: str, op: str, n
     tolerance of dfccl's tests; NaN and infinities are always wrong."""
     if want is None:
         return 0
-    from dfccl import scenarios as sc
+    from dfccl.testing import scenarios as sc
 
     if numpy_dtype(dtype).kind in "iu":
         return int(np.count_nonzero(got != want))
@@ -295,7 +295,7 @@ def case_sizes(cfg: BenchConfig, kind: str) -> list[Case]:
 # -- memory of a backend ---------------------------------------------------------------------
 class _Memory:
     """Arrays of one library: numpy on the simulator; on GPUs torch if
-    importable, else CuPy, else dfccl.arrays.DeviceArray.  Transfers go
+    importable, else CuPy, else dfccl.testing.arrays.DeviceArray.  Transfers go
     through raw bytes so that every dtype (bfloat16 included) moves alike."""
 
     def __init__(self, backend: str):
@@ -326,7 +326,7 @@ class _Memory:
                 raise ValueError("CuPy has no bfloat16 arrays: install torch, or use another dtype")
             with cupy.cuda.Device(device):
                 return cupy.empty(count, dtype=dt)
-        from dfccl import arrays
+        from dfccl.testing import arrays
 
         return arrays.DeviceArray(device, count, dt)
 

@@ -12,7 +12,8 @@ import sys
 import numpy as np
 
 import dfccl
-from dfccl import runtime, scenarios as sc
+from dfccl import runtime
+from dfccl.testing import scenarios as sc
 
 __all__ = ["main"]
 

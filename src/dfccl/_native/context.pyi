@@ -32,7 +32,6 @@ MAX_CHANNELS: int
 MAX_RANKS: int
 RECORD_HEADER_BYTES: int
 CHAN_STATE_BYTES: int
-ENDPOINT_BYTES: int
 
 class Work:
     kind: str
@@ -88,5 +87,4 @@ class Context:
     @property
     def daemon_state(self) -> tuple[int, str]: ...
     def daemon_profile(self) -> list[dict[str, int]]: ...
-    def set_policy_words(self, base_window_ns: int, max_window_ns: int, idle_quit_ns: int) -> None: ...
     def close(self, timeout: float = 10.0) -> None: ...

@@ -349,10 +349,6 @@ cdef class CudaBackend(Backend):
             rc = API.cuCtxSynchronize()
         check(rc, "cuCtxSynchronize")
 
-    @property
-    def daemon_stream(self):
-        return <uint64_t><uintptr_t>self.stream
-
     def close(self):
         if self.stream != NULL:
             self.make_current()

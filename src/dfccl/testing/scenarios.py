@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dfccl import arrays
+from dfccl.testing import arrays
 from dfccl.errors import DfcclError
 
 __all__ = ["Spec", "Report", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
