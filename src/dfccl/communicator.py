@@ -313,10 +313,12 @@ class Communicator:
                                   shareable=shareable)
         self._plans = 0
         self._closed = False
-        # Held by the liveness monitor while it touches this rank's arena and
-        # its mappings of the peers' (liveness.py), and by close() while it
-        # marks the communicator closed, before any of that memory goes.
-        self._teardown_lock = threading.Lock()
+        # Held by whoever reads this rank's arena or its mappings of the
+        # peers' from another thread (the liveness monitor, liveness.py; the
+        # diagnostics that explain a failure, diagnostics.py), and by close()
+        # while it marks the communicator closed, before any of that memory
+        # goes.  Reentrant: the monitor reads through the diagnostics.
+        self._teardown_lock = threading.RLock()
         self._aborted = False
         self._lost_rank: int | None = None
         self._lost_why = ""
@@ -346,6 +348,7 @@ class Communicator:
         # Failures are explained from the peers' records; peers in other
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
+        self._diag.lock = self._teardown_lock
         self._ctx.diagnostics[self._endpoint.id] = self._diag
         me = weakref.ref(self)
         self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
@@ -736,6 +739,8 @@ class Communicator:
         self._flight.note("close", detail=f"rank {self._rank} closed")
         with self._teardown_lock:
             self._closed = True
+            if self._diag is not None:
+                self._diag.closed = True
         # Abandoned collectives keep their slot (and our memory) until the daemon lets go.
         unfinished = bool(pending) and ep.id is not None and not self._ctx.closed and \
             bool(self._ctx.pending_works(ep.id))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES
-from dfccl.errors import MismatchError
+from dfccl.errors import ClosedError, MismatchError
 from dfccl.types import DataType, ReduceOp
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class EndpointDiagnostics:
         self._stride = endpoint.record_stride
         self._buf = np.zeros(14, np.uint64)
         self.on_peer_lost = None   # set by the communicator: called with the lost rank
+        self.lock = None           # the communicator's teardown lock (reentrant)
+        self.closed = False        # set under that lock before the memory goes
 
     def peer_lost(self, rank: int) -> None:
         """A collective failed because ``rank``'s process died (seen here, or
@@ -102,6 +104,19 @@ class EndpointDiagnostics:
 
     # -- raw reads -------------------------------------------------------------------
     def _read(self, addr: int, words: int) -> list[int]:
+        # Errors are explained on whichever thread asks first (often the
+        # progress thread), possibly while the communicator closes and frees
+        # the memory read here: reads happen under its teardown lock, and not
+        # at all once it is closed (the caller falls back to a plainer message).
+        lock = self.lock
+        if lock is None:
+            return self._read_now(addr, words)
+        with lock:
+            if self.closed:
+                raise ClosedError("the communicator is closed: its records can no longer be read")
+            return self._read_now(addr, words)
+
+    def _read_now(self, addr: int, words: int) -> list[int]:
         self._backend.copy_from_device(self._buf.ctypes.data, addr, 8 * words)
         return [int(v) for v in self._buf[:words]]
 
