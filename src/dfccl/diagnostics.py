@@ -16,6 +16,7 @@ import numpy as np
 
 from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES
 from dfccl.errors import ClosedError, MismatchError
+from dfccl.tags import home_bucket, mix64
 from dfccl.types import DataType, ReduceOp
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EndpointDiagnostics", "instance_token", "decode_signature", "SIGNATURE_FIELDS"]
 
-_M64 = (1 << 64) - 1
 # Later instances of a tag a peer may already have published while ours is
 # still pending (ring neighbours finish one instance before us).
 _LOOKAHEAD = 8
@@ -34,19 +34,9 @@ _PUBLISH_GRACE = 0.2
 _KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
-def _mix64(x: int) -> int:
-    x &= _M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _M64
-    x ^= x >> 31
-    return x
-
-
 def instance_token(key: int, instance: int) -> int:
     """The daemon's name of one instance of a tag (block_env.cuh)."""
-    return _mix64(key + instance * 0x9E3779B97F4A7C15) | 1
+    return mix64(key + instance * 0x9E3779B97F4A7C15) | 1
 
 
 #: Fields of a published instance, in the order a mismatch is reported:
@@ -124,7 +114,7 @@ class EndpointDiagnostics:
         """Address (as mapped here) of ``rank``'s record of ``key``, or 0:
         the probe sequence of the daemon's probe_record."""
         table = self._arenas[rank] + ARENA_STATUS_BYTES
-        b = _mix64(key) % self._capacity
+        b = home_bucket(key, self._capacity)
         for _ in range(self._capacity):
             rec = table + b * self._stride
             k = self._read(rec, 1)[0]
