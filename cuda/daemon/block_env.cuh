@@ -121,6 +121,30 @@ DFCCL_DEV uint64_t probe_record(const dfccl_endpoint *ep, uint32_t rank, uint64_
   return 0;
 }
 
+// A slot's result with nothing counted yet.
+DFCCL_DEV dfccl_result empty_result(uint32_t status, uint32_t nchannels) {
+  dfccl_result res;
+  res.status = status;
+  res.detail = -1;
+  res.preemptions = 0;
+  res.resumes = 0;
+  res.queued_ns = 0;
+  res.running_ns = 0;
+  res.wall_ns = 0;
+  res.waiting_on = 0;
+  res.nchannels = nchannels;
+  res.max_wait_ns = 0;
+  res.reserved = 0;
+  return res;
+}
+
+// Hands a slot's result to the host: the result, then its completion word
+// (one system-scope release orders everything written before it).
+DFCCL_DEV void publish_result(const dfccl_daemon_args *a, uint32_t slot, uint32_t gen, const dfccl_result &res) {
+  a->results[slot] = res;
+  store_release(&a->done[slot], gen);
+}
+
 DFCCL_DEV dfccl_task_ctx *ctx_at(const dfccl_daemon_args *a, uint32_t slot, uint32_t block) {
   return a->ctx + (uint64_t)slot * a->nblocks + block;
 }

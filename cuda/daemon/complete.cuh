@@ -21,8 +21,7 @@ DFCCL_DEV void record_failure(const BlockEnv &env, const TaskRun &run) {
 // device memory per collective, the common case for small messages.
 DFCCL_DEV void complete_single(const dfccl_daemon_args *a, const dfccl_task_ctx *ctx) {
   const uint32_t slot = ctx->desc.slot;
-  dfccl_result res;
-  res.status = ctx->status;
+  dfccl_result res = empty_result(ctx->status, 1);
   res.detail = ctx->detail;
   res.preemptions = ctx->preemptions;
   res.resumes = ctx->resumes;
@@ -30,13 +29,10 @@ DFCCL_DEV void complete_single(const dfccl_daemon_args *a, const dfccl_task_ctx 
   res.running_ns = ctx->running_ns;
   res.wall_ns = ctx->finish_ns > ctx->first_run_ns ? ctx->finish_ns - ctx->first_run_ns : 0;
   res.waiting_on = ctx->waiting_on;
-  res.nchannels = 1;
   res.max_wait_ns = ctx->max_wait_ns;
-  res.reserved = 0;
   if (res.status != DFCCL_STATUS_OK) store_gpu(&a->slot_error[slot], 0u);
   store_gpu(&a->slot_waiting[slot], 0u);
-  a->results[slot] = res;
-  store_release(&a->done[slot], ctx->desc.gen);
+  publish_result(a, slot, ctx->desc.gen, res);
 }
 
 // The leader.  The other blocks' contexts are read with strong (GPU-scope)
@@ -62,18 +58,7 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   const uint32_t finished = atomic_add_local(&a->slot_counter[slot], 1u) + 1u;
   if (finished != d->nchannels) return;
 
-  dfccl_result res;
-  res.status = DFCCL_STATUS_OK;
-  res.detail = -1;
-  res.preemptions = 0;
-  res.resumes = 0;
-  res.queued_ns = 0;
-  res.running_ns = 0;
-  res.wall_ns = 0;
-  res.waiting_on = 0;
-  res.nchannels = d->nchannels;
-  res.max_wait_ns = 0;
-  res.reserved = 0;
+  dfccl_result res = empty_result(DFCCL_STATUS_OK, d->nchannels);
   for (uint32_t b = 0; b < d->nchannels; ++b) {
     dfccl_task_ctx *cb = ctx_at(a, slot, b);
     const uint64_t pulled = load_gpu(&cb->pulled_ns);
@@ -99,10 +84,9 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   store_gpu(&a->slot_counter[slot], 0u);
   store_gpu(&a->slot_error[slot], 0u);
   store_gpu(&a->slot_waiting[slot], 0u);
-  a->results[slot] = res;
-  // One system-scope release: the result above and every block's data
-  // (gathered by the slot counter) before the completion word.
-  store_release(&a->done[slot], d->gen);
+  // One system-scope release: the result and every block's data (gathered
+  // by the slot counter) before the completion word.
+  publish_result(a, slot, d->gen, res);
 }
 
 }  // namespace dfccl

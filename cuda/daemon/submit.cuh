@@ -63,20 +63,7 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
 DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
   atomic_add(&a->state->bad_tasks, 1ull);
   if (d->slot >= a->nslots) return;
-  dfccl_result res;
-  res.status = DFCCL_STATUS_BAD_TASK;
-  res.detail = -1;
-  res.preemptions = 0;
-  res.resumes = 0;
-  res.queued_ns = 0;
-  res.running_ns = 0;
-  res.wall_ns = 0;
-  res.waiting_on = 0;
-  res.nchannels = 0;
-  res.max_wait_ns = 0;
-  res.reserved = 0;
-  a->results[d->slot] = res;
-  store_release(&a->done[d->slot], d->gen);
+  publish_result(a, d->slot, d->gen, empty_result(DFCCL_STATUS_BAD_TASK, 0));
 }
 
 // The leader.  `head`: this block's consumed count, kept in a register by the
