@@ -19,6 +19,7 @@ import numpy as np
 
 import dfccl
 from dfccl.testing import arrays, scenarios as sc
+from dfccl.testing.profile import profile_delta
 
 
 def main(argv=None) -> int:
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         for w in last:
             w.synchronize(timeout=60)
         t_b2b = (time.perf_counter() - t0) / args.iters
-        prof0 = comms[0]._ctx.daemon_profile()[0]
+        prof0 = comms[0]._ctx.daemon_profile()
         lat, walls, hosts = [], [], []
         for _ in range(300):
             t0 = time.perf_counter()
@@ -63,14 +64,13 @@ def main(argv=None) -> int:
             lat.append(time.perf_counter() - t0)
             walls.append(ws[0].stats["wall_ns"] / 1e3)
             hosts.append(ws[0].stats["host_ns"] / 1e3)
-        prof1 = comms[0]._ctx.daemon_profile()[0]
-        runs = max(1, prof1["runs"] - prof0["runs"])
-        per_run = {k: (prof1[k] - prof0[k]) / runs / 1e3 for k in ("pull_ns", "pick_ns", "restore_ns", "run_ns",
-                                                                     "save_ns")}
+        busy = profile_delta(prof0, comms[0]._ctx.daemon_profile())
+        per_run = {k: busy[k] / max(1, busy["runs"]) for k in ("pull_us", "pick_us", "restore_us", "run_us",
+                                                               "save_us")}
         row = {"size": size, "ranks": len(comms), "b2b_us": t_b2b * 1e6,
                "submit_us": t_submit_loop / args.iters / len(comms) * 1e6,
                "latency_us": statistics.median(lat) * 1e6, "device_wall_us": statistics.median(walls),
-               "host_us": statistics.median(hosts), "block0_per_run_us": per_run}
+               "host_us": statistics.median(hosts), "busy_blocks": busy["blocks"], "per_run_us": per_run}
         rows.append(row)
         print(json.dumps(row))
     print(f"\n{'size':>8} {'b2b us':>8} {'submit us':>9} {'1-op us':>8} {'wall us':>8} {'host us':>8}")

@@ -9,8 +9,9 @@ collective (Work.stats, rank 0):
   wall     - first run -> done on the device
   host     - submit -> retired on the host (Work.synchronize)
   maxwait  - the longest wait for a peer that ended with the peer arriving
-and the preemptions per collective; then where rank 0's daemon block 0 (every
-collective uses it) spent its time, per collective (Context.daemon_profile).
+and the preemptions per collective; then where the blocks of rank 0's daemon
+that ran the collectives spent their time, per collective
+(Context.daemon_profile; every rank of that daemon's device counts).
 Per collective, the depth sweep: N collectives of one tag submitted back to
 back, then waited for; the cost per collective must not grow with N.
 
@@ -38,6 +39,7 @@ import numpy as np
 import dfccl
 from dfccl import runtime
 from dfccl.bench import KINDS, Case, count_wrong, format_size, parse_size
+from dfccl.testing.profile import profile_delta
 
 STATS_US = ("queued", "running", "wall", "host", "max_wait")
 SYNC_TIMEOUT_S = 120.0
@@ -105,19 +107,17 @@ def latency(comms: list, plans: list, iters: int, warmup: int) -> dict[str, Any]
     for _ in range(warmup):
         run_once(plans)
     times, stats = [], []
-    before = comms[0]._ctx.daemon_profile()[0]
+    before = comms[0]._ctx.daemon_profile()
     for _ in range(iters):
         t0 = time.perf_counter()
         works = run_once(plans)
         times.append(time.perf_counter() - t0)
         stats.append(works[0].stats)
-    after = comms[0]._ctx.daemon_profile()[0]
-    # Rank 0's daemon, block 0, per collective: counts as they are, nanoseconds in us.
-    block0 = {(k[:-3] + "_us" if k.endswith("_ns") else k):
-              (after[k] - before[k]) / iters / (1e3 if k.endswith("_ns") else 1) for k in before}
+    # Rank 0's daemon, the blocks that ran collectives, per collective.
+    busy = profile_delta(before, comms[0]._ctx.daemon_profile(), per=iters)
     medians = {f"{k}_us": statistics.median(s[f"{k}_ns"] for s in stats) / 1e3 for k in STATS_US}
     return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6, **medians,
-            "preemptions": sum(s["preemptions"] for s in stats) / len(stats), "block0": block0}
+            "preemptions": sum(s["preemptions"] for s in stats) / len(stats), "busy_blocks": busy}
 
 
 def depth_sweep(comms: list, case: Case, bufs: Buffers, depths: list[int]) -> list[dict]:
@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{format_size(case.nbytes):>8} {d['us']:8.1f} {d['p90_us']:8.1f} | {d['queued_us']:7.1f} "
                       f"{d['running_us']:8.1f} {d['wall_us']:7.1f} {d['host_us']:7.1f} {d['max_wait_us']:7.1f} "
                       f"{d['preemptions']:7.2f} {wrong:6d}", flush=True)
-                b = d["block0"]
-                print(f"{'':>8} rank 0 daemon block 0 per collective: {b['passes']:.1f} passes, {b['runs']:.2f} runs; "
+                b = d["busy_blocks"]
+                print(f"{'':>8} rank 0 daemon, blocks {b['blocks']}, per collective: {b['passes']:.1f} passes, "
+                      f"{b['runs']:.2f} runs; "
                       f"us: pull {b['pull_us']:.1f} pick {b['pick_us']:.1f} restore {b['restore_us']:.1f} "
                       f"run {b['run_us']:.1f} save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)
             case = Case.for_size(kind, sizes[0], n, "float32", "sum", 0)

@@ -32,14 +32,16 @@ from dfccl.testing import scenarios as sc
 W, P, T, backend = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 n = runtime.device_count(backend)
 devices = [0, 1 % n] if backend == "cuda" else [0, 1]
-opts = dfccl.ContextOptions(base_window_ns=W, max_window_ns=W, adaptive=False, idle_quit_ns=int(60e9))
+# One daemon block, so that it cycles through all P tasks (with more, the
+# tags are spread over the blocks and visit them side by side).
+opts = dfccl.ContextOptions(blocks=1, base_window_ns=W, max_window_ns=W, adaptive=False, idle_quit_ns=int(60e9))
 comms = dfccl.Communicator.for_devices(devices, backend=backend, context_options=opts,
                                        options=dfccl.CommOptions(path="direct"))
 rng = np.random.default_rng()
 specs = [sc.Spec(f"p{i}", "all_reduce", 256, "float32") for i in range(P)]
 insts = [sc.prepare(s, comms, rng) for s in specs]
 def block0():
-    return comms[0]._ctx.daemon_profile()[0]  # nchannels 1: block 0 runs every task
+    return comms[0]._ctx.daemon_profile()[0]  # the only block
 p0 = block0()
 for inst in insts:
     sc.submit(inst, comms[0])

@@ -48,8 +48,9 @@ def test_latency_breakdown_on_the_simulator(tmp_path):
         for key in ("queued_us", "running_us", "wall_us", "host_us", "max_wait_us"):
             assert d[key] >= 0, key
         assert d["host_us"] > 0 and d["wall_us"] > 0
-        # Block 0 of rank 0's daemon ran every collective at least once.
-        assert d["block0"]["runs"] >= 1 and d["block0"]["passes"] >= 1 and d["block0"]["run_us"] > 0
+        # Some block of rank 0's daemon ran every collective at least once.
+        b = d["busy_blocks"]
+        assert b["blocks"] and b["runs"] >= 1 and b["passes"] >= 1 and b["run_us"] > 0
     assert [r["kind"] for r in sweeps] == ["all_reduce", "reduce_scatter"]
     for r in sweeps:
         assert r["wrong"] == 0

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import dfccl
+from dfccl._native.context import first_block
+from dfccl.tags import tag_key
 from dfccl.testing import scenarios as sc
 
 PATHS = ("direct", "ring")
@@ -259,9 +261,11 @@ def test_several_ranks_per_device(path, rng):
 def test_without_preemption_the_same_order_hangs(rng):
     """Control: with preemption off (infinite windows: run to completion like
     NCCL), A,B vs B,A never completes; the timeout reports which rank each
-    side waits for, and abort() releases both sides."""
+    side waits for, and abort() releases both sides.  One daemon block per
+    device, as NCCL runs one kernel at a time per stream: with more, A and B
+    may land on different blocks and run side by side."""
     base = sc.fresh_sim_devices(1)[0]
-    opts = dfccl.ContextOptions(preemption=False)
+    opts = dfccl.ContextOptions(preemption=False, blocks=1)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
                                            options=dfccl.CommOptions(path="direct"))
     specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
@@ -283,8 +287,9 @@ def test_without_preemption_the_same_order_hangs(rng):
 
 
 def test_same_scenario_with_preemption_completes(rng):
-    """The control's twin: the identical submission order, preemption on."""
-    comms = make_comms(2, "direct")
+    """The control's twin: the identical submission order and blocks,
+    preemption on."""
+    comms = make_comms(2, "direct", context_options=dfccl.ContextOptions(blocks=1))
     try:
         specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
         rep = sc.run(comms, specs, [[0, 1], [1, 0]], rng=rng, timeout=30)
@@ -307,5 +312,51 @@ def test_sixty_four_ranks_random_orders(path, rng):
                  sc.Spec("z", "broadcast", 5000, "float32", root=63), sc.Spec("w", "reduce_scatter", 37, "int64")]
         orders = [list(rng.permutation(len(specs))) for _ in range(64)]
         sc.run(comms, specs, orders, rng=rng, timeout=120)
+    finally:
+        close_all(comms)
+
+
+def _tags_on_distinct_blocks(comm, nblocks: int, count: int) -> list[str]:
+    """Tags whose instances start on different daemon blocks (channel 0 runs
+    on dfccl_first_block(key, endpoint, nblocks))."""
+    found: dict[int, str] = {}
+    for i in range(1000):
+        tag = f"t{i}"
+        found.setdefault(first_block(tag_key(comm._comm_key, tag), comm._endpoint.id, nblocks), tag)
+        if len(found) == count:
+            return list(found.values())
+    raise AssertionError("no tags on distinct blocks")
+
+
+def test_tags_on_distinct_blocks_run_side_by_side(rng):
+    """Small collectives of different tags are dealt to different daemon
+    blocks: A,B vs B,A then completes even with preemption off, with no
+    preemption at all (each block runs its tag to completion)."""
+    base = sc.fresh_sim_devices(1)[0]
+    opts = dfccl.ContextOptions(preemption=False, blocks=4)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
+                                           options=dfccl.CommOptions(path="direct"))
+    try:
+        a, b = _tags_on_distinct_blocks(comms[0], 4, 2)
+        specs = [sc.Spec(a, "all_reduce", 256, "float32"), sc.Spec(b, "all_reduce", 256, "float32")]
+        rep = sc.run(comms, specs, [[0, 1], [1, 0]], rng=rng, timeout=30)
+        assert rep.collectives == 2 and rep.total_preemptions == 0
+    finally:
+        close_all(comms)
+
+
+def test_ranks_sharing_a_device_run_side_by_side(rng):
+    """Two ranks of one communicator on one device run the same tag's
+    channel on different blocks, so neither waits for the other's turn: an
+    all-reduce completes even with preemption off (on one shared block it
+    could never finish: the block would wait for itself)."""
+    base = sc.fresh_sim_devices(1)[0]
+    opts = dfccl.ContextOptions(preemption=False, blocks=2)
+    comms = dfccl.Communicator.for_devices([base, base], backend="sim", context_options=opts,
+                                           options=dfccl.CommOptions(path="direct"))
+    try:
+        specs = [sc.Spec("shared", "all_reduce", 256, "float32")]
+        rep = sc.run(comms, specs, [[0], [0]], rng=rng, timeout=30)
+        assert rep.collectives == 1 and rep.total_preemptions == 0
     finally:
         close_all(comms)

@@ -177,6 +177,7 @@ _BAD_FIELDS = [
     {"path": NUM_PATHS}, {"path": 7}, {"nchannels": 0}, {"nchannels": 33}, {"nchannels": 65535},
     {"endpoint": 1 << 20}, {"endpoint": 255}, {"bucket": 1 << 30}, {"root": 9}, {"instance": 0},
     {"slice_bytes": 0, "path": 1}, {"slice_bytes": 3, "path": 1, "dtype": 7}, {"fifo_slots": 0, "path": 1},
+    {"first_block": 32}, {"first_block": 1 << 31},
 ]
 
 

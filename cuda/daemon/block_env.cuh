@@ -3,6 +3,7 @@
 #pragma once
 
 #include "arch.cuh"
+#include "dfccl/hash.h"
 
 namespace dfccl {
 
@@ -35,7 +36,7 @@ enum RunResult { RUN_DONE = 0, RUN_PREEMPTED = 1, RUN_FAILED = 2 };
 struct BlockEnv {
   const dfccl_daemon_args *args;
   BlockShared *sm;
-  uint32_t block;    // = channel index
+  uint32_t block;    // this block's index; it runs channel channel_of(d, block) of a task
   uint32_t wparity;  // which wait_result slot the next wait uses
 };
 
@@ -47,6 +48,7 @@ struct TaskRun {
   dfccl_task_ctx *ctx;
   const dfccl_task_desc *d;   // = &ctx->desc
   const dfccl_endpoint *ep;
+  uint32_t chan;              // the task's channel this run moves (channel_of)
   dfccl_chan_state *mine;     // this rank's record, this channel
   uint64_t token;             // token(key, instance)
   uint64_t deadline_ns;       // leader: preempt when a wait passes it
@@ -62,20 +64,9 @@ struct TaskRun {
 };
 
 // ---- tags, tokens, signatures -----------------------------------------------
-DFCCL_DEV uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-// Names one instance of one tag in flags that peers compare for equality;
-// never zero, so a zeroed record matches nothing.
-DFCCL_DEV uint64_t instance_token(uint64_t key, uint64_t instance) {
-  return mix64(key + instance * 0x9e3779b97f4a7c15ull) | 1ull;
-}
+// (dfccl/hash.h: the hashes the host computes too)
+DFCCL_DEV uint64_t mix64(uint64_t x) { return dfccl_mix64(x); }
+DFCCL_DEV uint64_t instance_token(uint64_t key, uint64_t instance) { return dfccl_instance_token(key, instance); }
 
 // A send and the recv it pairs with sign alike: kind SEND, no peer (the
 // record's key already names the ordered pair).
@@ -96,7 +87,7 @@ DFCCL_DEV uint64_t count_for(uint64_t word, uint64_t instance) {
 }
 
 // ---- tag records ---------------------------------------------------------------
-DFCCL_DEV uint32_t home_bucket(uint64_t key, uint32_t capacity) { return (uint32_t)(mix64(key) % capacity); }
+DFCCL_DEV uint32_t home_bucket(uint64_t key, uint32_t capacity) { return dfccl_home_bucket(key, capacity); }
 
 DFCCL_DEV dfccl_chan_state *record_chan(uint64_t record, uint32_t channel) {
   return ptr<dfccl_chan_state>(record + DFCCL_RECORD_HEADER_BYTES + (uint64_t)channel * sizeof(dfccl_chan_state));
@@ -147,6 +138,20 @@ DFCCL_DEV void publish_result(const dfccl_daemon_args *a, uint32_t slot, uint32_
 
 DFCCL_DEV dfccl_task_ctx *ctx_at(const dfccl_daemon_args *a, uint32_t slot, uint32_t block) {
   return a->ctx + (uint64_t)slot * a->nblocks + block;
+}
+
+// Channels are dealt to blocks from the descriptor's first_block on: channel
+// c of a task runs on block (first_block + c) % nblocks.  Which block runs a
+// channel is this rank's own business (peers meet by channel, not block), so
+// the host spreads tags, and ranks that share a device, over the blocks: two
+// small collectives then run side by side instead of taking turns on block 0.
+// Every instance of a tag on a rank gets the same first_block, so its
+// instances still meet on one block per channel (chain_behind_pending).
+DFCCL_DEV uint32_t channel_of(const dfccl_task_desc *d, uint32_t block, uint32_t nblocks) {
+  return (block + nblocks - d->first_block) % nblocks;
+}
+DFCCL_DEV uint32_t block_of(const dfccl_task_desc *d, uint32_t channel, uint32_t nblocks) {
+  return (d->first_block + channel) % nblocks;
 }
 
 }  // namespace dfccl

@@ -59,8 +59,8 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   if (finished != d->nchannels) return;
 
   dfccl_result res = empty_result(DFCCL_STATUS_OK, d->nchannels);
-  for (uint32_t b = 0; b < d->nchannels; ++b) {
-    dfccl_task_ctx *cb = ctx_at(a, slot, b);
+  for (uint32_t c = 0; c < d->nchannels; ++c) {
+    dfccl_task_ctx *cb = ctx_at(a, slot, block_of(d, c, a->nblocks));
     const uint64_t pulled = load_gpu(&cb->pulled_ns);
     const uint64_t first = load_gpu(&cb->first_run_ns);
     const uint64_t finish = load_gpu(&cb->finish_ns);

@@ -131,7 +131,8 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   run.ctx = ctx;
   run.d = &ctx->desc;
   run.ep = &a->endpoints[run.d->endpoint];
-  run.mine = record_chan(record_at(run.ep, run.ep->rank, run.d->bucket), env.block);
+  run.chan = ctx->channel;
+  run.mine = record_chan(record_at(run.ep, run.ep->rank, run.d->bucket), run.chan);
   run.token = instance_token(run.d->tag_key, run.d->instance);
   run.step = ctx->step;
   for (int i = 0; i < 4; ++i) run.pos[i] = ctx->pos[i];

@@ -19,10 +19,10 @@ namespace dfccl {
 // chained.  Only this block's leader touches these words and the contexts of
 // this block, so plain accesses suffice; the previous context is checked by
 // token because its slot may have been reused since.
-DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d) {
+DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan) {
   const dfccl_daemon_args *a = env.args;
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
-  dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), env.block);
+  dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), chan);
   const uint64_t last_token = load_own(&mine->chain_token);
   const uint64_t last_slot = load_own(&mine->chain_slot);
   mine->chain_token = instance_token(d->tag_key, d->instance);
@@ -44,7 +44,7 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
   if (d->kind >= DFCCL_NUM_KINDS || d->dtype >= DFCCL_NUM_DTYPES || d->op >= DFCCL_NUM_OPS ||
       d->path >= DFCCL_NUM_PATHS)
     return false;
-  if (d->nchannels == 0 || d->nchannels > a->nblocks) return false;
+  if (d->nchannels == 0 || d->nchannels > a->nblocks || d->first_block >= a->nblocks) return false;
   if (d->endpoint >= a->max_endpoints) return false;
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
   if (ep->nranks == 0 || ep->nranks > DFCCL_MAX_RANKS || ep->rank >= ep->nranks) return false;
@@ -87,10 +87,12 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
       if (env.block == 0) reject_task(a, d);
       continue;
     }
-    if (env.block >= d->nchannels) continue;
-    const bool chained = chain_behind_pending(env, d);
+    const uint32_t chan = channel_of(d, env.block, a->nblocks);
+    if (chan >= d->nchannels) continue;
+    const bool chained = chain_behind_pending(env, d, chan);
     dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
     ctx->desc = *d;
+    ctx->channel = chan;
     ctx->state = (d->flags & DFCCL_TASK_ARMED) ? DFCCL_CTX_ARMED : DFCCL_CTX_PULLED;
     ctx->step = 0;
     ctx->fails = 0;

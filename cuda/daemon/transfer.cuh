@@ -14,7 +14,7 @@ DFCCL_DEV int run_single_rank(BlockEnv &env, TaskRun &run) {
   const dfccl_task_desc *d = run.d;
   if (d->send_addr != d->recv_addr) {
     const uint32_t esize = dtype_size(d->dtype);
-    Range part = split(d->count, d->nchannels, env.block, pack_elems(esize));
+    Range part = split(d->count, d->nchannels, run.chan, pack_elems(esize));
     if (is_leader()) {
       env.sm->srcs[0] = d->send_addr + part.off * esize;
       env.sm->dsts[0] = d->recv_addr + part.off * esize;

@@ -88,7 +88,7 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word, uint64_t send_
 DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index, uint64_t *fifo_word) {
   uint64_t rec = 0, met = 0, send_addr = 0, recv_addr = 0;
   uint32_t polls = 0;
-  const uint32_t c = env.block;
+  const uint32_t c = run.chan;
   dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
   // The header caches by peer rank (ranks >= DFCCL_PEER_CACHE are probed).
   if (is_leader() && peer < DFCCL_PEER_CACHE && load_own(&own->cache_key) == run.d->tag_key)
@@ -173,16 +173,16 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
     status = DFCCL_STATUS_MISMATCH;
   }
   const uint64_t info = ((uint64_t)status << 32) | origin;
-  mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), env.block, run.token, info);
+  mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), run.chan, run.token, info);
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
       uint32_t p = (run.ep->rank + 1 + i) % run.ep->nranks;
       uint64_t rec = peer_record(run, i, p);
-      if (rec != 0) mark_abort(rec, env.block, run.token, info);
+      if (rec != 0) mark_abort(rec, run.chan, run.token, info);
     }
   } else {
     for (uint32_t i = 0; i < 2; ++i)
-      if (run.ctx->peer_rec[i] != 0) mark_abort(run.ctx->peer_rec[i], env.block, run.token, info);
+      if (run.ctx->peer_rec[i] != 0) mark_abort(run.ctx->peer_rec[i], run.chan, run.token, info);
   }
 }
 

@@ -37,7 +37,7 @@ DFCCL_DEV DirectGeometry direct_geometry(const BlockEnv &env, const TaskRun &run
   DirectGeometry g;
   g.n = run.ep->nranks;
   g.r = run.ep->rank;
-  g.c = env.block;
+  g.c = run.chan;
   g.nch = run.d->nchannels;
   g.esize = dtype_size(run.d->dtype);
   g.align = pack_elems(g.esize);

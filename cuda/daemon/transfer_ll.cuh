@@ -130,7 +130,9 @@ DFCCL_DEV uint64_t ll_check_word(const TaskRun &run) {
 // ---- the LL region of an arena (endpoint.py, ll_region_bytes) -------------------
 //   areas:   [bucket][sender][parity] of ll_area_bytes
 //   acks:    [bucket][receiver] of 8 bytes (in the sender's arena)
-//   scratch: [rank] of round_up(ll_max_bytes, 16) (the receiver's unpacked copies)
+//   scratch: [block][rank] of round_up(ll_max_bytes, 16) (the receiver's unpacked
+//            copies; per daemon block, since LL tasks of different tags run on
+//            different blocks at once)
 DFCCL_DEV uint64_t ll_payload_lines(const dfccl_endpoint *ep) { return ceil_div(ep->ll_max_bytes, 8); }
 DFCCL_DEV uint64_t ll_area_bytes(const dfccl_endpoint *ep) { return 16ull * (kLLHeaderLines + ll_payload_lines(ep)); }
 DFCCL_DEV uint64_t ll_areas_bytes(const dfccl_endpoint *ep) {
@@ -145,9 +147,10 @@ DFCCL_DEV uint64_t *ll_ack(const dfccl_endpoint *ep, uint32_t sender, uint32_t b
   return ptr<uint64_t>(ep->peer_arena[sender] + ep->ll_offset + ll_areas_bytes(ep) +
                        ((uint64_t)bucket * ep->nranks + receiver) * 8ull);
 }
-DFCCL_DEV uint64_t ll_scratch(const dfccl_endpoint *ep, uint32_t p) {
+DFCCL_DEV uint64_t ll_scratch(const dfccl_endpoint *ep, uint32_t block, uint32_t p) {
   const uint64_t acks = round_up((uint64_t)ep->table_capacity * ep->nranks * 8ull, 256);
-  return ep->peer_arena[ep->rank] + ep->ll_offset + ll_areas_bytes(ep) + acks + (uint64_t)p * round_up(ep->ll_max_bytes, 16);
+  return ep->peer_arena[ep->rank] + ep->ll_offset + ll_areas_bytes(ep) + acks +
+         ((uint64_t)block * ep->nranks + p) * round_up(ep->ll_max_bytes, 16);
 }
 
 // Bytes each rank sends every peer (equal for the three kinds: `count` is the
@@ -199,7 +202,8 @@ DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
   if (run.ep->ll_max_bytes == 0 || run.ep->nranks < 2) return WAIT_OK;
   const dfccl_record_header *own = ptr<const dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
   uint64_t key = 0;
-  // GPU scope: block 0 (LL runs there) writes these words, any block reads.
+  // GPU scope: the block that runs the owning tag's LL channel writes these
+  // words, any block reads.
   if (is_leader()) key = load_gpu(&own->ll_key);
   key = from_leader(key);
   if (key == 0 || key == run.d->tag_key) return WAIT_OK;
@@ -353,7 +357,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
           moved = ll_area(ep, ep->rank, peer, bucket_of(ep, peer, rec), run.d->instance);
         }
         // A peer that failed before its push marked its own record (push_abort).
-        const dfccl_chan_state *pc = found != 0 ? record_chan(found, env.block) : nullptr;
+        const dfccl_chan_state *pc = found != 0 ? record_chan(found, run.chan) : nullptr;
         if (pc != nullptr && load_relaxed(&pc->abort_token) == run.token) {
           take_relayed(run, load_relaxed(&pc->abort_info));
           decision = WAIT_ABORT;
@@ -420,14 +424,14 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
     }
   } else {
     for (uint32_t p = 0; p < n; ++p)
-      if (p != r) ll_unpack(run, p, ll_scratch(ep, p));
+      if (p != r) ll_unpack(run, p, ll_scratch(ep, env.block, p));
     // The unpacked copies before the movers read them (the move barrier
     // orders the block's memory; the warp sync keeps the lanes together).
     control_sync();
     if (is_leader()) {
       for (uint32_t p = 0; p < n; ++p)
         env.sm->srcs[p] = p == r ? d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0)
-                                 : ll_scratch(ep, p);
+                                 : ll_scratch(ep, env.block, p);
       env.sm->dsts[0] = d->recv_addr;
     }
     move_data(env, run, n, 1, d->count, d->op == DFCCL_AVG ? n : 1);

@@ -69,7 +69,7 @@ DFCCL_DEV int run_p2p_direct(BlockEnv &env, TaskRun &run) {
       }
       case Q_WORK:
         if (!p2p_sender(run)) {
-          const Range part = split(d->count, d->nchannels, env.block, pack_elems(esize));
+          const Range part = split(d->count, d->nchannels, run.chan, pack_elems(esize));
           if (is_leader()) {
             env.sm->srcs[0] = run.ctx->peer_send[0] + part.off * esize;
             env.sm->dsts[0] = d->recv_addr + part.off * esize;
@@ -80,7 +80,7 @@ DFCCL_DEV int run_p2p_direct(BlockEnv &env, TaskRun &run) {
         // One writer per flag: a plain store.  Its value is not instance
         // tagged: the peer zeroed it when it published this instance, which we
         // have met, and zeroes it again only after it has seen this store.
-        if (is_leader()) store_relaxed(&record_chan(run.ctx->peer_rec[0], env.block)->phase2, 1);
+        if (is_leader()) store_relaxed(&record_chan(run.ctx->peer_rec[0], run.chan)->phase2, 1);
         run.step = Q_WAIT;
         run.progressed = true;
         break;
@@ -110,7 +110,7 @@ DFCCL_DEV P2pGeometry p2p_geometry(const BlockEnv &env, const TaskRun &run) {
   P2pGeometry g;
   g.esize = dtype_size(run.d->dtype);
   g.slice = run.d->slice_bytes / g.esize;
-  g.chan = split(run.d->count, run.d->nchannels, env.block, pack_elems(g.esize));
+  g.chan = split(run.d->count, run.d->nchannels, run.chan, pack_elems(g.esize));
   g.nslices = g.chan.len == 0 ? 1 : ceil_div(g.chan.len, g.slice);
   return g;
 }
@@ -137,7 +137,7 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
       env.sm->srcs[0] = d->send_addr + off * g.esize;
       env.sm->dsts[0] = run.ctx->nbr_fifo + (i % nbr_slots) * d->slice_bytes;
     } else {
-      const uint64_t fifo = run.ep->peer_arena[run.ep->rank] + (own_fifo_word(run, env.block) & DFCCL_FIFO_OFFSET_MASK);
+      const uint64_t fifo = run.ep->peer_arena[run.ep->rank] + (own_fifo_word(run, run.chan) & DFCCL_FIFO_OFFSET_MASK);
       env.sm->srcs[0] = fifo + (i % d->fifo_slots) * d->slice_bytes;
       env.sm->dsts[0] = d->recv_addr + off * g.esize;
     }
@@ -145,7 +145,7 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
   move_data(env, run, 1, 1, len, 1);
   release_fence();  // with it, the relaxed store below releases the slice
   if (is_leader()) {
-    dfccl_chan_state *pc = record_chan(run.ctx->peer_rec[0], env.block);
+    dfccl_chan_state *pc = record_chan(run.ctx->peer_rec[0], run.chan);
     store_relaxed(sender ? &pc->recv_posted : &pc->send_credit, tagged_count(inst, i + 1));
   }
   run.pos[1] += 1;
@@ -161,7 +161,7 @@ DFCCL_DEV int run_p2p_fifo(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case Q_PUBLISH:
-        publish_instance(run, sender ? 0 : own_fifo_word(run, env.block), d->send_addr, d->recv_addr);
+        publish_instance(run, sender ? 0 : own_fifo_word(run, run.chan), d->send_addr, d->recv_addr);
         run.pos[1] = 0;
         run.step = Q_MEET;
         run.progressed = true;
@@ -225,7 +225,7 @@ DFCCL_DEV A2aGeometry a2a_geometry(const BlockEnv &env, const TaskRun &run) {
   A2aGeometry g;
   g.n = run.ep->nranks;
   g.r = run.ep->rank;
-  g.c = env.block;
+  g.c = run.chan;
   g.nch = run.d->nchannels;
   g.esize = dtype_size(run.d->dtype);
   g.align = pack_elems(g.esize);

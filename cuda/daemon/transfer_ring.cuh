@@ -48,7 +48,7 @@ DFCCL_DEV RingGeometry ring_geometry(const BlockEnv &env, const TaskRun &run) {
   RingGeometry g;
   g.n = run.ep->nranks;
   g.r = run.ep->rank;
-  g.c = env.block;
+  g.c = run.chan;
   g.nch = d->nchannels;
   g.esize = dtype_size(d->dtype);
   g.align = pack_elems(g.esize);

@@ -16,7 +16,8 @@ import numpy as np
 
 from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES
 from dfccl.errors import ClosedError, MismatchError
-from dfccl.tags import home_bucket, mix64
+from dfccl._native import context as _native_context
+from dfccl.tags import home_bucket
 from dfccl.types import DataType, ReduceOp
 
 if TYPE_CHECKING:
@@ -31,12 +32,12 @@ _LOOKAHEAD = 8
 # Seconds a mismatch report waits for ranks that have not published yet.
 _PUBLISH_GRACE = 0.2
 
-_KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+# dfccl_kind (abi.h), in code order.
+_KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv", "all_to_all")
 
 
-def instance_token(key: int, instance: int) -> int:
-    """The daemon's name of one instance of a tag (block_env.cuh)."""
-    return mix64(key + instance * 0x9E3779B97F4A7C15) | 1
+# The daemon's name of one instance of a tag (cuda/include/dfccl/hash.h).
+instance_token = _native_context.instance_token
 
 
 #: Fields of a published instance, in the order a mismatch is reported:

@@ -16,26 +16,14 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from dfccl._native import context as _native_hash
 from dfccl.errors import InvalidArgumentError, ResourceError
 
 __all__ = ["tag_key", "home_bucket", "TagTable"]
 
-MASK64 = (1 << 64) - 1
-
-
-def mix64(x: int) -> int:
-    """The daemon's mix64 (splitmix64 finaliser), bit for bit."""
-    x &= MASK64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & MASK64
-    x ^= x >> 31
-    return x
-
-
-def home_bucket(key: int, capacity: int) -> int:
-    return mix64(key) % capacity
+# The daemon's hashes, from the same C (cuda/include/dfccl/hash.h).
+mix64 = _native_hash.mix64
+home_bucket = _native_hash.home_bucket
 
 
 def _tag_bytes(tag: object) -> bytes:

@@ -125,7 +125,9 @@ typedef struct dfccl_task_desc {
   uint16_t root;
   uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
   uint8_t kind, dtype, op, path;
-  uint32_t reserved1;     /* zero */
+  uint32_t first_block;   /* the daemon block that runs channel 0; channel c runs on block
+                             (first_block + c) % nblocks (Context.submit spreads tags and the
+                             ranks of one device over the blocks) */
   uint64_t aux_offset;    /* all-to-all: this instance's split table in its arena
                              (dfccl_a2a_table); zero otherwise */
   uint64_t after;         /* ((slot + 1) << 32) | gen of an earlier instance of this tag that must
@@ -195,7 +197,7 @@ typedef struct dfccl_task_ctx {
   uint64_t peer_recv[DFCCL_PEER_CACHE];
   uint32_t successor;     /* slot + 1 of the next instance of this tag on this
                              block, chained behind this one (0: none) */
-  uint32_t pad;
+  uint32_t channel;       /* the task's channel this block runs */
 } dfccl_task_ctx;
 
 #define DFCCL_CTX_FREE 0u

@@ -43,7 +43,7 @@ cdef extern from "dfccl/abi.h":
         uint8_t dtype
         uint8_t op
         uint8_t path
-        uint32_t reserved1
+        uint32_t first_block
 
     ctypedef struct dfccl_control:
         uint64_t sq_tail
@@ -140,3 +140,10 @@ cdef extern from "dfccl/host_atomics.h":
     void dfccl_sleep_ns(uint64_t ns) nogil
     void dfccl_yield() nogil
     uint64_t dfccl_now_ns() nogil
+
+
+cdef extern from "dfccl/hash.h":
+    uint64_t dfccl_mix64(uint64_t x) nogil
+    uint64_t dfccl_instance_token(uint64_t key, uint64_t instance) nogil
+    uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
+    uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) nogil

@@ -64,6 +64,36 @@ RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
 CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+# The daemon's hashes (dfccl/hash.h) from the same C, for Python; they work
+# on the low 64 bits of their arguments, like the C.
+def mix64(x):
+    """splitmix64's finaliser."""
+    return dfccl_mix64(<uint64_t>(x & _MASK64))
+
+
+def home_bucket(key, uint32_t capacity):
+    """Where probing for a tag's record starts."""
+    if capacity == 0:
+        raise ValueError("capacity must be positive")
+    return dfccl_home_bucket(<uint64_t>(key & _MASK64), capacity)
+
+
+def instance_token(key, instance):
+    """The daemon's name of one instance of a tag."""
+    return dfccl_instance_token(<uint64_t>(key & _MASK64), <uint64_t>(instance & _MASK64))
+
+
+def first_block(key, uint32_t endpoint, uint32_t nblocks):
+    """The daemon block that runs channel 0 of the tag's instances on the
+    endpoint (dfccl/hash.h; Context.submit sets it)."""
+    if nblocks == 0:
+        raise ValueError("nblocks must be positive")
+    return dfccl_first_block(<uint64_t>(key & _MASK64), endpoint, nblocks)
+
+
 cdef inline void _acquire(PyThread_type_lock lock) noexcept:
     """Takes a context lock without holding the GIL while blocked: its holder
     may need the GIL to finish (any allocation can run the garbage collector,
@@ -182,6 +212,7 @@ cdef int _override_fields(dfccl_task_desc *d, dict fields) except -1:
         elif name == "slice_bytes": d.slice_bytes = <uint32_t>value
         elif name == "fifo_slots": d.fifo_slots = <uint32_t>value
         elif name == "count": d.count = <uint64_t>value
+        elif name == "first_block": d.first_block = <uint32_t>value
         else:
             raise InvalidArgumentError(f"raw descriptor field {name!r} is not one a test may set")
     return 0
@@ -786,6 +817,7 @@ cdef class Context:
             d.slot = slot
             d.gen = gen
             d.after = after
+            d.first_block = dfccl_first_block(task.key, task.desc.endpoint, self.nblocks)
             if task.staging_bytes:
                 task.tags.note_slot(task.key, ((<uint64_t>slot + 1) << 32) | gen)
             if raw_fields:
