@@ -8,6 +8,9 @@
 - DFCCL_CUDA_ARCHS overrides the architectures, e.g. "90" or "80;90".
 - DFCCL_LINEINFO=1 builds the fatbin with -lineinfo (source lines in Nsight
   Compute's source view; same machine code otherwise).
+- DFCCL_STEP_PROFILE=1 builds the fatbin and the simulator with the step
+  profile (Context.daemon_profile: time per LL step and per completion;
+  a few clock reads more per run, so off by default).
 - DFCCL_SKIP_KERNEL=1 skips the fatbin even where nvcc is present (faster
   builds, CI without GPUs); the sources are still shipped for NVRTC.
 """
@@ -58,6 +61,11 @@ def cuda_archs():
     return [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
 
 
+def step_profile_flags():
+    """DFCCL_STEP_PROFILE=1: count the daemon's step profile (abi.h, dfccl_step_profile)."""
+    return ["-DDFCCL_STEP_PROFILE=1"] if os.environ.get("DFCCL_STEP_PROFILE", "") not in ("", "0") else []
+
+
 CXX_FLAGS = ["-std=c++17", "-O2", "-Wno-unknown-pragmas"]
 
 
@@ -80,7 +88,8 @@ def extensions():
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",
-                  extra_compile_args=CXX_FLAGS + ["-pthread"], extra_link_args=["-pthread"], depends=headers),
+                  extra_compile_args=CXX_FLAGS + step_profile_flags() + ["-pthread"], extra_link_args=["-pthread"],
+                  depends=headers),
     ]
     # The CUDA backend needs no CUDA headers: it declares the driver ABI itself
     # and resolves entry points at run time (cuda/include/dfccl/cuda_driver.h).
@@ -114,7 +123,7 @@ def compile_kernels(out_dir):
     gencode += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     out = os.path.join(out_dir, "daemon.fatbin")
     lineinfo = ["-lineinfo"] if os.environ.get("DFCCL_LINEINFO", "") not in ("", "0") else []
-    cmd = [nvcc, "-std=c++17", "-O3", *lineinfo, "--fatbin", f"-I{CUDA_INCLUDE}", *gencode,
+    cmd = [nvcc, "-std=c++17", "-O3", *lineinfo, *step_profile_flags(), "--fatbin", f"-I{CUDA_INCLUDE}", *gencode,
            os.path.join(CUDA_SRC, "daemon", "daemon_kernel.cu"), "-o", out]
     print("dfccl: " + " ".join(cmd), file=sys.stderr)
     subprocess.check_call(cmd)

@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{b['runs']:.2f} runs; "
                       f"us: pull {b['pull_us']:.1f} pick {b['pick_us']:.1f} restore {b['restore_us']:.1f} "
                       f"run {b['run_us']:.1f} save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)
+                if b["ll_runs"]:  # a daemon built with DFCCL_STEP_PROFILE=1
+                    print(f"{'':>8} LL steps per collective (us): credit {b['ll_credit_us']:.2f} push "
+                          f"{b['ll_push_us']:.2f} recv {b['ll_recv_us']:.2f} finish {b['ll_finish_us']:.2f} "
+                          f"complete {b['complete_us']:.2f} ({b['ll_runs']:.2f} LL runs)", flush=True)
             case = Case.for_size(kind, sizes[0], n, "float32", "sum", 0)
             bufs = Buffers(backend, devices, case)
             wants = bufs.fill(rng)

@@ -1,5 +1,11 @@
 """GPU tests (marker ``gpu``) skip cleanly where no CUDA GPU is visible; the
-``multigpu`` marker additionally needs two GPUs."""
+``multigpu`` marker additionally needs two GPUs, and ``gpu_processes`` needs
+ranks in separate processes to run side by side: two GPUs, or one GPU shared
+by its processes through MPS (``DFCCL_TEST_MPS=1`` says an MPS server runs;
+without it the GPU time-slices between the processes, milliseconds per
+collective)."""
+
+import os
 
 import pytest
 
@@ -12,12 +18,19 @@ def _gpus() -> int:
         return 0
 
 
+def _mps() -> bool:
+    return os.environ.get("DFCCL_TEST_MPS", "") not in ("", "0")
+
+
 def pytest_collection_modifyitems(config, items):
     n = _gpus()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
     skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA GPUs ({n} visible)")
+    skip_processes = pytest.mark.skip(reason=f"needs 2 CUDA GPUs or one under MPS (DFCCL_TEST_MPS=1); {n} visible")
     for item in items:
         if "gpu" in item.keywords and n == 0:
             item.add_marker(skip_gpu)
         elif "multigpu" in item.keywords and n < 2:
             item.add_marker(skip_multi)
+        elif "gpu_processes" in item.keywords and n < 2 and not _mps():
+            item.add_marker(skip_processes)

@@ -276,7 +276,9 @@ def test_control_without_preemption_hangs():
     """Control on the GPU: with preemption off (run to completion, like NCCL),
     A,B vs B,A never completes -- the timeouts name the peer each side waits
     for -- and abort() releases both.  In a fresh process, because context
-    options are fixed per process and device."""
+    options are fixed per process and device.  One daemon block, as NCCL runs
+    one kernel at a time per stream: with more, A and B may land on different
+    blocks and run side by side."""
     import subprocess
     import sys
     code = r"""
@@ -285,7 +287,7 @@ from dfccl import runtime
 from dfccl.testing import scenarios as sc
 n = runtime.cuda_device_count()
 comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda",
-        context_options=dfccl.ContextOptions(preemption=False), options=dfccl.CommOptions(path="direct"))
+        context_options=dfccl.ContextOptions(preemption=False, blocks=1), options=dfccl.CommOptions(path="direct"))
 rng = np.random.default_rng(0)
 specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
 insts = [sc.prepare(s, comms, rng) for s in specs]

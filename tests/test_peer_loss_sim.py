@@ -2,7 +2,7 @@
 collectives) or stops (SIGSTOP) is reported on every survivor as
 PeerLostError naming it, within the bound; no survivor hangs, the survivors'
 other communicators keep working, and they close cleanly.  Simulator, one
-rank per process."""
+rank per process (tests/test_peer_loss_gpu.py: the same on GPUs)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,28 @@ VICTIM = 2
 DEV = 3100
 
 
-def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
+def _worker(uid: str, rank: int, how: str, peer_timeout, queue, detected, backend: str = "sim",
+            path: str = "ring") -> None:
     try:
         import numpy as np
 
         import dfccl
+        from dfccl import runtime
+        from dfccl.testing import arrays
 
-        opts = dfccl.CommOptions(path="ring", peer_timeout=peer_timeout)
-        comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, N, backend="sim", device=DEV + rank,
+        device = DEV + rank if backend == "sim" else rank % runtime.cuda_device_count()
+
+        def ones(n):
+            return arrays.from_numpy(backend, device, np.ones(n, np.float32))
+
+        opts = dfccl.CommOptions(path=path, peer_timeout=peer_timeout)
+        comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, N, backend=backend, device=device,
                                   options=opts, timeout=60)
-        x = np.ones(1024, np.float32)
+        x = ones(1024)
         comm.all_reduce(x, tag="warm").synchronize(timeout=60)
         if rank == VICTIM:
             if how == "exit_during":
-                comm.all_reduce(np.ones(1 << 16, np.float32), tag="work")
+                comm.all_reduce(ones(1 << 16), tag="work")
                 time.sleep(0.05)
                 os._exit(3)
             if how == "exit_between":
@@ -41,14 +49,14 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
             time.sleep(120)          # the test kills or stops us
             os._exit(0)
         # A second communicator on the same daemon, in this process only.
-        local = dfccl.Communicator.for_devices([DEV + rank, DEV + rank], backend="sim")
+        local = dfccl.Communicator.for_devices([device, device], backend=backend)
         # "work" may complete when the victim did its part before dying;
         # "work2" cannot (the victim never submits it).
         elapsed = None
         for tag in ("work", "work2"):
             t0 = time.monotonic()
             try:
-                comm.all_reduce(np.ones(1 << 16, np.float32), tag=tag).synchronize(timeout=60)
+                comm.all_reduce(ones(1 << 16), tag=tag).synchronize(timeout=60)
             except dfccl.PeerLostError as exc:
                 elapsed = time.monotonic() - t0
                 assert exc.origin == VICTIM and exc.peer == VICTIM, exc
@@ -57,6 +65,10 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
             if tag == "work2" or how != "exit_during":
                 queue.put((rank, "error", f"{tag} completed without the lost rank"))
                 return
+        # Every survivor has seen the loss before any goes on to close: a
+        # survivor that closes (or exits) is itself gone for the slower ones,
+        # which could then rightly report it instead of the victim.
+        detected.wait(timeout=60)
         try:
             comm.all_reduce(x, tag="after")
             queue.put((rank, "error", "submission after the loss was accepted"))
@@ -66,10 +78,10 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
         st = comm.status()
         assert st.state == f"peer rank {VICTIM} lost", st
         assert any(e["event"] == "peer_lost" for e in st.recent)
-        ys = [np.full(64, i + 1, np.float32) for i in range(2)]
+        ys = [arrays.from_numpy(backend, device, np.full(64, i + 1, np.float32)) for i in range(2)]
         for ww in [c.all_reduce(y) for c, y in zip(local, ys)]:
             ww.synchronize(timeout=30)
-        assert (ys[0] == 3).all()
+        assert (arrays.to_numpy(ys[0]) == 3).all()
         for c in local:
             c.close()
         t1 = time.monotonic()
@@ -86,13 +98,22 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue) -> None:
     ("sigstop", 2.0, 9.0),       # alive but stopped: only the heartbeat tells
 ])
 def test_dead_peer_is_reported_on_every_survivor(how, peer_timeout, bound):
+    check_dead_peer_reported(how, peer_timeout, bound, "sim", "ring")
+
+
+def check_dead_peer_reported(how: str, peer_timeout: float, bound: float, backend: str, path: str) -> None:
+    """N ranks, one per process; the victim dies or stops as ``how`` says;
+    every survivor must report PeerLostError within ``bound`` seconds, keep
+    its other communicator working and close within 5 s."""
     import dfccl
 
     uid = dfccl.UniqueId.create()
     ctx = mp.get_context("spawn")
     # One queue per rank: a stopped process may hold a shared queue's lock.
     queues = [ctx.Queue() for _ in range(N)]
-    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r]), daemon=True)
+    detected = ctx.Barrier(N - 1)
+    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r], detected, backend, path),
+                         daemon=True)
              for r in range(N)]
     for p in procs:
         p.start()

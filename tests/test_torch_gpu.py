@@ -1,11 +1,12 @@
-"""The torch.distributed backend on 2 GPUs, one process per GPU: the
+"""The torch.distributed backend with one process per rank on GPUs: the
 simulator scenarios with CUDA tensors (collectives, point to point and
 all-to-all), plus what only CUDA has: stream ordering, a host that never
 blocks, side streams, timeouts and graph capture.
 
-Not on one GPU: two processes sharing a GPU are time-sliced (each
-collective waits for the other process's slice, milliseconds), and these
-scenarios then outrun their time limits (seen on one H200)."""
+On two GPUs, or on one shared through MPS (``DFCCL_TEST_MPS=1``, marker
+``gpu_processes``): without MPS two processes on one GPU are time-sliced
+(each collective waits for the other process's slice, milliseconds), and
+these scenarios then outrun their time limits (seen on one H200)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ dist = pytest.importorskip("torch.distributed")
 from test_torch_sim import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
                             _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(180),
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 GPUs visible to torch")]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(180),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
 
 WORLD = 2
 
 
-def _worker(fn, rank, world_size, store_path, results):
+def _worker(fn, rank, world_size, store_path, results, stacks_after_s):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(stacks_after_s, exit=False)  # a stuck rank shows where
     try:
         import dfccl.torch  # noqa: F401
 
@@ -49,6 +52,8 @@ def _worker(fn, rank, world_size, store_path, results):
         results.put((rank, None))
     except BaseException:
         results.put((rank, traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
@@ -56,7 +61,8 @@ def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 15))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         errors = {}

@@ -7,11 +7,19 @@
 
 namespace dfccl {
 
+// What a move does (move.cuh).
+enum MoveKind : uint8_t {
+  MOVE_REDUCE_COPY = 0,  // dsts = op(srcs), nelem elements (a copy for one source)
+  MOVE_LL_REDUCE = 1,    // LL FINISH: dsts[0] = op over every rank's piece, from its lines
+  MOVE_LL_GATHER = 2     // LL FINISH: every rank's piece, from its lines, into place at dsts[0]
+};
+
 // One data move, described by the control warp for the movers (move.cuh).
 struct MoveDesc {
-  uint64_t nelem;
+  uint64_t nelem;  // elements; LL moves: bytes of each rank's piece
   uint32_t nsrcs, ndsts, postdiv;
-  uint8_t dtype, op, quit, pad;
+  uint8_t dtype, op, quit, kind;
+  uint32_t own;    // LL moves: the source that is this rank's input (the others are LL lines)
 };
 
 // Shared by the threads of one block (GPU shared memory; a local in the
@@ -36,9 +44,29 @@ enum RunResult { RUN_DONE = 0, RUN_PREEMPTED = 1, RUN_FAILED = 2 };
 struct BlockEnv {
   const dfccl_daemon_args *args;
   BlockShared *sm;
+  dfccl_step_profile *steps;  // leader: this block's step profile (kStepProfile builds)
   uint32_t block;    // this block's index; it runs channel channel_of(d, block) of a task
   uint32_t wparity;  // which wait_result slot the next wait uses
 };
+
+// The step profile (dfccl_step_profile): compiled in only with
+// DFCCL_STEP_PROFILE=1, since each mark reads the clock on the hot path.
+#ifndef DFCCL_STEP_PROFILE
+#define DFCCL_STEP_PROFILE 0
+#endif
+constexpr bool kStepProfile = DFCCL_STEP_PROFILE != 0;
+
+DFCCL_DEV uint64_t step_start() { return kStepProfile && is_leader() ? now_ns() : 0; }
+
+// Leader: adds the time since `t` to `field` of this block's step profile
+// and restarts `t` there.
+DFCCL_DEV void step_mark(const BlockEnv &env, uint64_t dfccl_step_profile::*field, uint64_t &t) {
+  if (kStepProfile && is_leader()) {
+    const uint64_t now = now_ns();
+    env.steps->*field += now - t;
+    t = now;
+  }
+}
 
 // State of one run of one task on one block.  Every lane of the control warp
 // holds an identical copy: the algorithms are deterministic and every wait's

@@ -13,6 +13,7 @@ namespace dfccl {
 
 template <int S> struct unsigned_of;
 template <> struct unsigned_of<1> { using type = uint8_t; };
+template <> struct unsigned_of<2> { using type = uint16_t; };
 template <> struct unsigned_of<4> { using type = uint32_t; };
 template <> struct unsigned_of<8> { using type = uint64_t; };
 
@@ -265,14 +266,33 @@ DFCCL_NOINLINE void reduce_copy_typed(const ReduceCopyArgs &a) {
   }
 }
 
-template <class Tr>
-DFCCL_DEV void reduce_copy_op(int op, const ReduceCopyArgs &a) {
+// Runs Kernel<Traits, OP>::run(arg) for the run-time (dtype, op): the one
+// place where a reduction's types are chosen.  (A class template rather
+// than a generic lambda: closures passed by reference cost stack frames.)
+template <template <class, int> class Kernel, class Tr, class Arg>
+DFCCL_DEV void dispatch_op(int op, Arg arg) {
   switch (op) {
-    case DFCCL_SUM: reduce_copy_typed<Tr, DFCCL_SUM>(a); break;
-    case DFCCL_PROD: reduce_copy_typed<Tr, DFCCL_PROD>(a); break;
-    case DFCCL_MIN: reduce_copy_typed<Tr, DFCCL_MIN>(a); break;
-    case DFCCL_MAX: reduce_copy_typed<Tr, DFCCL_MAX>(a); break;
-    default: reduce_copy_typed<Tr, DFCCL_AVG>(a); break;
+    case DFCCL_SUM: Kernel<Tr, DFCCL_SUM>::run(arg); break;
+    case DFCCL_PROD: Kernel<Tr, DFCCL_PROD>::run(arg); break;
+    case DFCCL_MIN: Kernel<Tr, DFCCL_MIN>::run(arg); break;
+    case DFCCL_MAX: Kernel<Tr, DFCCL_MAX>::run(arg); break;
+    default: Kernel<Tr, DFCCL_AVG>::run(arg); break;
+  }
+}
+
+template <template <class, int> class Kernel, class Arg>
+DFCCL_DEV void dispatch_reduce(int dtype, int op, Arg arg) {
+  switch (dtype) {
+    case DFCCL_INT8: dispatch_op<Kernel, IntTraits<int8_t>>(op, arg); break;
+    case DFCCL_UINT8: dispatch_op<Kernel, IntTraits<uint8_t>>(op, arg); break;
+    case DFCCL_INT32: dispatch_op<Kernel, IntTraits<int32_t>>(op, arg); break;
+    case DFCCL_UINT32: dispatch_op<Kernel, IntTraits<uint32_t>>(op, arg); break;
+    case DFCCL_INT64: dispatch_op<Kernel, IntTraits<int64_t>>(op, arg); break;
+    case DFCCL_UINT64: dispatch_op<Kernel, IntTraits<uint64_t>>(op, arg); break;
+    case DFCCL_FLOAT16: dispatch_op<Kernel, HalfTraits>(op, arg); break;
+    case DFCCL_FLOAT32: dispatch_op<Kernel, FloatTraits<float>>(op, arg); break;
+    case DFCCL_FLOAT64: dispatch_op<Kernel, FloatTraits<double>>(op, arg); break;
+    default: dispatch_op<Kernel, BFloatTraits>(op, arg); break;
   }
 }
 
@@ -310,6 +330,11 @@ DFCCL_NOINLINE void block_copy(const ReduceCopyArgs &a) {
   }
 }
 
+template <class Tr, int OP>
+struct ReduceCopyKernel {
+  DFCCL_DEV static void run(const ReduceCopyArgs *a) { reduce_copy_typed<Tr, OP>(*a); }
+};
+
 DFCCL_DEV uint32_t dtype_size(int dtype) {
   switch (dtype) {
     case DFCCL_INT8: case DFCCL_UINT8: return 1;
@@ -328,18 +353,7 @@ DFCCL_DEV void reduce_copy(int dtype, int op, const ReduceCopyArgs &a) {
     block_copy(b);
     return;
   }
-  switch (dtype) {
-    case DFCCL_INT8: reduce_copy_op<IntTraits<int8_t>>(op, a); break;
-    case DFCCL_UINT8: reduce_copy_op<IntTraits<uint8_t>>(op, a); break;
-    case DFCCL_INT32: reduce_copy_op<IntTraits<int32_t>>(op, a); break;
-    case DFCCL_UINT32: reduce_copy_op<IntTraits<uint32_t>>(op, a); break;
-    case DFCCL_INT64: reduce_copy_op<IntTraits<int64_t>>(op, a); break;
-    case DFCCL_UINT64: reduce_copy_op<IntTraits<uint64_t>>(op, a); break;
-    case DFCCL_FLOAT16: reduce_copy_op<HalfTraits>(op, a); break;
-    case DFCCL_FLOAT32: reduce_copy_op<FloatTraits<float>>(op, a); break;
-    case DFCCL_FLOAT64: reduce_copy_op<FloatTraits<double>>(op, a); break;
-    default: reduce_copy_op<BFloatTraits>(op, a); break;
-  }
+  dispatch_reduce<ReduceCopyKernel>(dtype, op, &a);
 }
 
 }  // namespace dfccl

@@ -174,7 +174,9 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
       store_gpu(&a->slot_waiting[run.d->slot], run.waiting_on);  // live, for timeouts
       sm->cursor = pick + 1;
     } else {
+      uint64_t t = end;
       complete_channel(env, run, end);
+      step_mark(env, &dfccl_step_profile::complete_ns, t);
       // The next instance of its tag (if one is chained) takes its place;
       // otherwise it leaves the list.  Round robin goes on at `pick` either
       // way: going back to the oldest after every completion would re-walk
@@ -209,6 +211,16 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
 // to device memory every kProfileFlushPasses busy passes, on every idle pass
 // and on leaving; the host reads it from there (Context.daemon_profile).
 constexpr uint32_t kProfileFlushPasses = 16;
+
+DFCCL_DEV void flush_steps(dfccl_step_profile *dst, const dfccl_step_profile &p) {
+  if (!kStepProfile) return;
+  store_gpu(&dst->ll_runs, p.ll_runs);
+  store_gpu(&dst->ll_credit_ns, p.ll_credit_ns);
+  store_gpu(&dst->ll_push_ns, p.ll_push_ns);
+  store_gpu(&dst->ll_recv_ns, p.ll_recv_ns);
+  store_gpu(&dst->ll_finish_ns, p.ll_finish_ns);
+  store_gpu(&dst->complete_ns, p.complete_ns);
+}
 
 DFCCL_DEV void flush_profile(dfccl_block_profile *dst, const dfccl_block_profile &p) {
   store_gpu(&dst->passes, p.passes);
@@ -246,6 +258,8 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   }
   // Leader-private copies, kept in registers across passes.
   dfccl_block_profile prof = st->profile[block];
+  dfccl_step_profile steps = st->steps[block];
+  env.steps = &steps;
   uint64_t sq_head = st->sq_head[block];
   uint64_t link_seen_ns = 0;
   uint32_t quiet_passes = 0;
@@ -273,7 +287,10 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
       prof.passes += 1;
       prof.pull_ns += now - t0;
       prof.pick_ns += picked_ns - now;
-      if (!busy || prof.passes % kProfileFlushPasses == 0) flush_profile(&st->profile[block], prof);
+      if (!busy || prof.passes % kProfileFlushPasses == 0) {
+        flush_profile(&st->profile[block], prof);
+        flush_steps(&st->steps[block], steps);
+      }
     }
     control_sync();
     if (sm->quit) break;
@@ -295,6 +312,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   dismiss_movers(sm);
   if (is_leader()) {
     flush_profile(&st->profile[block], prof);
+    flush_steps(&st->steps[block], steps);
     st->active_len[block] = sm->active_len;
     st->cursor[block] = sm->cursor;
     fence_system();

@@ -39,6 +39,7 @@ DFCCL_DEV void move_data(BlockEnv &env, const TaskRun &run, uint32_t nsrcs, uint
     m.dtype = run.d->dtype;
     m.op = run.d->op;
     m.quit = 0;
+    m.kind = MOVE_REDUCE_COPY;
   }
   control_sync();
   execute_move(env.sm);

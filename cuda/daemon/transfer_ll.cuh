@@ -34,6 +34,7 @@
 // has no wait, sees all of them.
 #pragma once
 
+#include "ll_line.cuh"
 #include "transfer_common.cuh"
 #include "transfer_direct.cuh"  // kAnyPeer
 
@@ -43,72 +44,6 @@ enum LLStep { L_PUSH = 0, L_RECV = 1, L_FINISH = 2, L_DONE = 3 };
 
 constexpr uint32_t kLLHeaderLines = 2;  // token line, signature line
 constexpr uint32_t kLLReprobePolls = 64;
-
-// ---- lanes of the control warp ------------------------------------------------
-#if DFCCL_GPU
-DFCCL_DEV uint32_t lane_index() { return threadIdx.x; }
-DFCCL_DEV uint32_t lane_count() { return 32u; }
-DFCCL_DEV bool warp_all(bool p) { return __all_sync(0xffffffffu, p) != 0; }
-DFCCL_DEV bool warp_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
-#else
-DFCCL_DEV uint32_t lane_index() { return 0; }
-DFCCL_DEV uint32_t lane_count() { return 1; }
-DFCCL_DEV bool warp_all(bool p) { return p; }
-DFCCL_DEV bool warp_any(bool p) { return p; }
-#endif
-
-// ---- one line ------------------------------------------------------------------
-struct LLLine {
-  uint32_t d1, f1, d2, f2;
-};
-
-#if DFCCL_GPU
-// One 16-byte store; each 8-byte half {data, flag} lands whole, so a reader
-// that sees both flags sees both data words.
-DFCCL_DEV void ll_store(uint64_t addr, uint64_t data, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"((uint32_t)data), "r"(flag),
-               "r"((uint32_t)(data >> 32)), "r"(flag)
-               : "memory");
-}
-DFCCL_DEV LLLine ll_load(uint64_t addr) {
-  LLLine l;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(l.d1), "=r"(l.f1), "=r"(l.d2), "=r"(l.f2)
-               : "l"(addr)
-               : "memory");
-  return l;
-}
-#else
-DFCCL_DEV void ll_store(uint64_t addr, uint64_t data, uint32_t flag) {
-  uint64_t *w = ptr<uint64_t>(addr);
-  __atomic_store_n(w, (data & 0xffffffffull) | ((uint64_t)flag << 32), __ATOMIC_RELAXED);
-  __atomic_store_n(w + 1, (data >> 32) | ((uint64_t)flag << 32), __ATOMIC_RELAXED);
-}
-DFCCL_DEV LLLine ll_load(uint64_t addr) {
-  const uint64_t *w = ptr<const uint64_t>(addr);
-  const uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
-  const uint64_t b = __atomic_load_n(w + 1, __ATOMIC_RELAXED);
-  return LLLine{(uint32_t)a, (uint32_t)(a >> 32), (uint32_t)b, (uint32_t)(b >> 32)};
-}
-#endif
-
-DFCCL_DEV bool ll_valid(const LLLine &l, uint32_t flag) { return l.f1 == flag && l.f2 == flag; }
-DFCCL_DEV uint64_t ll_data(const LLLine &l) { return (uint64_t)l.d1 | ((uint64_t)l.d2 << 32); }
-
-// Up to 8 bytes at addr (fewer at the end of a buffer), any alignment.
-DFCCL_DEV uint64_t load_bytes8(uint64_t addr, uint32_t n) {
-  if (n == 8 && (addr & 7u) == 0) return load_elem(ptr<const uint64_t>(addr));
-  uint64_t v = 0;
-  for (uint32_t i = 0; i < n; ++i) v |= (uint64_t)load_elem(ptr<const uint8_t>(addr + i)) << (8 * i);
-  return v;
-}
-DFCCL_DEV void store_bytes8(uint64_t addr, uint64_t v, uint32_t n) {
-  if (n == 8 && (addr & 7u) == 0) {
-    *ptr<uint64_t>(addr) = v;
-    return;
-  }
-  for (uint32_t i = 0; i < n; ++i) ptr<uint8_t>(addr)[i] = (uint8_t)(v >> (8 * i));
-}
 
 // ---- names ---------------------------------------------------------------------
 // Line flag of (tag, instance): instances two apart (which share an area)
@@ -130,9 +65,6 @@ DFCCL_DEV uint64_t ll_check_word(const TaskRun &run) {
 // ---- the LL region of an arena (endpoint.py, ll_region_bytes) -------------------
 //   areas:   [bucket][sender][parity] of ll_area_bytes
 //   acks:    [bucket][receiver] of 8 bytes (in the sender's arena)
-//   scratch: [block][rank] of round_up(ll_max_bytes, 16) (the receiver's unpacked
-//            copies; per daemon block, since LL tasks of different tags run on
-//            different blocks at once)
 DFCCL_DEV uint64_t ll_payload_lines(const dfccl_endpoint *ep) { return ceil_div(ep->ll_max_bytes, 8); }
 DFCCL_DEV uint64_t ll_area_bytes(const dfccl_endpoint *ep) { return 16ull * (kLLHeaderLines + ll_payload_lines(ep)); }
 DFCCL_DEV uint64_t ll_areas_bytes(const dfccl_endpoint *ep) {
@@ -147,11 +79,6 @@ DFCCL_DEV uint64_t *ll_ack(const dfccl_endpoint *ep, uint32_t sender, uint32_t b
   return ptr<uint64_t>(ep->peer_arena[sender] + ep->ll_offset + ll_areas_bytes(ep) +
                        ((uint64_t)bucket * ep->nranks + receiver) * 8ull);
 }
-DFCCL_DEV uint64_t ll_scratch(const dfccl_endpoint *ep, uint32_t block, uint32_t p) {
-  const uint64_t acks = round_up((uint64_t)ep->table_capacity * ep->nranks * 8ull, 256);
-  return ep->peer_arena[ep->rank] + ep->ll_offset + ll_areas_bytes(ep) + acks +
-         ((uint64_t)block * ep->nranks + p) * round_up(ep->ll_max_bytes, 16);
-}
 
 // Bytes each rank sends every peer (equal for the three kinds: `count` is the
 // per-rank piece) and where they start in the sender's input.
@@ -161,35 +88,35 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
 }
 
 // ---- PUSH --------------------------------------------------------------------------
-// The leader: may this rank write instance k into `receiver`'s parity area of
-// its bucket?  Yes once the receiver acknowledged the last instance written
+// The leader: may this rank write instance k into its peers' parity areas of
+// its bucket?  Yes once every receiver acknowledged the last instance written
 // there: the same tag's (k - 2, normally long done), or, when the bucket
 // changed tags, the old tag's last instance in either parity.  The header's
-// LL words are read at GPU scope: other blocks read them for the handover.
-DFCCL_DEV bool ll_credit(const TaskRun &run, const dfccl_record_header *own, uint32_t receiver) {
-  const uint64_t key = load_gpu(&own->ll_key);
-  if (key == 0) return true;
-  const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
-  if (key == run.d->tag_key) {
-    const uint64_t last = load_gpu(&own->ll_inst[run.d->instance & 1u]);
-    if (last == 0) return true;
-    return (ack & 0xffffffff00000000ull) == (mix64(key) & 0xffffffff00000000ull) &&
-           (ack & 0xffffffffull) >= (last & 0xffffffffull);
-  }
-  const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
-  const uint64_t last = i0 > i1 ? i0 : i1;
-  return last == 0 || ack == ll_ack_word(key, last);
-}
-
-// The leader: credit from every peer at once.  Pushing to all peers only
-// when all credits are there means an instance that any rank completed has
-// been pushed to every rank, so every receiver can take it whenever its
-// daemon visits it; a credit wait therefore waits only for peers' daemons to
-// run, never on another credit (the deadlock-freedom argument in
-// docs/design-decisions.md, "LL").
+// LL words are read at GPU scope (other blocks read them for the handover),
+// once for all receivers and as independent loads.
+//
+// Credit from every peer at once: pushing to all peers only when all credits
+// are there means an instance that any rank completed has been pushed to
+// every rank, so every receiver can take it whenever its daemon visits it; a
+// credit wait therefore waits only for peers' daemons to run, never on
+// another credit (the deadlock-freedom argument in docs/design-decisions.md,
+// "LL").
 DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own) {
-  for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i)
-    if (!ll_credit(run, own, (run.ep->rank + 1 + i) % run.ep->nranks)) return false;
+  const uint64_t key = load_gpu(&own->ll_key);
+  const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
+  if (key == 0) return true;
+  const bool same_tag = key == run.d->tag_key;
+  const uint64_t last = same_tag ? ((run.d->instance & 1u) ? i1 : i0) : (i0 > i1 ? i0 : i1);
+  if (last == 0) return true;
+  const uint64_t tag_bits = mix64(key) & 0xffffffff00000000ull;
+  const uint64_t want = ll_ack_word(key, last);
+  for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
+    const uint32_t receiver = (run.ep->rank + 1 + i) % run.ep->nranks;
+    const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
+    const bool ok = same_tag ? (ack & 0xffffffff00000000ull) == tag_bits && (ack & 0xffffffffull) >= (last & 0xffffffffull)
+                             : ack == want;
+    if (!ok) return false;
+  }
   return true;
 }
 
@@ -226,7 +153,7 @@ DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
       v = ll_check_word(run);
     } else {
       const uint64_t off = (i - kLLHeaderLines) * 8;
-      v = load_bytes8(src + off, bytes - off < 8 ? (uint32_t)(bytes - off) : 8u);
+      v = load_bytes8(src + off, word_bytes(bytes, off));
     }
     ll_store(area + 16 * i, v, flag);
   }
@@ -391,54 +318,46 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
 }
 
 // ---- FINISH --------------------------------------------------------------------
-// The control warp: peer p's payload out of its lines, to dst.
-DFCCL_DEV void ll_unpack(const TaskRun &run, uint32_t p, uint64_t dst) {
+// Peer p's first payload line in this rank's area (its record is cached in the
+// context since RECV).
+DFCCL_DEV uint64_t ll_payload(const TaskRun &run, uint32_t p) {
   const dfccl_endpoint *ep = run.ep;
-  const uint64_t area = ll_area(ep, ep->rank, p, bucket_of(ep, p, run.ctx->peer_rec[(p + ep->nranks - ep->rank - 1) % ep->nranks]),
-                                run.d->instance);
-  const uint64_t bytes = ll_bytes(run);
-  const uint64_t n = ceil_div(bytes, 8);
-  for (uint64_t i = lane_index(); i < n; i += lane_count()) {
-    const LLLine l = ll_load(area + 16 * (kLLHeaderLines + i));
-    const uint64_t off = i * 8;
-    store_bytes8(dst + off, ll_data(l), bytes - off < 8 ? (uint32_t)(bytes - off) : 8u);
-  }
+  const uint64_t rec = run.ctx->peer_rec[(p + ep->nranks - ep->rank - 1) % ep->nranks];
+  return ll_area(ep, ep->rank, p, bucket_of(ep, p, rec), run.d->instance) + 16ull * kLLHeaderLines;
 }
 
+// One move on the movers (move.cuh, MOVE_LL_REDUCE / MOVE_LL_GATHER): every
+// rank's piece -- this rank's from its input, the peers' straight from their
+// lines -- reduced in rank order into the output, or gathered into place.
+// No unpacking by the control warp and no scratch: the movers' threads each
+// take a word of every piece, all its loads in flight at once.
 DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
   control_sync();  // the leader's cached peer records, for every lane
   const dfccl_task_desc *d = run.d;
   const dfccl_endpoint *ep = run.ep;
   const uint32_t n = ep->nranks, r = ep->rank;
   const uint64_t bytes = ll_bytes(run);
-  if (d->kind == DFCCL_ALL_GATHER) {
+  if (is_leader()) {
+    BlockShared *sm = env.sm;
     for (uint32_t p = 0; p < n; ++p)
-      if (p != r) ll_unpack(run, p, d->recv_addr + (uint64_t)p * bytes);
-    const uint64_t mine = d->recv_addr + (uint64_t)r * bytes;
-    if (d->send_addr != mine) {
-      if (is_leader()) {
-        env.sm->srcs[0] = d->send_addr;
-        env.sm->dsts[0] = mine;
-      }
-      move_data(env, run, 1, 1, d->count, 1);
-    }
-  } else {
-    for (uint32_t p = 0; p < n; ++p)
-      if (p != r) ll_unpack(run, p, ll_scratch(ep, env.block, p));
-    // The unpacked copies before the movers read them (the move barrier
-    // orders the block's memory; the warp sync keeps the lanes together).
-    control_sync();
-    if (is_leader()) {
-      for (uint32_t p = 0; p < n; ++p)
-        env.sm->srcs[p] = p == r ? d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0)
-                                 : ll_scratch(ep, env.block, p);
-      env.sm->dsts[0] = d->recv_addr;
-    }
-    move_data(env, run, n, 1, d->count, d->op == DFCCL_AVG ? n : 1);
+      sm->srcs[p] = p != r ? ll_payload(run, p)
+                           : d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0);
+    sm->dsts[0] = d->recv_addr;
+    MoveDesc &m = sm->move;
+    m.kind = d->kind == DFCCL_ALL_GATHER ? MOVE_LL_GATHER : MOVE_LL_REDUCE;
+    m.nelem = bytes;
+    m.nsrcs = n;
+    m.ndsts = 1;
+    m.own = r;
+    m.postdiv = d->op == DFCCL_AVG ? n : 1;
+    m.dtype = d->dtype;
+    m.op = d->op;
+    m.quit = 0;
   }
+  control_sync();
+  execute_move(env.sm);
   // Every peer's lines are consumed: acknowledge (posted stores, nobody
   // waits for them unless it reuses the area).
-  control_sync();
   if (is_leader()) {
     const uint64_t ack = ll_ack_word(d->tag_key, d->instance);
     for (uint32_t i = 0; i + 1 < n; ++i) {
@@ -467,10 +386,16 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
       case L_PUSH: {
         // Credits first: publishing rewrites the record's key, which peers
         // still taking an old tag's lines from this bucket look up.
+        uint64_t t = step_start();
         int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
+        step_mark(env, &dfccl_step_profile::ll_credit_ns, t);
         if (w != WAIT_OK) return stop_run(w);
-        publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
+        // The lines first: they are what the peers wait for.  Publishing
+        // (one system-scope release) follows, off their critical path; a peer
+        // needs the record only to find this rank's bucket the first time, or
+        // when it is on another path (a mismatch).
         for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
+        publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
         if (is_leader()) {
@@ -481,15 +406,18 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
           }
           own->ll_inst[run.d->instance & 1u] = run.d->instance;
         }
+        step_mark(env, &dfccl_step_profile::ll_push_ns, t);
         run.pos[1] = 0;
         run.step = L_RECV;
         run.progressed = true;
         break;
       }
-      case L_RECV:
+      case L_RECV: {
+        uint64_t t = step_start();
         while (run.pos[1] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[1];
           int w = ll_wait_lines(env, run, (r + 1 + i) % n, i);
+          step_mark(env, &dfccl_step_profile::ll_recv_ns, t);
           if (w == WAIT_ABORT) {
             // What travels, as in push_abort: a relayed failure keeps its
             // status and origin; one that starts here names this rank.
@@ -508,11 +436,16 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         }
         run.step = L_FINISH;
         break;
-      case L_FINISH:
+      }
+      case L_FINISH: {
+        uint64_t t = step_start();
         ll_finish(env, run);
+        step_mark(env, &dfccl_step_profile::ll_finish_ns, t);
+        if (kStepProfile && is_leader()) env.steps->ll_runs += 1;
         run.step = L_DONE;
         run.progressed = true;
         break;
+      }
       default:
         return RUN_DONE;
     }

@@ -118,7 +118,7 @@ class CommOptions:
         recv buffer of a reduce-scatter) that takes LL; 0 turns LL off.  It
         sizes the LL region of every rank's arena: max_tags x ranks x 2 x
         16 x (2 + ll_max_bytes / 8) bytes of receive areas, plus small acks
-        and scratch (docs/architecture.md, "LL").  None: the largest
+        (docs/architecture.md, "LL").  None: the largest
         multiple of 16 up to 4096 whose region fits ll_memory_bytes.
     ll_memory_bytes: budget of the LL region when ll_max_bytes is None.
     """

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING,
-                                   MAX_CHANNELS, TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
+                                   TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
@@ -95,14 +95,11 @@ def ll_capable(nranks: int, direct: bool) -> bool:
 def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
     """Bytes of the LL region of one rank's arena (cuda/daemon/transfer_ll.cuh):
     receive areas [bucket][sender][parity] of 16 x (2 + ceil(ll_max_bytes / 8))
-    bytes, acks [bucket][receiver] of 8 bytes (256-aligned), scratch
-    [daemon block][rank] of ll_max_bytes rounded up to 16 (for every possible
-    block, so that the layout is the same on every rank)."""
+    bytes, then acks [bucket][receiver] of 8 bytes (256-aligned)."""
     if ll_max_bytes <= 0:
         return 0
     area = 16 * (_LL_HEADER_LINES + _ceil_div(ll_max_bytes, 8))
-    return (capacity * nranks * 2 * area + _round_up(capacity * nranks * 8, 256)
-            + MAX_CHANNELS * nranks * _round_up(ll_max_bytes, 16))
+    return capacity * nranks * 2 * area + _round_up(capacity * nranks * 8, 256)
 
 
 def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:

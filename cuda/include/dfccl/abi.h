@@ -218,6 +218,18 @@ typedef struct dfccl_block_profile {
   uint64_t idle_ns;       /* nothing runnable */
 } dfccl_block_profile;  /* 64 bytes */
 
+/* Where runs spend their time, step by step, per block: counted only by a
+ * daemon built with DFCCL_STEP_PROFILE=1 (setup.py), zero otherwise. */
+typedef struct dfccl_step_profile {
+  uint64_t ll_runs;       /* LL instances finished */
+  uint64_t ll_credit_ns;  /* LL PUSH: waiting for credit */
+  uint64_t ll_push_ns;    /* LL PUSH: publishing, stores into the peers' areas */
+  uint64_t ll_recv_ns;    /* LL RECV: polling this rank's areas for the peers' lines */
+  uint64_t ll_finish_ns;  /* LL FINISH: unpacking, reducing, acknowledging */
+  uint64_t complete_ns;   /* any task: completing a channel (result, completion word) */
+  uint64_t pad[2];
+} dfccl_step_profile;  /* 64 bytes */
+
 /* Daemon-wide state in device memory. */
 typedef struct dfccl_daemon_state {
   uint64_t quit_epoch;       /* set by block 0: all blocks leave */
@@ -236,6 +248,7 @@ typedef struct dfccl_daemon_state {
   uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
   dfccl_block_profile profile[DFCCL_MAX_CHANNELS];
+  dfccl_step_profile steps[DFCCL_MAX_CHANNELS];
 } dfccl_daemon_state;
 
 /* One rank of one communicator hosted on this context. */
@@ -357,6 +370,7 @@ typedef struct dfccl_chan_state {
 static_assert(sizeof(dfccl_task_desc) == 112, "dfccl_task_desc layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
+static_assert(sizeof(dfccl_step_profile) == 64, "dfccl_step_profile layout");
 static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
 static_assert(sizeof(dfccl_rank_status) == 64, "dfccl_rank_status layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");

@@ -80,12 +80,21 @@ cdef extern from "dfccl/abi.h":
         uint64_t save_ns
         uint64_t idle_ns
 
+    ctypedef struct dfccl_step_profile:
+        uint64_t ll_runs
+        uint64_t ll_credit_ns
+        uint64_t ll_push_ns
+        uint64_t ll_recv_ns
+        uint64_t ll_finish_ns
+        uint64_t complete_ns
+
     ctypedef struct dfccl_daemon_state:
         uint64_t base_window_ns
         uint64_t max_window_ns
         uint64_t idle_quit_ns
         uint64_t bad_tasks
         dfccl_block_profile profile[32]
+        dfccl_step_profile steps[32]
 
     ctypedef struct dfccl_chan_state:
         pass

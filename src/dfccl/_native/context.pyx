@@ -1049,11 +1049,14 @@ cdef class Context:
         """Where each daemon block's time went since the context was created
         (cuda/include/dfccl/abi.h, dfccl_block_profile): one dict per block
         with passes, runs and the nanoseconds spent pulling, picking,
-        restoring, inside runs, saving and idle.  Read from device memory
-        while the daemon runs, so the figures of a busy block may be a pass
-        apart from one another."""
+        restoring, inside runs, saving and idle; and, from a daemon built with
+        DFCCL_STEP_PROFILE=1 (zero otherwise), the step profile
+        (dfccl_step_profile: LL runs and the time in each of their steps,
+        completing).  Read from device memory while the daemon runs, so the
+        figures of a busy block may be a pass apart from one another."""
         cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
         cdef dfccl_block_profile *p
+        cdef dfccl_step_profile *q
         if st == NULL:
             raise MemoryError
         try:
@@ -1062,9 +1065,12 @@ cdef class Context:
             out = []
             for b in range(self.nblocks):
                 p = &st.profile[b]
+                q = &st.steps[b]
                 out.append({"passes": p.passes, "runs": p.runs, "pull_ns": p.pull_ns, "pick_ns": p.pick_ns,
                             "restore_ns": p.restore_ns, "run_ns": p.run_ns, "save_ns": p.save_ns,
-                            "idle_ns": p.idle_ns})
+                            "idle_ns": p.idle_ns, "ll_runs": q.ll_runs, "ll_credit_ns": q.ll_credit_ns,
+                            "ll_push_ns": q.ll_push_ns, "ll_recv_ns": q.ll_recv_ns,
+                            "ll_finish_ns": q.ll_finish_ns, "complete_ns": q.complete_ns})
             return out
         finally:
             free(st)

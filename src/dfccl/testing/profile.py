@@ -9,7 +9,9 @@ from __future__ import annotations
 
 __all__ = ["busy_blocks", "profile_delta"]
 
-_FIELDS = ("passes", "runs", "pull_ns", "pick_ns", "restore_ns", "run_ns", "save_ns", "idle_ns")
+_FIELDS = ("passes", "runs", "pull_ns", "pick_ns", "restore_ns", "run_ns", "save_ns", "idle_ns",
+           # the step profile (zero unless the daemon was built with DFCCL_STEP_PROFILE=1)
+           "ll_runs", "ll_credit_ns", "ll_push_ns", "ll_recv_ns", "ll_finish_ns", "complete_ns")
 
 
 def busy_blocks(before: list[dict], after: list[dict]) -> list[int]:
