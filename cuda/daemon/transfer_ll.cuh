@@ -43,6 +43,7 @@ namespace dfccl {
 enum LLStep { L_PUSH = 0, L_RECV = 1, L_FINISH = 2, L_DONE = 3 };
 
 constexpr uint32_t kLLHeaderLines = 2;  // token line, signature line
+constexpr uint32_t kLLBatch = 4;        // lines a lane of the control warp loads before it pushes them
 constexpr uint32_t kLLReprobePolls = 64;
 
 // ---- names ---------------------------------------------------------------------
@@ -145,17 +146,20 @@ DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
   const uint64_t bytes = ll_bytes(run);
   const uint64_t src = ll_source(run, receiver);
   const uint64_t lines = kLLHeaderLines + ceil_div(bytes, 8);
-  for (uint64_t i = lane_index(); i < lines; i += lane_count()) {
-    uint64_t v;
-    if (i == 0) {
-      v = run.token;
-    } else if (i == 1) {
-      v = ll_check_word(run);
-    } else {
+  const uint64_t stride = lane_count();
+  for (uint64_t base = lane_index(); base < lines; base += stride * kLLBatch) {
+    // A batch of loads in flight, then its stores (an LL store may not be
+    // moved before a load, so one line at a time would wait for each load).
+    uint64_t v[kLLBatch];
+#pragma unroll
+    for (uint32_t j = 0; j < kLLBatch; ++j) {
+      const uint64_t i = base + j * stride;
       const uint64_t off = (i - kLLHeaderLines) * 8;
-      v = load_bytes8(src + off, word_bytes(bytes, off));
+      v[j] = i >= lines ? 0 : i == 0 ? run.token : i == 1 ? ll_check_word(run) : load_bytes8(src + off, word_bytes(bytes, off));
     }
-    ll_store(area + 16 * i, v, flag);
+#pragma unroll
+    for (uint32_t j = 0; j < kLLBatch; ++j)
+      if (base + j * stride < lines) ll_store(area + 16 * (base + j * stride), v[j], flag);
   }
 }
 
