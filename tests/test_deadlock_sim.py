@@ -360,3 +360,30 @@ def test_ranks_sharing_a_device_run_side_by_side(rng):
         assert rep.collectives == 1 and rep.total_preemptions == 0
     finally:
         close_all(comms)
+
+
+def test_daemon_comes_back_while_a_thread_holds_the_gil(rng):
+    """A rank's daemon that left while its collective waited (idle quit) is
+    brought back by a watcher that needs no GIL: here the only host thread
+    holds the GIL in a C call (as a synchronising torch op does while it waits
+    for the collective) from just before the peer submits until well after
+    the relaunch is due; both collectives complete meanwhile.  With the
+    relaunch in a Python thread, it could not run, and they never would."""
+    import ctypes
+
+    base = sc.fresh_sim_devices(2)[0]
+    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    try:
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        w0 = comms[0].all_reduce(xs[0], tag="late")
+        deadline = time.monotonic() + 10
+        while comms[0]._ctx.daemon_state[1] != "exited":     # it waited for rank 1, then left
+            assert time.monotonic() < deadline, comms[0]._ctx.daemon_state
+            time.sleep(1e-3)
+        w1 = comms[1].all_reduce(xs[1], tag="late")
+        ctypes.PyDLL(None).usleep(1_500_000)                 # holds the GIL for 1.5 s
+        assert w0.done() and w1.done(), "rank 0's daemon did not come back while the GIL was held"
+        assert (xs[0] == 3).all() and (xs[1] == 3).all()
+    finally:
+        close_all(comms)

@@ -11,6 +11,7 @@ static inline uint64_t dfccl_load_acquire_u64(const uint64_t *p) { return __atom
 static inline uint32_t dfccl_load_acquire_u32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void dfccl_store_release_u64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static inline void dfccl_store_release_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline uint32_t dfccl_exchange_u32(uint32_t *p, uint32_t v) { return __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL); }
 static inline void dfccl_fence_seq_cst(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void dfccl_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -144,6 +144,7 @@ cdef extern from "dfccl/host_atomics.h":
     uint32_t dfccl_load_acquire_u32(const uint32_t *p) nogil
     void dfccl_store_release_u64(uint64_t *p, uint64_t v) nogil
     void dfccl_store_release_u32(uint32_t *p, uint32_t v) nogil
+    uint32_t dfccl_exchange_u32(uint32_t *p, uint32_t v) nogil
     void dfccl_fence_seq_cst() nogil
     void dfccl_cpu_relax() nogil
     void dfccl_sleep_ns(uint64_t ns) nogil

@@ -22,6 +22,12 @@ from libc.string cimport memcpy, memset
 from dfccl._native.abi cimport *
 from dfccl._native.backend cimport Backend
 
+cdef extern from "pythread.h":
+    ctypedef enum PyLockStatus:
+        PY_LOCK_FAILURE = 0
+        PY_LOCK_ACQUIRED = 1
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
+
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError,
                           InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError)
 
@@ -229,6 +235,8 @@ cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "runnin
 # tens of microseconds on virtualised hosts, far longer than a collective.
 cdef enum:
     SPIN_BEFORE_YIELD_NS = 50000
+    # How often the relaunch watcher looks at an exited daemon's context.
+    RELAUNCH_POLL_NS = 100000
 
 
 cdef class Work:
@@ -559,8 +567,14 @@ cdef class Context:
     cdef list slot_work
     cdef list free_endpoints
     cdef PyThread_type_lock lock
+    cdef PyThread_type_lock launch_lock
+    cdef PyThread_type_lock watch_wake
+    cdef uint32_t watch_token
     cdef readonly object policy
     cdef readonly bint closed
+    cdef bint watch_stop
+    cdef int watch_error
+    cdef object watcher
     cdef uint64_t exit_seen_ns
     cdef readonly uint64_t relaunch_backoff_ns
     cdef readonly uint64_t launches
@@ -569,6 +583,10 @@ cdef class Context:
 
     def __cinit__(self):
         self.lock = PyThread_allocate_lock()
+        self.launch_lock = PyThread_allocate_lock()
+        # A binary semaphore: taken here, released by _wake_watch.
+        self.watch_wake = PyThread_allocate_lock()
+        PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
 
     def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy):
         cdef uint64_t off, size
@@ -676,6 +694,8 @@ cdef class Context:
         # (dfccl.diagnostics.EndpointDiagnostics), set by the communicator.
         self.diagnostics = {}
         _progress.register(self)
+        self.watcher = threading.Thread(target=self._watch, name="dfccl-relaunch", daemon=True)
+        self.watcher.start()
 
     cdef int _seed_policy_copies(self) except -1:
         """The daemon reads the policy from the host link's copies in device
@@ -845,9 +865,11 @@ cdef class Context:
         # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
         dfccl_fence_seq_cst()
         self._ensure_running()
-        # The progress thread polls while work is outstanding; it needs a
-        # wake-up only when it may have gone to sleep (nothing was pending).
+        # The progress thread and the relaunch watcher poll while work is
+        # outstanding; they need a wake-up only when they may have gone to
+        # sleep (nothing was pending).
         if self.n_outstanding == 1:
+            self._wake_watch()
             _progress.wake()
         return work
 
@@ -922,24 +944,90 @@ cdef class Context:
             with nogil:
                 dfccl_sleep_ns(2000)
 
-    cdef int _ensure_running(self) except -1:
-        """Launches the daemon if it has not been launched or is leaving."""
+    cdef bint _leaving(self) noexcept nogil:
+        """The daemon has not been launched, or its current launch is
+        leaving or gone."""
         cdef uint64_t state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
         cdef uint64_t st = state & 3
-        if self.epoch == 0 or ((state >> 2) == self.epoch and (st == DFCCL_DAEMON_QUITTING or st == DFCCL_DAEMON_EXITED)):
-            self._launch()
-        return 0
+        return self.epoch == 0 or ((state >> 2) == self.epoch and
+                                   (st == DFCCL_DAEMON_QUITTING or st == DFCCL_DAEMON_EXITED))
 
-    cdef int _launch(self) except -1:
+    cdef int _launch_locked(self) noexcept nogil:
+        """Launches the daemon (the launch lock held); returns the backend's
+        code, 0 on success."""
         cdef int rc
         self.epoch += 1
         self.args.epoch = <uint32_t>self.epoch
         self.exit_seen_ns = 0
+        rc = self.backend.launch(&self.args)
+        if rc == 0:
+            self.launches += 1
+        return rc
+
+    cdef int _ensure_running(self) except -1:
+        """Launches the daemon if it has not been launched or is leaving."""
+        cdef int rc = 0
+        if not self._leaving():
+            return 0
         with nogil:
-            rc = self.backend.launch(&self.args)
+            PyThread_acquire_lock(self.launch_lock, WAIT_LOCK)
+            if self._leaving():
+                rc = self._launch_locked()
+            PyThread_release_lock(self.launch_lock)
         if rc != 0:
             raise self.backend.launch_error(rc)
-        self.launches += 1
+        return 0
+
+    def _watch(self):
+        """The relaunch watcher (a thread per context): brings an exited
+        daemon back while collectives are outstanding, after the backoff that
+        lets device synchronisations return.  It runs without the GIL from
+        start to end: a thread that blocks in a CUDA call while holding the
+        GIL (a synchronising torch op waiting for a collective, say) must not
+        keep the daemon away, or the collective it waits for never runs."""
+        cdef uint64_t state, now
+        cdef int rc = 0
+        with nogil:
+            while not self.watch_stop:
+                if self.n_outstanding == 0:
+                    # Idle: sleep until a submission makes the context busy
+                    # (_wake_watch), looking again at least every 50 ms.
+                    if PyThread_acquire_lock_timed(self.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
+                        dfccl_exchange_u32(&self.watch_token, 0)
+                    continue
+                dfccl_sleep_ns(RELAUNCH_POLL_NS)
+                if self.epoch == 0:
+                    continue
+                state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+                if (state >> 2) != self.epoch or (state & 3) != DFCCL_DAEMON_EXITED:
+                    continue
+                # Work is left but the daemon quit (idle: peers absent, or
+                # tasks not armed yet).  Stay off for a backoff so that device
+                # syncs can return, then come back.
+                now = dfccl_now_ns()
+                if self.exit_seen_ns == 0:
+                    self.exit_seen_ns = now
+                elif now - self.exit_seen_ns >= self.relaunch_backoff_ns:
+                    PyThread_acquire_lock(self.launch_lock, WAIT_LOCK)
+                    if not self.watch_stop and self._leaving():
+                        rc = self._launch_locked()
+                        if rc != 0:
+                            self.watch_error = rc
+                    PyThread_release_lock(self.launch_lock)
+                    if rc != 0:
+                        break
+
+    cdef void _wake_watch(self) noexcept nogil:
+        """Wakes an idle relaunch watcher (at most one token outstanding)."""
+        if dfccl_exchange_u32(&self.watch_token, 1) == 0:
+            PyThread_release_lock(self.watch_wake)
+
+    cdef int _stop_watch(self) except -1:
+        """Stops the relaunch watcher and waits for it (idempotent)."""
+        self.watch_stop = True
+        self._wake_watch()
+        if self.watcher is not None and self.watcher.is_alive() and self.watcher is not threading.current_thread():
+            self.watcher.join()
         return 0
 
     def _stream_wait(self, uint64_t stream, uint32_t slot, uint32_t gen):
@@ -999,12 +1087,11 @@ cdef class Context:
         return 0
 
     def _progress_step(self, uint64_t now):
-        """Called by the progress thread: retires completed slots, relaunches an
-        exited daemon that still has work, and adapts the policy.  Returns True
-        while work is outstanding."""
+        """Called by the progress thread: retires completed slots and adapts
+        the policy (the relaunch watcher, _watch, brings an exited daemon
+        back).  Returns True while work is outstanding."""
         cdef uint32_t i, s, n
         cdef list finished
-        cdef uint64_t state, st
         if self.n_outstanding == 0:
             return False
         finished = []
@@ -1017,17 +1104,10 @@ cdef class Context:
         PyThread_release_lock(self.lock)
         for s in finished:
             self._retire(s)
-        if self.n_outstanding != 0 and not self.closed:
-            state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-            st = state & 3
-            if (state >> 2) == self.epoch and st == DFCCL_DAEMON_EXITED:
-                # Work is left but the daemon quit (idle: peers absent, or
-                # tasks not armed yet).  Stay off for a backoff so that device
-                # syncs can return, then come back.
-                if self.exit_seen_ns == 0:
-                    self.exit_seen_ns = now
-                elif now - self.exit_seen_ns >= self.relaunch_backoff_ns:
-                    self._launch()
+        if self.watch_error != 0:
+            # The relaunch watcher could not launch the daemon: say so once.
+            rc, self.watch_error = self.watch_error, 0
+            raise self.backend.launch_error(rc)
         base = self.policy.update(now)
         if base is not None:
             self.ctrl.base_window_ns = base
@@ -1083,6 +1163,7 @@ cdef class Context:
         if self.closed:
             return
         self.closed = True
+        self._stop_watch()
         _progress.unregister(self)
         for idx in range(self.max_endpoints):
             self.ep_abort[idx] = 1
@@ -1136,8 +1217,9 @@ cdef class Context:
 # The progress thread: one per process, serving every context.
 # ---------------------------------------------------------------------------
 class _ProgressThread:
-    """Retires completions, runs callbacks, relaunches exited daemons that
-    still have work, and adapts the preemption policy."""
+    """Retires completions, runs callbacks and adapts the preemption policy.
+    (Relaunching exited daemons needs no GIL, so it is each context's
+    relaunch watcher's: Context._watch.)"""
 
     def __init__(self):
         self._contexts = []
