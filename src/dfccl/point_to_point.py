@@ -23,20 +23,12 @@ import numpy as np
 
 from dfccl._native.context import PATH_DIRECT, PATH_RING, TASK_STAGED
 from dfccl.errors import InvalidArgumentError
-from dfccl.planning import Geometry
+from dfccl.planning import Geometry, _ceil_div, _round_up
 from dfccl.tags import tag_key
 from dfccl.types import DataType
 
 __all__ = ["pair_key", "plan_p2p", "SplitLayout", "resolve_splits", "AllToAllPlan", "plan_all_to_all", "table_words",
            "split_table"]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 def pair_key(comm_key: int, src: int, dst: int, tag: object) -> int:

@@ -235,8 +235,10 @@ cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "runnin
 # tens of microseconds on virtualised hosts, far longer than a collective.
 cdef enum:
     SPIN_BEFORE_YIELD_NS = 50000
-    # How often the relaunch watcher looks at an exited daemon's context.
-    RELAUNCH_POLL_NS = 100000
+    # Bounds of how often the relaunch watcher of a busy context looks at the
+    # daemon's state (the relaunch backoff, within these).
+    WATCH_POLL_MIN_NS = 100000
+    WATCH_POLL_MAX_NS = 2000000
 
 
 cdef class Work:
@@ -574,6 +576,7 @@ cdef class Context:
     cdef readonly bint closed
     cdef bint watch_stop
     cdef int watch_error
+    cdef uint64_t watch_poll_ns
     cdef object watcher
     cdef uint64_t exit_seen_ns
     cdef readonly uint64_t relaunch_backoff_ns
@@ -678,6 +681,7 @@ cdef class Context:
         self.ctrl.idle_quit_ns = policy.idle_quit_ns
         self._seed_policy_copies()
         self.relaunch_backoff_ns = policy.relaunch_backoff_ns
+        self.watch_poll_ns = min(max(self.relaunch_backoff_ns, WATCH_POLL_MIN_NS), WATCH_POLL_MAX_NS)
 
         self.gens = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.outstanding = <uint32_t *>calloc(slots, sizeof(uint32_t))
@@ -995,7 +999,9 @@ cdef class Context:
                     if PyThread_acquire_lock_timed(self.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
                         dfccl_exchange_u32(&self.watch_token, 0)
                     continue
-                dfccl_sleep_ns(RELAUNCH_POLL_NS)
+                # Busy: look about once per backoff (a daemon leaves only
+                # after idle_quit_ns without progress, far longer).
+                dfccl_sleep_ns(self.watch_poll_ns)
                 if self.epoch == 0:
                     continue
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
