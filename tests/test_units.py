@@ -58,6 +58,23 @@ def test_mix64_zero_and_bijective_sample():
     assert len({mix64(x) for x in xs}) == len(xs)
 
 
+def test_instance_token_and_first_block_from_the_header():
+    from dfccl._native.context import first_block, instance_token
+    # instance_token: mix of key + instance * golden ratio, never zero.
+    for key, inst in [(1, 1), (0xDEADBEEF, 7), (M64, 3)]:
+        assert instance_token(key, inst) == splitmix64_finaliser((key + inst * GOLDEN) & M64) | 1
+    assert instance_token(0, 0) != 0
+    # first_block: within the daemon's blocks, the same for every call, and
+    # the ranks of one device (consecutive endpoints) on different blocks.
+    for key in (1, 12345, M64):
+        for nblocks in (1, 2, 7, 32):
+            b = first_block(key, 0, nblocks)
+            assert 0 <= b < nblocks and first_block(key, 0, nblocks) == b
+            assert first_block(key, 1, nblocks) == (b + 1) % nblocks
+    with pytest.raises(ValueError):
+        first_block(1, 0, 0)
+
+
 @pytest.mark.parametrize("capacity", [1, 2, 3, 7, 8192, 1 << 20, 999983])
 def test_home_bucket(capacity):
     rng = np.random.default_rng(capacity)
