@@ -307,6 +307,32 @@ def test_all_to_all_split_mismatch_fails_both_sides(comms):
             w.synchronize(timeout=TIMEOUT)
 
 
+@both()
+def test_all_to_all_tables_given_back_at_retirement(comms):
+    """Each all-to-all instance has staging to itself (its split table and,
+    across processes, a copy of its input); the tag table takes it back when
+    the instance retires, and keeps a failed instance's (peers may still
+    read it)."""
+    n = len(comms)
+    pools = [c._endpoint.staging for c in comms]
+    before = [p.in_use for p in pools]
+    for i in range(20):
+        works = [c.all_to_all_single(np.arange(4 * n, dtype=np.float32), np.zeros(4 * n, np.float32), tag="given")
+                 for c in comms]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)   # which retires it
+    assert [p.in_use for p in pools] == before, "all-to-all staging was not given back"
+    send = [[4] * n for _ in range(n)]
+    send[0][1] = 5   # rank 1 expects 4 from rank 0: both fail
+    works = [c.all_to_all_single(np.zeros(sum(send[r]), np.float32), np.zeros(4 * n, np.float32),
+                                 send_splits=send[r], recv_splits=[4] * n, tag="kept")
+             for r, c in enumerate(comms)]
+    for w in works:
+        with pytest.raises((dfccl.MismatchError, dfccl.PeerAbortedError)):
+            w.synchronize(timeout=TIMEOUT)
+    assert pools[0].in_use > before[0], "a failed all-to-all's table must stay (peers may still read it)"
+
+
 def test_all_to_all_single_rank():
     (c,) = make_comms(1, "auto")
     try:

@@ -616,28 +616,21 @@ class Communicator:
         try:
             table = split_table(layout, plan.geometry.nchannels)
             self._ctx.backend.copy_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes)
-            work = self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
-                                                    owners))
+            # The tag table takes the table back when the instance retires
+            # (TagTable.release; a failed instance keeps it).
+            return self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
+                                                    owners, plan.aux_bytes))
         except BaseException:
             tags.free_instance_staging(aux, plan.aux_bytes)
             raise
 
-        def release(w: Work) -> None:
-            # A failed instance keeps its table: a peer that has not seen the
-            # failure may still read it or mark it.
-            if w.exception() is None:
-                tags.free_instance_staging(aux, plan.aux_bytes)
-
-        work.add_done_callback(release)
-        return work
-
     def _a2a_task(self, what, tag, key, s: Buffer, r: Buffer, count: int, geometry: Geometry, aux: int, stream,
-                  owners) -> TaskDescriptor:
+                  owners, aux_bytes: int = 0) -> TaskDescriptor:
         return TaskDescriptor(
             kind=what, tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             endpoint=self._endpoint.id, kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype), op=int(ReduceOp.SUM),
             path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
-            flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux)
+            flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux, aux_bytes=aux_bytes)
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":

@@ -145,8 +145,13 @@ class TagTable:
         st.submitted -= 1
         self.release(key, failed=False)
 
-    def release(self, key: int, failed: bool) -> None:
-        """One instance of ``key`` completed (or failed)."""
+    def release(self, key: int, failed: bool, instance_staging: tuple[int, int] | None = None) -> None:
+        """One instance of ``key`` completed (or failed).  ``instance_staging``
+        (offset, bytes): staging that instance had alone
+        (alloc_instance_staging), given back unless it failed (a peer that
+        has not seen the failure may still read or mark it)."""
+        if instance_staging is not None and not failed:
+            self._staging.free(*instance_staging)
         st = self._tags[key]
         st.pending -= 1
         if failed:

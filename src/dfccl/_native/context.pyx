@@ -135,6 +135,7 @@ cdef class TaskDescriptor:
     cdef readonly object owners
     cdef object tags
     cdef object layout
+    cdef object instance_staging
 
     cdef object staging_layout(self):
         """How the collective's channels use its staging (TagTable.acquire_staged):
@@ -148,7 +149,7 @@ cdef class TaskDescriptor:
                  uint32_t endpoint, int kind_code, int dtype, int op, int path, int root, int nchannels,
                  uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint32_t slice_bytes=0,
                  uint32_t fifo_slots=0, uint32_t flags=0, uint64_t staging_bytes=0, object stream=None,
-                 object owners=None, uint64_t send_reg=0, uint64_t aux_offset=0):
+                 object owners=None, uint64_t send_reg=0, uint64_t aux_offset=0, uint64_t aux_bytes=0):
         memset(&self.desc, 0, sizeof(dfccl_task_desc))
         self.desc.send_reg = send_reg
         self.desc.send_addr = send_addr
@@ -177,6 +178,9 @@ cdef class TaskDescriptor:
         self.has_stream = stream is not None
         self.stream = 0 if stream is None else <uint64_t>stream
         self.owners = owners
+        # Staging this instance has alone (an all-to-all's split table): the
+        # tag table takes it back when the instance retires.
+        self.instance_staging = (aux_offset, aux_bytes) if aux_bytes else None
 
     @property
     def nchannels(self):
@@ -258,6 +262,7 @@ cdef class Work:
     cdef list _callbacks
     cdef object _keepalive
     cdef object _tags
+    cdef object _instance_staging
     cdef uint64_t _key
     cdef readonly uint32_t endpoint
     cdef readonly str kind
@@ -814,6 +819,7 @@ cdef class Context:
         work._ctx = self
         work._keepalive = task.owners
         work._tags = task.tags
+        work._instance_staging = task.instance_staging
         work._key = task.key
         work.endpoint = task.desc.endpoint
         work.kind = task.kind
@@ -1076,7 +1082,7 @@ cdef class Context:
             # Failed earlier (abandon); the daemon has let go of it only now.
             work._keepalive = None
             if work._tags is not None:
-                work._tags.release(work._key, True)
+                work._tags.release(work._key, True, work._instance_staging)
                 work._tags = None
             return 0
         # A mismatch is explained from every rank's record when first asked
@@ -1084,7 +1090,7 @@ cdef class Context:
         if work._status != DFCCL_STATUS_MISMATCH:
             work._error = work._make_error()
         if work._tags is not None:
-            work._tags.release(work._key, work._status != DFCCL_STATUS_OK)
+            work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging)
             work._tags = None
         self.policy.observe(work._result.preemptions, work._result.max_wait_ns)
         if work._callbacks:
