@@ -84,6 +84,7 @@ def extensions():
     common = dict(include_dirs=[CUDA_INCLUDE], language="c++", extra_compile_args=CXX_FLAGS, depends=headers)
     exts = [
         Extension("dfccl._native.backend", ["src/dfccl/_native/backend.pyx"], **common),
+        Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
         Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp"],

@@ -5,7 +5,7 @@ peers have not arrived, runs another, and resumes the first exactly where it
 stopped.  See README.md and docs/.
 """
 
-from dfccl._native.context import Work
+from dfccl._native.work import Work
 from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
 from dfccl.environment import init_from_env

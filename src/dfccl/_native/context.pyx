@@ -1,11 +1,13 @@
 # cython: language_level=3
-"""Host runtime of one daemon: the submission ring, completion slots, daemon
-launches (and relaunches after an idle quit), and the work objects the
-collectives return.
+"""Host runtime of one daemon: the submission descriptor, the submission
+ring, completion slots, daemon launches (and relaunches after an idle quit),
+and retirement.
 
-Data path, host side: Context.submit() writes an SQE and publishes it
-(submit); the daemon schedules and transfers; the daemon writes done[slot]
-(complete), which Work.synchronize() / the progress thread observe and retire.
+Data path, host side: Context.submit() writes an SQE, publishes it and
+returns the Work (work.pyx) (submit); the daemon schedules and transfers; the
+daemon writes done[slot] (complete), which Work.synchronize() or the progress
+thread (progress.py) observe, and Context._retire() moves the result into the
+Work and gives the slot and the tag's record back.
 """
 
 import threading
@@ -21,6 +23,7 @@ from libc.string cimport memcpy, memset
 
 from dfccl._native.abi cimport *
 from dfccl._native.backend cimport Backend
+from dfccl._native.work cimport NO_SLOT, Work
 
 cdef extern from "pythread.h":
     ctypedef enum PyLockStatus:
@@ -28,11 +31,9 @@ cdef extern from "pythread.h":
         PY_LOCK_ACQUIRED = 1
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
 
-from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError,
-                          InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError)
+from dfccl._native.progress import progress as _progress
+from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
 
-cdef enum:
-    NO_SLOT = 0xffffffff
 
 # Status codes of dfccl_result (abi.h), for Python.
 STATUS_OK = DFCCL_STATUS_OK
@@ -229,318 +230,15 @@ cdef int _override_fields(dfccl_task_desc *d, dict fields) except -1:
 
 
 # ---------------------------------------------------------------------------
-# Work
+# Context
 # ---------------------------------------------------------------------------
-cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
-                         "max_wait_ns": 0, "host_ns": 0, "channels": 0}
-
-# How long Work.synchronize spins on the completion word before it starts to
-# yield the CPU between polls.  It never sleeps: a timed sleep overshoots by
-# tens of microseconds on virtualised hosts, far longer than a collective.
 cdef enum:
-    SPIN_BEFORE_YIELD_NS = 50000
     # Bounds of how often the relaunch watcher of a busy context looks at the
     # daemon's state (the relaunch backoff, within these).
     WATCH_POLL_MIN_NS = 100000
     WATCH_POLL_MAX_NS = 2000000
 
 
-cdef class Work:
-    """A submitted collective.  ``synchronize()`` waits on the host,
-    ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
-    function on completion (on the progress thread).  Works are created by
-    collectives; one constructed directly refers to nothing and says so."""
-
-    cdef Context _ctx
-    cdef uint32_t _slot
-    cdef uint32_t _gen
-    cdef bint _retired
-    cdef bint _has_result
-    cdef uint32_t _status
-    cdef int32_t _detail
-    cdef dfccl_result _result
-    cdef list _callbacks
-    cdef object _keepalive
-    cdef object _tags
-    cdef object _instance_staging
-    cdef uint64_t _key
-    cdef readonly uint32_t endpoint
-    cdef readonly str kind
-    cdef readonly object tag
-    cdef readonly int rank
-    cdef readonly int instance
-    cdef uint64_t _submitted_ns
-    cdef uint64_t _retired_ns
-    cdef object _error
-    cdef bint _abandoned
-
-    def __cinit__(self):
-        self._slot = NO_SLOT
-        self._status = DFCCL_STATUS_OK
-        self._detail = -1
-        self.rank = -1
-
-    @staticmethod
-    def completed(str kind, object tag, int rank):
-        """A collective that had nothing to move (zero elements)."""
-        cdef Work w = Work()
-        w.kind = kind
-        w.tag = tag
-        w.rank = rank
-        w._retired = True
-        return w
-
-    cdef int _check_submitted(self) except -1:
-        if self._ctx is None and not self._retired:
-            raise InvalidArgumentError("this Work was not returned by a collective: it refers to nothing "
-                                       "(Works are created by Communicator collectives and plans)")
-        return 0
-
-    cdef bint _device_done(self):
-        return dfccl_load_acquire_u32(&self._ctx.done[self._slot]) == self._gen
-
-    def done(self):
-        """True once the collective has completed (successfully or not)."""
-        if self._retired:
-            return True
-        self._check_submitted()
-        if self._device_done():
-            self._ctx._retire(self._slot, self)
-            return True
-        return False
-
-    def synchronize(self, timeout=None):
-        """Blocks (without the GIL) until the collective completes.  Raises its
-        error, or CollectiveTimeoutError after ``timeout`` seconds (the
-        collective then stays pending)."""
-        cdef uint64_t deadline = 0
-        cdef uint64_t start, now
-        cdef uint32_t *word
-        cdef uint32_t gen
-        cdef bint ok = True
-        cdef uint32_t spins = 0
-        cdef double seconds
-        if not self._retired:
-            self._check_submitted()
-            if timeout is not None:
-                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                    raise InvalidArgumentError(f"synchronize: timeout must be a number of seconds or None, "
-                                               f"not {timeout!r}", rank=self.rank, tag=self.tag)
-                seconds = float(timeout)
-                if seconds != seconds or seconds < 0:
-                    raise InvalidArgumentError(f"synchronize: timeout must be >= 0, not {timeout!r}",
-                                               rank=self.rank, tag=self.tag)
-            word = &self._ctx.done[self._slot]
-            gen = self._gen
-            start = dfccl_now_ns()
-            if timeout is not None:
-                deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
-            with nogil:
-                while dfccl_load_acquire_u32(word) != gen:
-                    spins += 1
-                    if (spins & 15) != 0:
-                        dfccl_cpu_relax()
-                        continue
-                    now = dfccl_now_ns()
-                    if now - start >= SPIN_BEFORE_YIELD_NS:
-                        dfccl_yield()
-                    if deadline != 0 and now >= deadline:
-                        ok = dfccl_load_acquire_u32(word) == gen
-                        break
-            if not ok:
-                raise self._timeout_error(timeout)
-            if not self._retired:
-                self._ctx._retire(self._slot, self)
-        if self._get_error() is not None:
-            raise self._error
-
-    def wait(self, stream):
-        """Makes ``stream`` wait for this collective (cuStreamWaitValue32 on its
-        completion word); the host does not block.  CUDA backend only."""
-        from dfccl.streams import stream_handle
-        if self._retired:
-            if self._get_error() is not None:
-                raise self._error
-            return
-        self._check_submitted()
-        self._ctx._stream_wait(stream_handle(stream), self._slot, self._gen)
-
-    def add_done_callback(self, fn):
-        """Calls ``fn(work)`` once the collective is complete: at once if it
-        already is, else on the progress thread."""
-        if not callable(fn):
-            raise InvalidArgumentError(f"add_done_callback: {fn!r} is not callable", rank=self.rank, tag=self.tag)
-        if self._retired:
-            fn(self)
-            return
-        self._check_submitted()
-        if self._callbacks is None:
-            self._callbacks = []
-        self._callbacks.append(fn)
-        # The progress thread retires this work (and runs the callback) even
-        # if nobody synchronizes it.
-        _progress.wake()
-
-    def exception(self):
-        """The error of a completed collective, or None."""
-        return self._get_error() if self._retired else None
-
-    @property
-    def stats(self):
-        """Per-collective counters once complete: preemptions, resumes,
-        queued_ns (pulled -> first run), running_ns (inside runs), wall_ns
-        (first run -> done), max_wait_ns (longest wait that ended with the
-        peer arriving), host_ns (submit -> retired), channels."""
-        if not self._retired:
-            return None
-        if not self._has_result:
-            return dict(_STATS_ZERO)
-        r = &self._result
-        return {"preemptions": r.preemptions, "resumes": r.resumes, "queued_ns": r.queued_ns,
-                "running_ns": r.running_ns, "wall_ns": r.wall_ns, "max_wait_ns": r.max_wait_ns,
-                "host_ns": self._retired_ns - self._submitted_ns, "channels": r.nchannels}
-
-    @property
-    def status(self):
-        return self._status
-
-    @property
-    def key(self):
-        """The 64-bit key of the tag this collective is an instance of."""
-        return self._key
-
-    @property
-    def submitted_ns(self):
-        """Host monotonic clock (ns) at submission; 0 for a collective that had nothing to move."""
-        return self._submitted_ns
-
-    @property
-    def retired_ns(self):
-        """Host monotonic clock (ns) when the host saw it complete; 0 while pending."""
-        return self._retired_ns
-
-    @property
-    def detail(self):
-        """The rank the daemon's status names (-1: none)."""
-        return self._detail
-
-    def waiting_for(self):
-        """The rank the daemon last reported this pending collective waiting
-        for, or None (read live from device memory)."""
-        cdef uint32_t word = 0
-        if self._retired or self._ctx is None or self._ctx.closed:
-            return None
-        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word,
-                                           self._ctx.waiting_dev + 4 * <uint64_t>self._slot, 4)
-        waiting = <int>word - 1
-        return waiting if 0 <= waiting < 0xfff0 else None
-
-    cdef object _timeout_error(self, timeout):
-        # Written live by the daemon into device memory (wait.cuh).
-        waiting = self.waiting_for()
-        what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
-        diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None
-        joined = missing = None
-        if diag is not None:
-            # Who has published this instance, read from the peers' records.
-            try:
-                joined, missing = diag.joined_ranks(self._key, self.instance)
-            except Exception:
-                joined = missing = None
-        if missing:
-            what += (f"; it is waiting for rank {missing[0]} to join: ranks {missing} have not joined this instance "
-                     f"(ranks {joined} have)")
-            if waiting is not None and waiting not in missing:
-                what += f"; the transfer waits for data from rank {waiting}, which waits for them"
-            waiting = missing[0]
-        elif missing is not None:
-            what += f"; every rank has joined it (ranks {joined})"
-            if waiting is not None:
-                what += f", the transfer waits for data from rank {waiting}"
-        elif waiting is not None:
-            what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
-        else:
-            what += "; every peer has joined, the transfer is still in progress"
-        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag, waiting_on=waiting,
-                                      missing_ranks=missing, joined_ranks=joined)
-
-    cdef void _finish(self, const dfccl_result *res, uint64_t now):
-        """The leader of retirement (Context._retire, under the context lock):
-        copies the result; the error object is built only on failure."""
-        self._result = res[0]
-        self._has_result = True
-        self._status = res.status
-        self._detail = res.detail
-        self._retired_ns = now
-        self._retired = True
-        self._keepalive = None
-
-    cdef void _fail_closed(self, uint64_t now):
-        """The context closed under this pending collective."""
-        memset(&self._result, 0, sizeof(dfccl_result))
-        self._result.status = DFCCL_STATUS_ABORTED
-        self._result.detail = -1
-        self._finish(&self._result, now)
-
-    cdef object _get_error(self):
-        if self._error is None and self._retired and self._status != DFCCL_STATUS_OK:
-            self._error = self._make_error()
-        return self._error
-
-    cdef object _make_error(self):
-        cdef uint32_t status = self._status
-        cdef int32_t detail = self._detail
-        if status == DFCCL_STATUS_OK:
-            return None
-        diag = self._ctx.diagnostics.get(self.endpoint) if self._ctx is not None else None
-        if status == DFCCL_STATUS_MISMATCH and diag is not None:
-            try:
-                err = diag.mismatch_error(self)
-            except Exception:
-                err = None
-            if err is not None:
-                return err
-        if status == DFCCL_STATUS_PEER_LOST:
-            if diag is not None:
-                diag.peer_lost(detail)   # the communicator takes no more collectives
-            return PeerLostError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: the process of "
-                f"rank {detail} has died", rank=self.rank, tag=self.tag, origin=detail)
-        if status == DFCCL_STATUS_BAD_TASK:
-            return BackendError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
-                "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
-        if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
-            # This rank's own abort, relayed back by a peer that saw it first.
-            status = DFCCL_STATUS_ABORTED
-        if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
-            return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
-                f"{detail} was aborted or closed before it took part", rank=self.rank, tag=self.tag, origin=detail)
-        if status == DFCCL_STATUS_MISMATCH:
-            return MismatchError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
-                f"{detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
-                rank=self.rank, tag=self.tag, peer=detail)
-        if status == DFCCL_STATUS_PEER_ABORTED:
-            return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
-                f"{detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=detail)
-        if status == DFCCL_STATUS_ABORTED:
-            return AbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was aborted",
-                rank=self.rank, tag=self.tag)
-        return DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {status}",
-                          rank=self.rank, tag=self.tag)
-
-    def __repr__(self):
-        state = "done" if self._retired else "pending"
-        return f"<dfccl.Work {self.kind} tag={self.tag!r} rank={self.rank} {state}>"
-
-
-# ---------------------------------------------------------------------------
-# Context
-# ---------------------------------------------------------------------------
 cdef class Context:
     """The daemon of one device in this process, shared by every communicator
     (and every rank) this process runs on that device."""
@@ -836,6 +534,8 @@ cdef class Context:
         self.gens[slot] = gen
         work._slot = slot
         work._gen = gen
+        work._done = &self.done[slot]
+        work._waiting_addr = self.waiting_dev + 4 * <uint64_t>slot
         try:
             if self.tail >= self.ring_size:
                 self._wait_ring_entry(self.tail - self.ring_size)
@@ -1223,79 +923,3 @@ cdef class Context:
         self.backend.free_mapped(self.mapped_host)
         self.device_mem = 0
         self.mapped_host = 0
-
-
-# ---------------------------------------------------------------------------
-# The progress thread: one per process, serving every context.
-# ---------------------------------------------------------------------------
-class _ProgressThread:
-    """Retires completions, runs callbacks and adapts the preemption policy.
-    (Relaunching exited daemons needs no GIL, so it is each context's
-    relaunch watcher's: Context._watch.)"""
-
-    def __init__(self):
-        self._contexts = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread = None
-        self._callbacks = []
-        self.poll_interval = 50e-6
-
-    def register(self, ctx):
-        with self._lock:
-            self._contexts.append(weakref.ref(ctx))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dfccl-progress", daemon=True)
-                self._thread.start()
-
-    def unregister(self, ctx):
-        with self._lock:
-            self._contexts = [r for r in self._contexts if r() is not None and r() is not ctx]
-
-    def wake(self):
-        if not self._wake.is_set():
-            self._wake.set()
-
-    def run_callbacks(self, work, callbacks):
-        if threading.current_thread() is self._thread:
-            _call_all(work, callbacks)
-        else:
-            with self._lock:
-                self._callbacks.append((work, list(callbacks)))
-            self.wake()
-
-    def _run(self):
-        while True:
-            with self._lock:
-                contexts = [r() for r in self._contexts]
-                pending_callbacks, self._callbacks = self._callbacks, []
-            for work, cbs in pending_callbacks:
-                _call_all(work, cbs)
-            busy = False
-            now = time.monotonic_ns()
-            for ctx in contexts:
-                if ctx is None:
-                    continue
-                try:
-                    busy |= ctx._progress_step(now)
-                except Exception as exc:  # never let the progress thread die
-                    import warnings
-                    warnings.warn(f"dfccl progress thread: {exc!r}", RuntimeWarning)
-            del contexts
-            if busy:
-                time.sleep(self.poll_interval)
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
-
-
-def _call_all(work, callbacks):
-    for fn in callbacks:
-        try:
-            fn(work)
-        except Exception as exc:
-            import warnings
-            warnings.warn(f"dfccl: a done-callback raised {exc!r}", RuntimeWarning)
-
-
-_progress = _ProgressThread()

@@ -1,0 +1,42 @@
+# The Work a collective returns (work.pyx); the context (context.pyx) fills
+# it at submission and retires it.
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from dfccl._native.abi cimport dfccl_result
+
+cdef enum:
+    NO_SLOT = 0xffffffff
+
+
+cdef class Work:
+    cdef object _ctx              # the Context that submitted it (None: refers to nothing)
+    cdef uint32_t *_done          # its slot's completion word (host-mapped)
+    cdef uint64_t _waiting_addr   # its slot's live "waiting on" word (device memory)
+    cdef uint32_t _slot
+    cdef uint32_t _gen
+    cdef bint _retired
+    cdef bint _has_result
+    cdef uint32_t _status
+    cdef int32_t _detail
+    cdef dfccl_result _result
+    cdef list _callbacks
+    cdef object _keepalive
+    cdef object _tags
+    cdef object _instance_staging
+    cdef uint64_t _key
+    cdef readonly uint32_t endpoint
+    cdef readonly str kind
+    cdef readonly object tag
+    cdef readonly int rank
+    cdef readonly int instance
+    cdef uint64_t _submitted_ns
+    cdef uint64_t _retired_ns
+    cdef object _error
+    cdef bint _abandoned
+
+    cdef int _check_submitted(self) except -1
+    cdef bint _device_done(self)
+    cdef object _timeout_error(self, timeout)
+    cdef void _finish(self, const dfccl_result *res, uint64_t now)
+    cdef void _fail_closed(self, uint64_t now)
+    cdef object _get_error(self)
+    cdef object _make_error(self)

@@ -1,0 +1,293 @@
+# cython: language_level=3
+"""The Work a collective returns: waiting for it on the host
+(``synchronize``, without the GIL) or on a stream (``wait``), callbacks, its
+counters, and the typed error it failed with.  The context (context.pyx)
+creates it at submission and retires it; the daemon's completion word is
+what both watch."""
+
+from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memset
+
+from dfccl._native.abi cimport *
+
+from dfccl._native.progress import progress
+from dfccl.errors import (AbortedError, BackendError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
+                          MismatchError, PeerAbortedError, PeerLostError)
+
+cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
+                         "max_wait_ns": 0, "host_ns": 0, "channels": 0}
+
+# How long Work.synchronize spins on the completion word before it starts to
+# yield the CPU between polls.  It never sleeps: a timed sleep overshoots by
+# tens of microseconds on virtualised hosts, far longer than a collective.
+cdef enum:
+    SPIN_BEFORE_YIELD_NS = 50000
+
+
+cdef class Work:
+    """A submitted collective.  ``synchronize()`` waits on the host,
+    ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
+    function on completion (on the progress thread).  Works are created by
+    collectives; one constructed directly refers to nothing and says so."""
+
+    def __cinit__(self):
+        self._slot = NO_SLOT
+        self._status = DFCCL_STATUS_OK
+        self._detail = -1
+        self.rank = -1
+
+    @staticmethod
+    def completed(str kind, object tag, int rank):
+        """A collective that had nothing to move (zero elements)."""
+        cdef Work w = Work()
+        w.kind = kind
+        w.tag = tag
+        w.rank = rank
+        w._retired = True
+        return w
+
+    cdef int _check_submitted(self) except -1:
+        if self._ctx is None and not self._retired:
+            raise InvalidArgumentError("this Work was not returned by a collective: it refers to nothing "
+                                       "(Works are created by Communicator collectives and plans)")
+        return 0
+
+    cdef bint _device_done(self):
+        return dfccl_load_acquire_u32(self._done) == self._gen
+
+    def done(self):
+        """True once the collective has completed (successfully or not)."""
+        if self._retired:
+            return True
+        self._check_submitted()
+        if self._device_done():
+            self._ctx._retire(self._slot, self)
+            return True
+        return False
+
+    def synchronize(self, timeout=None):
+        """Blocks (without the GIL) until the collective completes.  Raises its
+        error, or CollectiveTimeoutError after ``timeout`` seconds (the
+        collective then stays pending)."""
+        cdef uint64_t deadline = 0
+        cdef uint64_t start, now
+        cdef uint32_t *word
+        cdef uint32_t gen
+        cdef bint ok = True
+        cdef uint32_t spins = 0
+        cdef double seconds
+        if not self._retired:
+            self._check_submitted()
+            if timeout is not None:
+                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                    raise InvalidArgumentError(f"synchronize: timeout must be a number of seconds or None, "
+                                               f"not {timeout!r}", rank=self.rank, tag=self.tag)
+                seconds = float(timeout)
+                if seconds != seconds or seconds < 0:
+                    raise InvalidArgumentError(f"synchronize: timeout must be >= 0, not {timeout!r}",
+                                               rank=self.rank, tag=self.tag)
+            word = self._done
+            gen = self._gen
+            start = dfccl_now_ns()
+            if timeout is not None:
+                deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
+            with nogil:
+                while dfccl_load_acquire_u32(word) != gen:
+                    spins += 1
+                    if (spins & 15) != 0:
+                        dfccl_cpu_relax()
+                        continue
+                    now = dfccl_now_ns()
+                    if now - start >= SPIN_BEFORE_YIELD_NS:
+                        dfccl_yield()
+                    if deadline != 0 and now >= deadline:
+                        ok = dfccl_load_acquire_u32(word) == gen
+                        break
+            if not ok:
+                raise self._timeout_error(timeout)
+            if not self._retired:
+                self._ctx._retire(self._slot, self)
+        if self._get_error() is not None:
+            raise self._error
+
+    def wait(self, stream):
+        """Makes ``stream`` wait for this collective (cuStreamWaitValue32 on its
+        completion word); the host does not block.  CUDA backend only."""
+        from dfccl.streams import stream_handle
+        if self._retired:
+            if self._get_error() is not None:
+                raise self._error
+            return
+        self._check_submitted()
+        self._ctx._stream_wait(stream_handle(stream), self._slot, self._gen)
+
+    def add_done_callback(self, fn):
+        """Calls ``fn(work)`` once the collective is complete: at once if it
+        already is, else on the progress thread."""
+        if not callable(fn):
+            raise InvalidArgumentError(f"add_done_callback: {fn!r} is not callable", rank=self.rank, tag=self.tag)
+        if self._retired:
+            fn(self)
+            return
+        self._check_submitted()
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(fn)
+        # The progress thread retires this work (and runs the callback) even
+        # if nobody synchronizes it.
+        progress.wake()
+
+    def exception(self):
+        """The error of a completed collective, or None."""
+        return self._get_error() if self._retired else None
+
+    @property
+    def stats(self):
+        """Per-collective counters once complete: preemptions, resumes,
+        queued_ns (pulled -> first run), running_ns (inside runs), wall_ns
+        (first run -> done), max_wait_ns (longest wait that ended with the
+        peer arriving), host_ns (submit -> retired), channels."""
+        if not self._retired:
+            return None
+        if not self._has_result:
+            return dict(_STATS_ZERO)
+        r = &self._result
+        return {"preemptions": r.preemptions, "resumes": r.resumes, "queued_ns": r.queued_ns,
+                "running_ns": r.running_ns, "wall_ns": r.wall_ns, "max_wait_ns": r.max_wait_ns,
+                "host_ns": self._retired_ns - self._submitted_ns, "channels": r.nchannels}
+
+    @property
+    def status(self):
+        return self._status
+
+    @property
+    def key(self):
+        """The 64-bit key of the tag this collective is an instance of."""
+        return self._key
+
+    @property
+    def submitted_ns(self):
+        """Host monotonic clock (ns) at submission; 0 for a collective that had nothing to move."""
+        return self._submitted_ns
+
+    @property
+    def retired_ns(self):
+        """Host monotonic clock (ns) when the host saw it complete; 0 while pending."""
+        return self._retired_ns
+
+    @property
+    def detail(self):
+        """The rank the daemon's status names (-1: none)."""
+        return self._detail
+
+    def waiting_for(self):
+        """The rank the daemon last reported this pending collective waiting
+        for, or None (read live from device memory)."""
+        cdef uint32_t word = 0
+        if self._retired or self._ctx is None or self._ctx.closed:
+            return None
+        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word, self._waiting_addr, 4)
+        waiting = <int>word - 1
+        return waiting if 0 <= waiting < 0xfff0 else None
+
+    cdef object _timeout_error(self, timeout):
+        # Written live by the daemon into device memory (wait.cuh).
+        waiting = self.waiting_for()
+        what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
+        diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None
+        joined = missing = None
+        if diag is not None:
+            # Who has published this instance, read from the peers' records.
+            try:
+                joined, missing = diag.joined_ranks(self._key, self.instance)
+            except Exception:
+                joined = missing = None
+        if missing:
+            what += (f"; it is waiting for rank {missing[0]} to join: ranks {missing} have not joined this instance "
+                     f"(ranks {joined} have)")
+            if waiting is not None and waiting not in missing:
+                what += f"; the transfer waits for data from rank {waiting}, which waits for them"
+            waiting = missing[0]
+        elif missing is not None:
+            what += f"; every rank has joined it (ranks {joined})"
+            if waiting is not None:
+                what += f", the transfer waits for data from rank {waiting}"
+        elif waiting is not None:
+            what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
+        else:
+            what += "; every peer has joined, the transfer is still in progress"
+        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag, waiting_on=waiting,
+                                      missing_ranks=missing, joined_ranks=joined)
+
+    cdef void _finish(self, const dfccl_result *res, uint64_t now):
+        """The leader of retirement (Context._retire, under the context lock):
+        copies the result; the error object is built only on failure."""
+        self._result = res[0]
+        self._has_result = True
+        self._status = res.status
+        self._detail = res.detail
+        self._retired_ns = now
+        self._retired = True
+        self._keepalive = None
+
+    cdef void _fail_closed(self, uint64_t now):
+        """The context closed under this pending collective."""
+        memset(&self._result, 0, sizeof(dfccl_result))
+        self._result.status = DFCCL_STATUS_ABORTED
+        self._result.detail = -1
+        self._finish(&self._result, now)
+
+    cdef object _get_error(self):
+        if self._error is None and self._retired and self._status != DFCCL_STATUS_OK:
+            self._error = self._make_error()
+        return self._error
+
+    cdef object _make_error(self):
+        cdef uint32_t status = self._status
+        cdef int32_t detail = self._detail
+        if status == DFCCL_STATUS_OK:
+            return None
+        diag = self._ctx.diagnostics.get(self.endpoint) if self._ctx is not None else None
+        if status == DFCCL_STATUS_MISMATCH and diag is not None:
+            try:
+                err = diag.mismatch_error(self)
+            except Exception:
+                err = None
+            if err is not None:
+                return err
+        if status == DFCCL_STATUS_PEER_LOST:
+            if diag is not None:
+                diag.peer_lost(detail)   # the communicator takes no more collectives
+            return PeerLostError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: the process of "
+                f"rank {detail} has died", rank=self.rank, tag=self.tag, origin=detail)
+        if status == DFCCL_STATUS_BAD_TASK:
+            return BackendError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
+                "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
+        if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
+            # This rank's own abort, relayed back by a peer that saw it first.
+            status = DFCCL_STATUS_ABORTED
+        if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
+            return PeerAbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"{detail} was aborted or closed before it took part", rank=self.rank, tag=self.tag, origin=detail)
+        if status == DFCCL_STATUS_MISMATCH:
+            return MismatchError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
+                f"{detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
+                rank=self.rank, tag=self.tag, peer=detail)
+        if status == DFCCL_STATUS_PEER_ABORTED:
+            return PeerAbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"{detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=detail)
+        if status == DFCCL_STATUS_ABORTED:
+            return AbortedError(
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was aborted",
+                rank=self.rank, tag=self.tag)
+        return DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {status}",
+                          rank=self.rank, tag=self.tag)
+
+    def __repr__(self):
+        state = "done" if self._retired else "pending"
+        return f"<dfccl.Work {self.kind} tag={self.tag!r} rank={self.rank} {state}>"
