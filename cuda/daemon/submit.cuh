@@ -16,9 +16,13 @@ namespace dfccl {
 // stays off the active list until it completes (run_one promotes it in
 // place).  So the active list holds one task per tag at most, and a burst of
 // instances of one tag costs nothing per scheduler pass.  Returns true if
-// chained.  Only this block's leader touches these words and the contexts of
-// this block, so plain accesses suffice; the previous context is checked by
-// token because its slot may have been reused since.
+// chained.  Every instance of a tag runs a channel on the same block
+// (first_block), so only this block's leader touches these words while the
+// tag holds the bucket, and plain accesses suffice.  A bucket changes tags
+// only when no instance of the old tag is pending, so words another block
+// wrote for an old tag (or a stale copy of them) name an instance that is
+// over; the previous context is checked by token, since its slot may have
+// been reused since, and by state.
 DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan) {
   const dfccl_daemon_args *a = env.args;
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
