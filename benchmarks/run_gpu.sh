@@ -29,18 +29,18 @@ if has build; then
   step build 400 env DFCCL_CUDA_ARCHS=${DFCCL_CUDA_ARCHS:-90} $PY -m pip install --no-build-isolation --no-deps -e .
 fi
 if has smoke; then
-  step smoke 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k smoke
+  step smoke 120 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py -k smoke
 fi
 if has tests; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-10} \
-    step tests ${TESTS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=120 -k "not chaos" ${PYTEST_ARGS:-}
+    step tests ${TESTS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py --timeout=120 -k "not chaos" ${PYTEST_ARGS:-}
 fi
 if has mp; then
-  step mp ${MP_LIMIT:-240} $PY -m pytest -q -p no:cacheprovider tests/test_multiprocess.py --timeout=200 -m gpu
+  step mp ${MP_LIMIT:-240} $PY -m pytest -q -p no:cacheprovider tests/sim/test_multiprocess.py --timeout=200 -m gpu
 fi
 if has chaos; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \
-    step chaos ${CHAOS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py --timeout=280 -k chaos
+    step chaos ${CHAOS_LIMIT:-300} $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py --timeout=280 -k chaos
 fi
 # Speed against NCCL is `dfccl bench` (nccl-tests' flags): NCCL runs one
 # thread per GPU (--mode thread, CuPy) or one process per GPU (--mode process,

@@ -1,4 +1,4 @@
-"""A rank of the jobs tests (tests/test_jobs.py), started by
+"""A rank of the jobs tests (tests/sim/test_jobs.py), started by
 ``python -m dfccl.launch``: ``launch_target.py SCENARIO``.  Prints
 ``RESULT <json>`` on success; any failure exits non-zero."""
 

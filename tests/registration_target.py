@@ -1,4 +1,4 @@
-"""The registration scenario of tests/test_jobs.py, run in every rank:
+"""The registration scenario of tests/sim/test_jobs.py, run in every rank:
 registered inputs read in place by peers in other processes, and a buffer
 freed and reallocated at the same address between collectives."""
 

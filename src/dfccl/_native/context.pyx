@@ -237,6 +237,11 @@ cdef enum:
     # daemon's state (the relaunch backoff, within these).
     WATCH_POLL_MIN_NS = 100000
     WATCH_POLL_MAX_NS = 2000000
+    # A daemon that leaves again and again with nothing retired in between
+    # (its peers are absent) is brought back after a backoff that doubles each
+    # time, up to this many doublings: it does not spin the device (or, in the
+    # simulator, the CPU) at full duty for collectives that cannot move.
+    WATCH_BACKOFF_DOUBLINGS = 4
 
 
 cdef class Context:
@@ -280,6 +285,9 @@ cdef class Context:
     cdef bint watch_stop
     cdef int watch_error
     cdef uint64_t watch_poll_ns
+    cdef uint32_t watch_streak         # relaunches in a row after which nothing retired
+    cdef uint64_t watch_retired_mark   # retired at the watcher's last relaunch
+    cdef uint64_t retired_count        # works retired so far
     cdef object watcher
     cdef uint64_t exit_seen_ns
     cdef readonly uint64_t relaunch_backoff_ns
@@ -700,6 +708,7 @@ cdef class Context:
         with nogil:
             while not self.watch_stop:
                 if self.n_outstanding == 0:
+                    self.watch_streak = 0
                     # Idle: sleep until a submission makes the context busy
                     # (_wake_watch), looking again at least every 50 ms.
                     if PyThread_acquire_lock_timed(self.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
@@ -719,7 +728,15 @@ cdef class Context:
                 now = dfccl_now_ns()
                 if self.exit_seen_ns == 0:
                     self.exit_seen_ns = now
-                elif now - self.exit_seen_ns >= self.relaunch_backoff_ns:
+                elif now - self.exit_seen_ns >= self.relaunch_backoff_ns << self.watch_streak:
+                    # Nothing retired since the last relaunch: the next
+                    # backoff doubles (new submissions launch at once anyway).
+                    if self.retired_count == self.watch_retired_mark:
+                        if self.watch_streak < WATCH_BACKOFF_DOUBLINGS:
+                            self.watch_streak += 1
+                    else:
+                        self.watch_streak = 0
+                    self.watch_retired_mark = self.retired_count
                     PyThread_acquire_lock(self.launch_lock, WAIT_LOCK)
                     if not self.watch_stop and self._leaving():
                         rc = self._launch_locked()
@@ -773,6 +790,7 @@ cdef class Context:
         self.outstanding[self.position[slot]] = last
         self.position[last] = self.position[slot]
         self.n_outstanding -= 1
+        self.retired_count += 1
         self.free_stack[self.n_free] = slot
         self.n_free += 1
 

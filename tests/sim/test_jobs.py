@@ -19,7 +19,7 @@ import dfccl
 from dfccl.testing import scenarios as sc
 from dfccl.environment import job_from_env
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parent.parent   # tests/: the rank scripts live there
 ROOT = TESTS.parent
 TIMEOUT = 60
 

@@ -2,14 +2,14 @@
 a peer killed during a running all-reduce, or that exits between
 collectives, is reported on every survivor as PeerLostError within the
 bound, and the survivors close cleanly.  The scenarios of
-tests/test_peer_loss_sim.py, on every path a multi-process communicator
+tests/peer_loss_scenarios.py, on every path a multi-process communicator
 takes (staged, LL, ring)."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_peer_loss_sim import check_dead_peer_reported
+from peer_loss_scenarios import check_dead_peer_reported
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(240)]
 

@@ -3,7 +3,7 @@ process on one device (``for_devices([0, 0])``; on two devices with
 ``multigpu``), on the direct path (the receiver reads the sender's buffer in
 place) and the ring path (the sender pushes through the receiver's FIFO; the
 all-to-all reads arena copies).  Two processes on one device are covered by
-tests/test_multiprocess.py (test_point_to_point_one_process_per_gpu)."""
+tests/sim/test_multiprocess.py (test_point_to_point_one_process_per_gpu)."""
 
 from __future__ import annotations
 

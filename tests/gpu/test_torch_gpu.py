@@ -22,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from test_torch_sim import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
-                            _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
+from torch_scenarios import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
+                             _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
