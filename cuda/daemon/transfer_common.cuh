@@ -68,6 +68,7 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word, uint64_t send_
     store_relaxed(&m->send_addr, send_word);
     store_relaxed(&m->recv_addr, recv_word);
     store_relaxed(&m->fifo, fifo_word);
+    store_relaxed(&m->instance, d->instance);
     uint64_t own = record_at(run.ep, run.ep->rank, d->bucket);
     store_relaxed(&ptr<dfccl_record_header>(own)->key, d->tag_key);
     store_release(&m->ready, run.token);  // releases every field above

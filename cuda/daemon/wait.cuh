@@ -26,11 +26,27 @@ DFCCL_DEV bool rank_left(const dfccl_endpoint *ep, uint32_t rank) {
   return load_relaxed(&s->state) != DFCCL_RANK_LIVE;
 }
 
+// Whether `rank` left before taking part in this instance on this channel:
+// then nothing it owes will ever come.  A rank that published the instance
+// (or a later one of the tag) and then left owes nothing: it completed its
+// part, or it gave the instance up and pushed that into the records of the
+// peers it talks to, and a dead process is reported by the host (PEER_LOST).
+// Only after a leave is seen, so the probe's remote reads stay off the
+// normal path.
+DFCCL_DEV bool left_before_taking_part(const TaskRun &run, uint32_t rank) {
+  if (!rank_left(run.ep, rank)) return false;
+  const uint64_t rec = probe_record(run.ep, rank, run.d->tag_key);
+  if (rec == 0) return true;
+  const dfccl_chan_state *pc = record_chan(rec, run.chan);
+  return load_acquire(&pc->ready) == 0 || load_relaxed(&pc->instance) < run.d->instance;
+}
+
 // Why a run must stop early, checked on the slow path of every wait: another
 // block of this task failed, a neighbour pushed an abort for this instance
 // into our record, the host aborted the communicator or found a peer's
 // process dead (as the host link copied it into device memory), or the rank
-// this wait is for (`peer`; any peer when it is not a rank) has left.
+// this wait is for (`peer`; any peer when it is not a rank) left before it
+// took part.
 DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
   const dfccl_daemon_args *a = env.args;
   uint32_t err = load_gpu(&a->slot_error[run.d->slot]);
@@ -57,7 +73,7 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
   }
   const dfccl_endpoint *ep = run.ep;
   for (uint32_t p = peer < ep->nranks ? peer : 0; p < ep->nranks; ++p) {
-    if (p != ep->rank && rank_left(ep, p)) {
+    if (p != ep->rank && left_before_taking_part(run, p)) {
       take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | p);
       return true;
     }

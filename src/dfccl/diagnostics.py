@@ -5,7 +5,8 @@ signature differs and on which ranks, and whether a rank has left.
 
 Reads only: nothing here writes peers' memory.  The layouts are abi.h's
 (dfccl_rank_status at the start of each arena, then the tag table of
-dfccl_chan_state records); the hashing repeats cuda/daemon/block_env.cuh."""
+dfccl_chan_state records); the hashes come from cuda/include/dfccl/hash.h
+through the compiled runtime."""
 
 from __future__ import annotations
 

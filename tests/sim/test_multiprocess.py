@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 
 import numpy as np
@@ -96,6 +97,22 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             for i in insts:
                 i.verify()
             out["checked"] = n
+        elif scenario == "close_early":
+            # Each round a fresh child communicator, one small all-reduce
+            # (LL) and one larger (staged), skewed start times, and a close
+            # the moment this rank's part is done: a rank that took part and
+            # then left must not fail the slower ones.
+            from dfccl.testing import arrays
+            rng = np.random.default_rng(seed + rank)
+            for i in range(20):
+                child = comm.split(0, key=-rank)    # ranks reversed in the child
+                time.sleep(float(rng.uniform(0, 0.005)))
+                for count in (10, 5000):
+                    x = arrays.from_numpy(backend, device, np.full(count, rank + i, np.int32))
+                    child.all_reduce(x, op="max").synchronize(timeout=TIMEOUT)
+                    assert (arrays.to_numpy(x) == nranks - 1 + i).all(), (i, count)
+                child.close()
+            out["checked"] = 40
         elif scenario == "p2p":
             out["checked"] = _point_to_point(comm, seed)
         comm.close()
@@ -209,6 +226,12 @@ def test_point_to_point_across_processes_sim(path, nranks):
 def test_ll_across_processes_sim(nranks):
     outs = run_ranks(nranks, "sim", "auto", "ll")
     assert all(o["path"] == "staged" and o["ll_max_bytes"] == 1024 for o in outs)
+
+
+@pytest.mark.parametrize("nranks", [3, 4])
+def test_rank_that_closes_once_done_fails_nobody_sim(nranks):
+    outs = run_ranks(nranks, "sim", "auto", "close_early")
+    assert all(o["checked"] == 40 for o in outs)
 
 
 def _gpus() -> list[int]:

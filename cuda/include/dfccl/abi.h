@@ -346,7 +346,8 @@ typedef struct dfccl_chan_state {
   uint64_t abort_token;   /* token of an instance a neighbour aborted */
   uint64_t abort_info;    /* (status << 32) | reporting rank */
   uint64_t chain_slot;    /* owner's daemon only: slot + 1 of that instance */
-  uint64_t pad1;
+  uint64_t instance;      /* owner-written with `ready`: the instance it names (a rank that
+                             left after publishing an instance took part in it) */
 } dfccl_chan_state;  /* 128 bytes */
 
 #define DFCCL_RECORD_HEADER_BYTES 128u
