@@ -33,7 +33,7 @@ struct DirectGeometry {
   uint64_t align;
 };
 
-DFCCL_DEV DirectGeometry direct_geometry(const BlockEnv &env, const TaskRun &run) {
+DFCCL_DEV DirectGeometry direct_geometry(const TaskRun &run) {
   DirectGeometry g;
   g.n = run.ep->nranks;
   g.r = run.ep->rank;
@@ -227,7 +227,7 @@ DFCCL_DEV int wait_phase(BlockEnv &env, TaskRun &run, const DirectGeometry &g, b
 }
 
 DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
-  const DirectGeometry g = direct_geometry(env, run);
+  const DirectGeometry g = direct_geometry(run);
   for (;;) {
     switch (run.step) {
       case D_PUBLISH:

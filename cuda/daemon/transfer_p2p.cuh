@@ -106,7 +106,7 @@ struct P2pGeometry {
   Range chan;
 };
 
-DFCCL_DEV P2pGeometry p2p_geometry(const BlockEnv &env, const TaskRun &run) {
+DFCCL_DEV P2pGeometry p2p_geometry(const TaskRun &run) {
   P2pGeometry g;
   g.esize = dtype_size(run.d->dtype);
   g.slice = run.d->slice_bytes / g.esize;
@@ -157,7 +157,7 @@ DFCCL_DEV int run_p2p_fifo(BlockEnv &env, TaskRun &run) {
   const dfccl_task_desc *d = run.d;
   const uint32_t peer = d->root;
   const bool sender = p2p_sender(run);
-  const P2pGeometry g = p2p_geometry(env, run);
+  const P2pGeometry g = p2p_geometry(run);
   for (;;) {
     switch (run.step) {
       case Q_PUBLISH:
@@ -221,7 +221,7 @@ struct A2aGeometry {
   uint64_t copy;   // staged: the copy of this rank's send buffer
 };
 
-DFCCL_DEV A2aGeometry a2a_geometry(const BlockEnv &env, const TaskRun &run) {
+DFCCL_DEV A2aGeometry a2a_geometry(const TaskRun &run) {
   A2aGeometry g;
   g.n = run.ep->nranks;
   g.r = run.ep->rank;
@@ -242,7 +242,7 @@ DFCCL_DEV dfccl_chan_state *a2a_peer_chan(const TaskRun &run, const A2aGeometry 
 
 DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
   const dfccl_task_desc *d = run.d;
-  const A2aGeometry g = a2a_geometry(env, run);
+  const A2aGeometry g = a2a_geometry(run);
   const uint32_t n = g.n;
   for (;;) {
     switch (run.step) {

@@ -43,7 +43,7 @@ struct Prim {
   uint64_t in_off, out_off, len;  // elements
 };
 
-DFCCL_DEV RingGeometry ring_geometry(const BlockEnv &env, const TaskRun &run) {
+DFCCL_DEV RingGeometry ring_geometry(const TaskRun &run) {
   const dfccl_task_desc *d = run.d;
   RingGeometry g;
   g.n = run.ep->nranks;
@@ -213,7 +213,7 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
 }
 
 DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run) {
-  const RingGeometry g = ring_geometry(env, run);
+  const RingGeometry g = ring_geometry(run);
   const int kind = run.d->kind;
   for (;;) {
     switch (run.step) {

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES
+from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES, instance_token
 from dfccl.errors import ClosedError, MismatchError
-from dfccl._native import context as _native_context
 from dfccl.tags import home_bucket
 from dfccl.types import DataType, ReduceOp
 
@@ -37,8 +36,6 @@ _PUBLISH_GRACE = 0.2
 _KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv", "all_to_all")
 
 
-# The daemon's name of one instance of a tag (cuda/include/dfccl/hash.h).
-instance_token = _native_context.instance_token
 
 
 #: Fields of a published instance, in the order a mismatch is reported:

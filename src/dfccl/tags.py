@@ -16,14 +16,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from dfccl._native import context as _native_hash
+# The daemon's hashes, from the same C (cuda/include/dfccl/hash.h).
+from dfccl._native.context import home_bucket
 from dfccl.errors import InvalidArgumentError, ResourceError
 
 __all__ = ["tag_key", "home_bucket", "TagTable"]
-
-# The daemon's hashes, from the same C (cuda/include/dfccl/hash.h).
-mix64 = _native_hash.mix64
-home_bucket = _native_hash.home_bucket
 
 
 def _tag_bytes(tag: object) -> bytes:

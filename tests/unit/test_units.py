@@ -12,14 +12,14 @@ import pytest
 
 from dfccl import tags as tags_mod
 from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                   KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT)
+                                   KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT, mix64)
 from dfccl.buffers import Buffer, as_buffer
 from dfccl.errors import InvalidArgumentError, ResourceError
 from dfccl.options import CommOptions
 from dfccl.planning import plan_geometry
 from dfccl.staging import ALIGN, StagingPool
 from dfccl.streams import stream_handle
-from dfccl.tags import TagTable, home_bucket, mix64, tag_key
+from dfccl.tags import TagTable, home_bucket, tag_key
 from dfccl.types import (DataType, ReduceOp, as_data_type, as_reduce_op, dtype_from_dlpack, dtype_from_typestr)
 
 M64 = (1 << 64) - 1
