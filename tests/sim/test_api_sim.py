@@ -316,6 +316,17 @@ def test_properties(make):
     assert all(c.path == "ring" for c in ring)
 
 
+def test_submissions_taken_by_the_daemon(make):
+    comms = make(2, "direct", base=DEV + 12)
+    ctx = comms[0]._ctx
+    published, taken = ctx.submissions
+    assert taken <= published
+    all_reduce_ok(comms, tag="taken")
+    after, taken = ctx.submissions
+    assert after == published + 1, "rank 0's device got one submission"
+    assert taken == after, "a completed collective was copied to the device"
+
+
 # ==========================================================================================
 # Plans
 # ==========================================================================================

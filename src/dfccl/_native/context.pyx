@@ -847,6 +847,14 @@ cdef class Context:
         return self.n_outstanding
 
     @property
+    def submissions(self):
+        """(published, taken): submission-queue entries the host has published
+        and those the daemon's host link has copied to the device.  Taken
+        lagging published while the daemon runs means it has not looked at
+        the host since."""
+        return (dfccl_load_acquire_u64(&self.ctrl.sq_tail), dfccl_load_acquire_u64(&self.ctrl.sq_copied))
+
+    @property
     def daemon_state(self):
         """(epoch, state) as the daemon last published it; state is one of
         'running', 'quitting', 'exited' ('idle' before the first launch)."""

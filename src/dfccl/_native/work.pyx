@@ -55,6 +55,11 @@ cdef class Work:
     cdef bint _device_done(self):
         return dfccl_load_acquire_u32(self._done) == self._gen
 
+    def _peek_done(self):
+        """Whether the daemon has written the completion word, without
+        retiring (for probes that time retirement apart)."""
+        return self._retired or (self._ctx is not None and self._device_done())
+
     def done(self):
         """True once the collective has completed (successfully or not)."""
         if self._retired:
