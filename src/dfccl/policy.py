@@ -45,11 +45,16 @@ class WindowPolicy:
         self._waits: list[int] = []
         self.history: list[tuple[int, float]] = []  # (new base, preemptions per completion)
 
-    def observe(self, preemptions: int, max_wait_ns: int) -> None:
+    def observe(self, preemptions: int, max_wait_ns: int, now_ns: int) -> int | None:
+        """One completed collective; returns a new base window to publish, or
+        None (update())."""
         self._completions += 1
         self._preemptions += preemptions
         if len(self._waits) < 4096:
             self._waits.append(max_wait_ns)
+        if now_ns - self._last_update < self.period_ns:
+            return None
+        return self.update(now_ns)
 
     def update(self, now_ns: int) -> int | None:
         """A new base window to publish, or None."""

@@ -212,7 +212,7 @@ def test_device_synchronize_while_collective_waits(comms2, path, rng):
     """cuCtxSynchronize on rank 0's GPU while its collective waits for rank 1,
     which submits only after the synchronise returned (one thread drives
     both): the daemon leaves the GPU when it makes no progress, so the
-    synchronise returns; the progress thread brings the daemon back."""
+    synchronise returns; the context's watcher brings the daemon back."""
     comms = comms2[path]
     specs = [sc.Spec(f"sync{i}", "all_reduce", 1 << 20, "float32") for i in range(4)]
     sync_times = []

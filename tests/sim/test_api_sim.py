@@ -327,6 +327,24 @@ def test_submissions_taken_by_the_daemon(make):
     assert taken == after, "a completed collective was copied to the device"
 
 
+def test_unwaited_collectives_are_retired_by_the_watcher(make):
+    """Nobody synchronizes these: the context's watcher retires them (slots
+    and tag records given back), and a callback added later still runs."""
+    comms = make(2, "direct", base=DEV + 14)
+    ctx = comms[0]._ctx
+    xs = [[np.full(8, r + 1.0, np.float32) for _ in range(40)] for r in range(2)]
+    works = [[c.all_reduce(x, tag=("unwaited", i)) for i, x in enumerate(xs[r])] for r, c in enumerate(comms)]
+    called = threading.Event()
+    works[0][-1].add_done_callback(lambda w: called.set())
+    deadline = time.monotonic() + TIMEOUT
+    while ctx.outstanding_count and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert ctx.outstanding_count == 0, "completed collectives were left unretired"
+    assert all(w.done() and w.exception() is None for ws in works for w in ws)
+    assert called.wait(TIMEOUT)
+    assert all(np.all(x == 3.0) for r in range(2) for x in xs[r])
+
+
 # ==========================================================================================
 # Plans
 # ==========================================================================================
@@ -710,7 +728,7 @@ _CLOSE_SCRIPT = textwrap.dedent("""
     import dfccl
     comms = dfccl.Communicator.for_devices([7000, 7001], backend="sim")
     gate, entered = threading.Event(), threading.Event()
-    def hold(_work):          # keeps the progress thread busy: it retires nothing meanwhile
+    def hold(_work):          # keeps the progress thread busy: no callback runs meanwhile
         entered.set()
         gate.wait(30)
     ws = [c.all_reduce(np.ones(4, np.float32), tag="blocker") for c in comms]
@@ -720,7 +738,8 @@ _CLOSE_SCRIPT = textwrap.dedent("""
     assert entered.wait(10)
     xs = [np.ones(4, np.float32) for _ in comms]
     ws = [c.all_reduce(x, tag="t") for c, x in zip(comms, xs)]
-    time.sleep(0.3)           # the daemon completes both; nobody has retired them
+    while not (ws[0]._peek_done() and ws[1]._peek_done()):
+        time.sleep(1e-4)      # the daemon completes both; nobody waits for them
     t = threading.Thread(target=comms[0].close, daemon=True)
     t.start()
     t.join(2)

@@ -5,13 +5,15 @@ and retirement.
 
 Data path, host side: Context.submit() writes an SQE, publishes it and
 returns the Work (work.pyx) (submit); the daemon schedules and transfers; the
-daemon writes done[slot] (complete), which Work.synchronize() or the progress
-thread (progress.py) observe, and Context._retire() moves the result into the
-Work and gives the slot and the tag's record back.
+daemon writes done[slot] (complete), which Work.synchronize() observes (or,
+for a collective nobody waits for, the context's watcher), and
+Context._retire() moves the result into the Work and gives the slot and the
+tag's record back.
 """
 
 import threading
 import time
+import warnings
 
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
                                PyThread_acquire_lock, PyThread_release_lock, NOWAIT_LOCK,
@@ -232,10 +234,10 @@ cdef int _override_fields(dfccl_task_desc *d, dict fields) except -1:
 # Context
 # ---------------------------------------------------------------------------
 cdef enum:
-    # Bounds of how often the relaunch watcher of a busy context looks at the
-    # daemon's state (the relaunch backoff, within these).
-    WATCH_POLL_MIN_NS = 100000
-    WATCH_POLL_MAX_NS = 2000000
+    # How often the watcher of a busy context looks at the completion words
+    # and the daemon's state (the relaunch backoff is measured in time, not
+    # in looks).
+    WATCH_POLL_NS = 100000
     # A daemon that leaves again and again with nothing retired in between
     # (its peers are absent) is brought back after a backoff that doubles each
     # time, up to this many doublings: it does not spin the device (or, in the
@@ -282,8 +284,8 @@ cdef class Context:
     cdef readonly object policy
     cdef readonly bint closed
     cdef bint watch_stop
-    cdef int watch_error
-    cdef uint64_t watch_poll_ns
+    cdef uint32_t *seen_done           # per slot: gen the watcher saw completed, unretired, last look
+    cdef uint8_t *retire_soon          # per slot: retire at first sight (it has done-callbacks)
     cdef uint32_t watch_streak         # relaunches in a row after which nothing retired
     cdef uint64_t watch_retired_mark   # retired at the watcher's last relaunch
     cdef uint64_t retired_count        # works retired so far
@@ -391,13 +393,15 @@ cdef class Context:
         self.ctrl.idle_quit_ns = policy.idle_quit_ns
         self._seed_policy_copies()
         self.relaunch_backoff_ns = policy.relaunch_backoff_ns
-        self.watch_poll_ns = min(max(self.relaunch_backoff_ns, WATCH_POLL_MIN_NS), WATCH_POLL_MAX_NS)
 
         self.gens = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.outstanding = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.position = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.free_stack = <uint32_t *>calloc(slots, sizeof(uint32_t))
-        if self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL:
+        self.seen_done = <uint32_t *>calloc(slots, sizeof(uint32_t))
+        self.retire_soon = <uint8_t *>calloc(slots, sizeof(uint8_t))
+        if (self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL
+                or self.seen_done == NULL or self.retire_soon == NULL):
             raise MemoryError
         for i in range(slots):
             self.free_stack[i] = slots - 1 - i
@@ -407,7 +411,6 @@ cdef class Context:
         # endpoint id -> what explains its failures from the peers' records
         # (dfccl.diagnostics.EndpointDiagnostics), set by the communicator.
         self.diagnostics = {}
-        _progress.register(self)
         self.watcher = threading.Thread(target=self._watch, name="dfccl-relaunch", daemon=True)
         self.watcher.start()
 
@@ -437,6 +440,8 @@ cdef class Context:
         free(self.outstanding)
         free(self.position)
         free(self.free_stack)
+        free(self.seen_done)
+        free(self.retire_soon)
         if self.lock != NULL:
             PyThread_free_lock(self.lock)
 
@@ -513,6 +518,9 @@ cdef class Context:
         if self.closed:
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
         if self.n_free == 0:
+            # Completed collectives nobody has retired yet free their slots first.
+            self._retire_completed(False)
+        if self.n_free == 0:
             raise ResourceError(
                 f"{self.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
                 "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
@@ -539,6 +547,8 @@ cdef class Context:
         if gen == 0:
             gen = 1
         self.gens[slot] = gen
+        self.seen_done[slot] = 0
+        self.retire_soon[slot] = 0
         work._slot = slot
         work._gen = gen
         work._done = &self.done[slot]
@@ -582,12 +592,10 @@ cdef class Context:
         # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
         dfccl_fence_seq_cst()
         self._ensure_running()
-        # The progress thread and the relaunch watcher poll while work is
-        # outstanding; they need a wake-up only when they may have gone to
-        # sleep (nothing was pending).
+        # The watcher polls while work is outstanding; it needs a wake-up only
+        # when it may have gone to sleep (nothing was pending).
         if self.n_outstanding == 1:
             self._wake_watch()
-            _progress.wake()
         return work
 
     def pending_works(self, uint32_t endpoint):
@@ -696,12 +704,19 @@ cdef class Context:
         return 0
 
     def _watch(self):
-        """The relaunch watcher (a thread per context): brings an exited
-        daemon back while collectives are outstanding, after the backoff that
-        lets device synchronisations return.  It runs without the GIL from
-        start to end: a thread that blocks in a CUDA call while holding the
-        GIL (a synchronising torch op waiting for a collective, say) must not
-        keep the daemon away, or the collective it waits for never runs."""
+        """The watcher (a thread per context).  While collectives are
+        outstanding it looks every WATCH_POLL_NS at
+          - the completion words: a collective seen completed at two looks in
+            a row was not retired by a thread waiting for it, so the watcher
+            retires it (at the first look if it has done-callbacks), taking
+            the GIL only then;
+          - the daemon: one that exited with work left is brought back after
+            the backoff that lets device synchronisations return.
+        Apart from retiring, it runs without the GIL: a thread that blocks in
+        a CUDA call while holding the GIL (a synchronising torch op waiting
+        for a collective, say) must not keep the daemon away, or the
+        collective it waits for never runs.  And a thread waiting for a
+        collective never finds the GIL taken by a poll."""
         cdef uint64_t state, now
         cdef int rc = 0
         with nogil:
@@ -713,9 +728,13 @@ cdef class Context:
                     if PyThread_acquire_lock_timed(self.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
                         dfccl_exchange_u32(&self.watch_token, 0)
                     continue
-                # Busy: look about once per backoff (a daemon leaves only
-                # after idle_quit_ns without progress, far longer).
-                dfccl_sleep_ns(self.watch_poll_ns)
+                dfccl_sleep_ns(WATCH_POLL_NS)
+                if self._scan_unclaimed() != 0 and not self.watch_stop:
+                    with gil:
+                        try:
+                            self._retire_completed(True)
+                        except Exception as exc:  # never let the watcher die
+                            warnings.warn(f"dfccl: retiring completed collectives: {exc!r}", RuntimeWarning)
                 if self.epoch == 0:
                     continue
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
@@ -739,11 +758,54 @@ cdef class Context:
                     PyThread_acquire_lock(self.launch_lock, WAIT_LOCK)
                     if not self.watch_stop and self._leaving():
                         rc = self._launch_locked()
-                        if rc != 0:
-                            self.watch_error = rc
                     PyThread_release_lock(self.launch_lock)
                     if rc != 0:
                         break
+        if rc != 0:
+            # Whatever is pending stays so and times out; say why now.
+            warnings.warn(f"dfccl: relaunching the daemon on {self.backend.name}:{self.backend.device} failed: "
+                          f"{self.backend.launch_error(rc)}", RuntimeWarning)
+
+    cdef uint32_t _scan_unclaimed(self) noexcept nogil:
+        """The watcher's look at the completion words: how many completed
+        slots are due for retirement by the watcher (seen completed at its
+        previous look as well, or wanted soon)."""
+        cdef uint32_t i, s, due = 0
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        for i in range(self.n_outstanding):
+            s = self.outstanding[i]
+            if dfccl_load_acquire_u32(&self.done[s]) != self.gens[s]:
+                continue
+            if self.retire_soon[s] or self.seen_done[s] == self.gens[s]:
+                due += 1
+            else:
+                self.seen_done[s] = self.gens[s]
+        PyThread_release_lock(self.lock)
+        return due
+
+    cdef int _retire_completed(self, bint due_only) except -1:
+        """Retires completed slots: every one, or (the watcher) those
+        _scan_unclaimed found due."""
+        cdef uint32_t i, s
+        cdef list finished = []
+        _acquire(self.lock)
+        for i in range(self.n_outstanding):
+            s = self.outstanding[i]
+            if dfccl_load_acquire_u32(&self.done[s]) == self.gens[s] and (
+                    not due_only or self.retire_soon[s] or self.seen_done[s] == self.gens[s]):
+                finished.append(s)
+        PyThread_release_lock(self.lock)
+        for s in finished:
+            self._retire(s)
+        return 0
+
+    def _retire_soon(self, uint32_t slot, uint32_t gen):
+        """A Work with done-callbacks: the watcher retires it (and the
+        callbacks run) at its first look after completion."""
+        _acquire(self.lock)
+        if self.gens[slot] == gen:
+            self.retire_soon[slot] = 1
+        PyThread_release_lock(self.lock)
 
     cdef void _wake_watch(self) noexcept nogil:
         """Wakes an idle relaunch watcher (at most one token outstanding)."""
@@ -809,38 +871,13 @@ cdef class Context:
         if work._tags is not None:
             work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging)
             work._tags = None
-        self.policy.observe(work._result.preemptions, work._result.max_wait_ns)
+        base = self.policy.observe(work._result.preemptions, work._result.max_wait_ns, work._retired_ns)
+        if base is not None:
+            self.ctrl.base_window_ns = base
         if work._callbacks:
             callbacks, work._callbacks = work._callbacks, None
             _progress.run_callbacks(work, callbacks)
         return 0
-
-    def _progress_step(self, uint64_t now):
-        """Called by the progress thread: retires completed slots and adapts
-        the policy (the relaunch watcher, _watch, brings an exited daemon
-        back).  Returns True while work is outstanding."""
-        cdef uint32_t i, s, n
-        cdef list finished
-        if self.n_outstanding == 0:
-            return False
-        finished = []
-        _acquire(self.lock)
-        n = self.n_outstanding
-        for i in range(n):
-            s = self.outstanding[i]
-            if dfccl_load_acquire_u32(&self.done[s]) == self.gens[s]:
-                finished.append(s)
-        PyThread_release_lock(self.lock)
-        for s in finished:
-            self._retire(s)
-        if self.watch_error != 0:
-            # The relaunch watcher could not launch the daemon: say so once.
-            rc, self.watch_error = self.watch_error, 0
-            raise self.backend.launch_error(rc)
-        base = self.policy.update(now)
-        if base is not None:
-            self.ctrl.base_window_ns = base
-        return self.n_outstanding != 0
 
     @property
     def outstanding_count(self):
@@ -901,7 +938,6 @@ cdef class Context:
             return
         self.closed = True
         self._stop_watch()
-        _progress.unregister(self)
         for idx in range(self.max_endpoints):
             self.ep_abort[idx] = 1
         self._abort_flags_changed()

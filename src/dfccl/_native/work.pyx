@@ -10,7 +10,6 @@ from libc.string cimport memset
 
 from dfccl._native.abi cimport *
 
-from dfccl._native.progress import progress
 from dfccl.errors import (AbortedError, BackendError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
                           MismatchError, PeerAbortedError, PeerLostError)
 
@@ -96,18 +95,20 @@ cdef class Work:
             start = dfccl_now_ns()
             if timeout is not None:
                 deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
-            with nogil:
-                while dfccl_load_acquire_u32(word) != gen:
-                    spins += 1
-                    if (spins & 15) != 0:
-                        dfccl_cpu_relax()
-                        continue
-                    now = dfccl_now_ns()
-                    if now - start >= SPIN_BEFORE_YIELD_NS:
-                        dfccl_yield()
-                    if deadline != 0 and now >= deadline:
-                        ok = dfccl_load_acquire_u32(word) == gen
-                        break
+            # Already complete: retire without letting other threads in.
+            if dfccl_load_acquire_u32(word) != gen:
+                with nogil:
+                    while dfccl_load_acquire_u32(word) != gen:
+                        spins += 1
+                        if (spins & 15) != 0:
+                            dfccl_cpu_relax()
+                            continue
+                        now = dfccl_now_ns()
+                        if now - start >= SPIN_BEFORE_YIELD_NS:
+                            dfccl_yield()
+                        if deadline != 0 and now >= deadline:
+                            ok = dfccl_load_acquire_u32(word) == gen
+                            break
             if not ok:
                 raise self._timeout_error(timeout)
             if not self._retired:
@@ -138,9 +139,9 @@ cdef class Work:
         if self._callbacks is None:
             self._callbacks = []
         self._callbacks.append(fn)
-        # The progress thread retires this work (and runs the callback) even
-        # if nobody synchronizes it.
-        progress.wake()
+        # The context's watcher retires this work (and hands the callback to
+        # the progress thread) even if nobody synchronizes it.
+        self._ctx._retire_soon(self._slot, self._gen)
 
     def exception(self):
         """The error of a completed collective, or None."""
