@@ -7,7 +7,8 @@
 // (whichever block's scheduler pass takes the link lock first, at most once
 // per kLinkPollNs; a block that is running collectives takes it only when no
 // idle block has for kLinkBusyPollNs, so the PCIe round trips stay off the
-// critical path of a run), which copies what it finds into device memory:
+// critical path of a run), in one round trip when nothing races the host,
+// which copies what it finds into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
 //   - new submission-queue entries, into the device ring;
 //   - the endpoints' abort flags, when the abort epoch moved.
@@ -20,21 +21,37 @@ namespace dfccl {
 
 constexpr uint64_t kLinkPollNs = 1000;
 constexpr uint64_t kLinkBusyPollNs = 20000;
+// Entries read speculatively with the control words, in one round trip.
+constexpr int kLinkAheadEntries = 2;
+constexpr int kDescWords = (int)(sizeof(dfccl_task_desc) / 16);
+constexpr int kSqeWords = (int)(sizeof(dfccl_sqe) / 16);
 
-// Copies ring entries [from, to) host -> device.  One round trip per entry:
-// its six 16-byte words are independent loads.
+// Copies ring entries [from, to) host -> device after the tail was read (so
+// they are complete).  One round trip per entry: its 16-byte words are
+// independent loads.
 DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t to) {
-  constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
   for (uint64_t i = from; i < to; ++i) {
     const uint64_t pos = i & (a->ring_size - 1);
-    const char *src = reinterpret_cast<const char *>(&a->ring[pos]);
+    const char *src = reinterpret_cast<const char *>(&a->ring[pos].desc);
     char *dst = reinterpret_cast<char *>(&a->dev_ring[pos]);
-    uint64_t lo[kWords], hi[kWords];
+    uint64_t lo[kDescWords], hi[kDescWords];
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) load_host_words(src + 16 * w, lo[w], hi[w]);
+    for (int w = 0; w < kDescWords; ++w) load_host_words(src + 16 * w, lo[w], hi[w]);
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) store_pack(dst + 16 * w, pack16{lo[w], hi[w]});
+    for (int w = 0; w < kDescWords; ++w) store_pack(dst + 16 * w, pack16{lo[w], hi[w]});
   }
+}
+
+// An entry read before the tail: taken only if it is entry `position` of
+// this lap, complete (dfccl_sqe_check) and published (below `upto`).
+DFCCL_DEV bool take_early_entry(const dfccl_daemon_args *a, const pack16 *words, uint64_t position, uint64_t upto) {
+  if (position >= upto) return false;
+  const uint64_t seq = words[kSqeWords - 1].lo, check = words[kSqeWords - 1].hi;
+  if (seq != position + 1 || check != dfccl_sqe_check(reinterpret_cast<const uint64_t *>(words), seq)) return false;
+  char *dst = reinterpret_cast<char *>(&a->dev_ring[position & (a->ring_size - 1)]);
+#pragma unroll
+  for (int w = 0; w < kDescWords; ++w) store_pack(dst + 16 * w, words[w]);
+  return true;
 }
 
 // The leader of any block, once per scheduler pass.  Returns at once unless
@@ -43,7 +60,13 @@ DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t 
 // (leader-private): when this block last looked at the link's clock; a busy
 // block does not even read that clock (a device-memory round trip) more often
 // than every kLinkBusyPollNs.
-DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
+//
+// One PCIe round trip takes the control words and the next
+// kLinkAheadEntries entries together (a read of host memory costs several
+// microseconds in a VM, and the entries used to wait for the tail: a
+// round trip more, and one per entry).  Entries beyond those, or one read
+// while the host was still writing it, are read again after the tail.
+DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   const bool lazy = busy && a->nblocks > 1;
@@ -53,13 +76,21 @@ DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint
   if (now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) return;
   if (!try_lock_gpu(&st->link_busy)) return;
   store_gpu(&st->link_poll_ns, now);
-  // sq_tail .. abort_epoch: three independent 16-byte reads.
+  const uint64_t avail = load_gpu(&st->sq_avail);
+  // sq_tail .. abort_epoch, and the entries at avail, avail + 1, ...: independent reads.
   uint64_t w[6];
+  pack16 ahead[kLinkAheadEntries][kSqeWords];
   const char *ctrl = reinterpret_cast<const char *>(a->control);
   load_host_words(ctrl, w[0], w[1]);
   load_host_words(ctrl + 16, w[2], w[3]);
   load_host_words(ctrl + 32, w[4], w[5]);
-  fence_system();  // acquire: the entries and flags the host wrote before them
+#pragma unroll
+  for (int e = 0; e < kLinkAheadEntries; ++e) {
+    const char *src = reinterpret_cast<const char *>(&a->ring[(avail + e) & (a->ring_size - 1)]);
+#pragma unroll
+    for (int k = 0; k < kSqeWords; ++k) load_host_words(src + 16 * k, ahead[e][k].lo, ahead[e][k].hi);
+  }
+  fence_system();  // acquire: what the host wrote before the words read from here on
   const uint64_t tail = w[0];
   store_gpu(&st->base_window_ns, w[1]);
   store_gpu(&st->max_window_ns, w[2]);
@@ -75,14 +106,17 @@ DFCCL_DEV void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint
   }
   // New entries, as far as every block has pulled the device-ring entries
   // they would overwrite (a block lags only while a long run holds it).
-  const uint64_t avail = load_gpu(&st->sq_avail);
   uint64_t upto = tail;
   for (uint32_t b = 0; b < a->nblocks; ++b) {
     const uint64_t limit = load_gpu(&st->sq_head[b]) + a->ring_size;
     if (limit < upto) upto = limit;
   }
   if (upto > avail) {
-    copy_entries(a, avail, upto);
+    uint64_t copied = avail;
+#pragma unroll
+    for (int e = 0; e < kLinkAheadEntries; ++e)
+      if (copied == avail + e && take_early_entry(a, ahead[e], copied, upto)) ++copied;
+    copy_entries(a, copied, upto);
     store_release_gpu(&st->sq_avail, upto);  // the copies before the count, for the pullers
     store_relaxed(&a->control->sq_copied, upto);
   }

@@ -169,6 +169,8 @@ def as_buffer(obj: object, what: str = "buffer") -> Buffer:
         cai = obj.__cuda_array_interface__
     except (AttributeError, TypeError):
         cai = None  # none, or e.g. a bfloat16 torch tensor: fall through to DLPack
+    if cai is not None and str(cai.get("typestr", ""))[1:2] == "V" and hasattr(obj, "__dlpack__"):
+        cai = None  # a void typestr ('<V2': bfloat16 from some torch versions): DLPack names the type
     if cai is not None:
         return _from_cuda_array_interface(obj, cai, what)
     ai = getattr(obj, "__array_interface__", None)

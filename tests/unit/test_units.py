@@ -624,6 +624,28 @@ def test_as_buffer_cuda_array_interface_raising_falls_back_to_dlpack():
     assert (b.ptr, b.count, b.dtype) == (a.ctypes.data, 6, DataType.FLOAT32)
 
 
+def test_as_buffer_void_cuda_array_interface_uses_dlpack():
+    """torch 2.11 exports a CUDA bfloat16 tensor's interface with typestr
+    '<V2' (no type name): the type comes from DLPack instead."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.bfloat16)
+
+    class CudaBF16Like:
+        __cuda_array_interface__ = {"typestr": "<V2", "data": (t.data_ptr(), False), "shape": (6,),
+                                    "strides": None, "version": 3}
+
+        def __dlpack__(self, stream=None):
+            return t.__dlpack__()
+
+        def __dlpack_device__(self):
+            return t.__dlpack_device__()
+
+    b = as_buffer(CudaBF16Like())
+    assert (b.dtype, b.count, b.ptr) == (DataType.BFLOAT16, 6, t.data_ptr())
+    with pytest.raises(InvalidArgumentError, match="unsupported array element type '<V2'"):
+        as_buffer(type("NoDLPack", (), {"__cuda_array_interface__": CudaBF16Like.__cuda_array_interface__})())
+
+
 def test_buffer_from_pointer_and_view():
     arr = np.zeros(8, np.uint16)
     b = Buffer.from_pointer(arr.ctypes.data, 8, "bfloat16", owner=arr)

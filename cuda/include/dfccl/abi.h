@@ -5,7 +5,7 @@
  *
  * Where things live (see docs/architecture.md):
  *   host-mapped memory (pinned, device-visible): dfccl_control, the submission
- *     ring of dfccl_task_desc, and the per-slot words armed/done/result.
+ *     ring of dfccl_sqe, and the per-slot words armed/done/result.
  *   device memory (private to one context): dfccl_daemon_state, the per
  *     (slot, block) dfccl_task_ctx, per-block active lists, endpoint table.
  *   arena (device memory that peers may map): tag tables of dfccl_chan_state
@@ -135,6 +135,19 @@ typedef struct dfccl_task_desc {
                              share the tag's staging but lay it out differently (tags.py);
                              zero = none */
 } dfccl_task_desc;  /* 112 bytes */
+
+/* One entry of the host's submission ring: the descriptor, its position and
+ * a check word.  The daemon's host link reads the next entries in the same
+ * PCIe round trip as the tail, before it knows they are published; an entry
+ * counts only if its position is below that tail, seq says it belongs to
+ * this lap of the ring and check matches (dfccl_sqe_check, hash.h), so a
+ * stale or half-written one is never taken: it is read again after the
+ * tail, as every entry used to be. */
+typedef struct dfccl_sqe {
+  dfccl_task_desc desc;
+  uint64_t seq;           /* ring position + 1 */
+  uint64_t check;         /* dfccl_sqe_check(desc, seq) */
+} dfccl_sqe;  /* 128 bytes */
 
 /* Host <-> daemon control words, in host-mapped memory.  Host-written and
  * device-written words sit on separate 128-byte lines.  On the device only
@@ -270,7 +283,7 @@ typedef struct dfccl_endpoint {
 /* Everything the daemon needs, passed by pointer at launch. */
 typedef struct dfccl_daemon_args {
   dfccl_control *control;          /* host-mapped */
-  dfccl_task_desc *ring;           /* host-mapped, ring_size entries (written by the host) */
+  dfccl_sqe *ring;                 /* host-mapped, ring_size entries (written by the host) */
   dfccl_task_desc *dev_ring;       /* device, ring_size entries (the host link's copy) */
   uint32_t *armed;                 /* device, per slot: written by streams (cuStreamWriteValue32) */
   uint32_t *done;                  /* host-mapped, per slot */
@@ -369,6 +382,7 @@ typedef struct dfccl_chan_state {
 #if !defined(__CUDACC_RTC__)
 #ifdef __cplusplus
 static_assert(sizeof(dfccl_task_desc) == 112, "dfccl_task_desc layout");
+static_assert(sizeof(dfccl_sqe) == 128, "dfccl_sqe layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_step_profile) == 64, "dfccl_step_profile layout");

@@ -1,7 +1,8 @@
 /*
  * The hashes the host runtime and the daemon must compute bit for bit alike:
  * where a tag's record lives (home bucket), what names one instance of it
- * (token), and which daemon block runs its first channel.  Defined once here
+ * (token), which daemon block runs its first channel, and the check word of
+ * a submission-ring entry.  Defined once here
  * for the daemon (nvcc, NVRTC), the simulator and the Cython runtime.
  */
 #ifndef DFCCL_HASH_H
@@ -42,6 +43,14 @@ DFCCL_HD uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) {
  * of different local ranks do not queue on one block. */
 DFCCL_HD uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) {
   return (uint32_t)((dfccl_mix64(key ^ 0x6a09e667f3bcc909ull) + endpoint) % nblocks);
+}
+
+/* The check word of a submission-ring entry (dfccl_sqe): a hash of the
+ * descriptor's fourteen words and seq, never equal to a zeroed entry's. */
+DFCCL_HD uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) {
+  uint64_t h = dfccl_mix64(seq ^ 0x3c6ef372fe94f82bull);
+  for (int i = 0; i < (int)(sizeof(dfccl_task_desc) / 8); ++i) h = dfccl_mix64(h ^ desc_words[i]);
+  return h | 1ull;
 }
 
 #endif /* DFCCL_HASH_H */

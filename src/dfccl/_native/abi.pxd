@@ -45,6 +45,11 @@ cdef extern from "dfccl/abi.h":
         uint8_t path
         uint32_t first_block
 
+    ctypedef struct dfccl_sqe:
+        dfccl_task_desc desc
+        uint64_t seq
+        uint64_t check
+
     ctypedef struct dfccl_control:
         uint64_t sq_tail
         uint64_t base_window_ns
@@ -118,7 +123,7 @@ cdef extern from "dfccl/abi.h":
 
     ctypedef struct dfccl_daemon_args:
         dfccl_control *control
-        dfccl_task_desc *ring
+        dfccl_sqe *ring
         dfccl_task_desc *dev_ring
         uint32_t *armed
         uint32_t *done
@@ -157,3 +162,4 @@ cdef extern from "dfccl/hash.h":
     uint64_t dfccl_instance_token(uint64_t key, uint64_t instance) nogil
     uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
     uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) nogil
+    uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) nogil

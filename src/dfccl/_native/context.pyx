@@ -254,7 +254,7 @@ cdef class Context:
     cdef readonly uint32_t nslots
     cdef readonly uint32_t max_endpoints
     cdef dfccl_control *ctrl
-    cdef dfccl_task_desc *ring
+    cdef dfccl_sqe *ring
     cdef uint32_t *done
     cdef dfccl_result *results
     cdef uint32_t *ep_abort
@@ -323,7 +323,7 @@ cdef class Context:
         abort_words = _align(max_endpoints, 4)  # the link copies 16 bytes at a time
         off = _align(sizeof(dfccl_control), 256)
         ring_off = off
-        off = _align(off + self.ring_size * sizeof(dfccl_task_desc), 256)
+        off = _align(off + self.ring_size * sizeof(dfccl_sqe), 256)
         done_off = off
         off = _align(off + slots * 4, 256)
         results_off = off
@@ -334,7 +334,7 @@ cdef class Context:
         self.mapped_host = host
         self.mapped_dev = dev
         self.ctrl = <dfccl_control *><uintptr_t>host
-        self.ring = <dfccl_task_desc *><uintptr_t>(host + ring_off)
+        self.ring = <dfccl_sqe *><uintptr_t>(host + ring_off)
         self.done = <uint32_t *><uintptr_t>(host + done_off)
         self.results = <dfccl_result *><uintptr_t>(host + results_off)
         self.ep_abort = <uint32_t *><uintptr_t>(host + abort_off)
@@ -368,7 +368,7 @@ cdef class Context:
         self.waiting_dev = base + waiting_off
 
         self.args.control = <dfccl_control *><uintptr_t>dev
-        self.args.ring = <dfccl_task_desc *><uintptr_t>(dev + ring_off)
+        self.args.ring = <dfccl_sqe *><uintptr_t>(dev + ring_off)
         self.args.dev_ring = <dfccl_task_desc *><uintptr_t>(base + dev_ring_off)
         self.args.armed = <uint32_t *><uintptr_t>(base + armed_off)
         self.args.done = <uint32_t *><uintptr_t>(dev + done_off)
@@ -514,6 +514,7 @@ cdef class Context:
         cdef uint32_t slot, gen, bucket
         cdef uint64_t instance, staging, after
         cdef dfccl_task_desc *d
+        cdef dfccl_sqe *e
         cdef Work work
         if self.closed:
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
@@ -556,7 +557,8 @@ cdef class Context:
         try:
             if self.tail >= self.ring_size:
                 self._wait_ring_entry(self.tail - self.ring_size)
-            d = &self.ring[self.tail & (self.ring_size - 1)]
+            e = &self.ring[self.tail & (self.ring_size - 1)]
+            d = &e.desc
             memcpy(d, &task.desc, sizeof(dfccl_task_desc))
             d.instance = instance
             d.fifo_offset = staging
@@ -573,6 +575,9 @@ cdef class Context:
                 self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
             else:
                 d.flags = d.flags | DFCCL_TASK_ARMED
+            # Lets the daemon take the entry in the round trip that reads the tail.
+            e.seq = self.tail + 1
+            e.check = dfccl_sqe_check(<const uint64_t *>d, e.seq)
         except BaseException:
             _acquire(self.lock)
             self.free_stack[self.n_free] = slot
