@@ -43,7 +43,12 @@ DFCCL_DEV int mover_index() { return (int)threadIdx.x - kControlThreads; }
 DFCCL_DEV int mover_count() { return (int)blockDim.x - kControlThreads; }
 // The leader's value of v, in every lane of the control warp.
 DFCCL_DEV uint64_t from_leader(uint64_t v) { return __shfl_sync(0xffffffffu, (unsigned long long)v, 0); }
+// Work dealt over the control warp: lane i takes items i, i + lanes, ...
+DFCCL_DEV int control_lane() { return (int)threadIdx.x; }
+DFCCL_DEV int control_lanes() { return kControlThreads; }
 #else
+DFCCL_DEV int control_lane() { return 0; }
+DFCCL_DEV int control_lanes() { return 1; }
 DFCCL_DEV bool is_leader() { return true; }
 DFCCL_DEV void control_sync() {}
 DFCCL_DEV uint64_t from_leader(uint64_t v) { return v; }
@@ -187,6 +192,7 @@ DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
 // Orders this block's earlier writes (made visible to thread 0 by a barrier)
 // before thread 0's next flag store, for every observer in the system.
 DFCCL_DEV void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+DFCCL_DEV void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 DFCCL_DEV void fence_seq_cst() { asm volatile("fence.sc.sys;" ::: "memory"); }
 #else
 DFCCL_DEV uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -227,6 +233,7 @@ DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
   hi = __atomic_load_n(q + 1, __ATOMIC_RELAXED);
 }
 DFCCL_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+DFCCL_DEV void fence_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 DFCCL_DEV void fence_seq_cst() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 #endif
 

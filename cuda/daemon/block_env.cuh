@@ -35,6 +35,10 @@ struct BlockShared {
   uint32_t active_len;
   uint32_t cursor;
   uint32_t handoff;        // run active[pick] again at once (a chained successor)
+  // The host link (link.cuh): what the control warp read in one round trip
+  // (control words, then entries), and the range left to copy.
+  pack16 link_words[8 + 8 * DFCCL_LINK_AHEAD_MAX];
+  uint64_t link_go, link_avail, link_from, link_upto;
 };
 
 // Outcome of one wait, one step, one run.

@@ -1,16 +1,21 @@
 // The host link: the one place where the daemon reads host memory.
 //
 // A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU).  Such
-// reads do not pipeline well: with every block polling the host on its own,
-// they queue up and each one was measured to take tens of microseconds, which
-// every scheduler pass paid.  So host memory is read by one block at a time
-// (whichever block's scheduler pass takes the link lock first, at most once
-// per kLinkPollNs; a block that is running collectives takes it only when no
-// idle block has for kLinkBusyPollNs, so the PCIe round trips stay off the
-// critical path of a run), in one round trip when nothing races the host,
-// which copies what it finds into device memory:
+// reads do not pipeline well: every request (one per 16-byte load of one
+// thread, or one per line that a warp's loads cover together) takes its turn,
+// about 1.5 us each on the 1 x H200 VM, and with every block polling the host
+// on its own they queued up for tens of microseconds.  So host memory is read
+// by one block at a time (whichever block's scheduler pass takes the link
+// lock first, at most once per kLinkPollNs; a block that is running
+// collectives takes it only when no idle block has for kLinkBusyPollNs, so
+// the round trips stay off the critical path of a run), by its control warp,
+// each lane loading one 16-byte word so that the words of a line go in one
+// request.  One round trip reads the control words and the next link_ahead
+// ring entries; the block copies into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
-//   - new submission-queue entries, into the device ring;
+//   - new submission-queue entries, into the device ring: those read ahead
+//     when they prove published and intact (dfccl_sqe), the rest after the
+//     tail, several lines per round trip;
 //   - the endpoints' abort flags, when the abort epoch moved.
 // Every block then pulls, schedules and checks aborts from device memory.
 #pragma once
@@ -21,29 +26,31 @@ namespace dfccl {
 
 constexpr uint64_t kLinkPollNs = 1000;
 constexpr uint64_t kLinkBusyPollNs = 20000;
-// Entries read speculatively with the control words, in one round trip.
-constexpr int kLinkAheadEntries = 2;
 constexpr int kDescWords = (int)(sizeof(dfccl_task_desc) / 16);
 constexpr int kSqeWords = (int)(sizeof(dfccl_sqe) / 16);
+constexpr int kLinkControlWords = 3;  // sq_tail .. abort_epoch
+static_assert(kSqeWords == 8, "one ring entry per eight lanes");
 
-// Copies ring entries [from, to) host -> device after the tail was read (so
-// they are complete).  One round trip per entry: its 16-byte words are
-// independent loads.
+// Copies ring entries [from, to) host -> device, after the tail was read (so
+// they are complete).  The control warp takes four entries per round trip:
+// lane l moves word l % 8 of entry l / 8.
 DFCCL_DEV void copy_entries(const dfccl_daemon_args *a, uint64_t from, uint64_t to) {
-  for (uint64_t i = from; i < to; ++i) {
-    const uint64_t pos = i & (a->ring_size - 1);
-    const char *src = reinterpret_cast<const char *>(&a->ring[pos].desc);
-    char *dst = reinterpret_cast<char *>(&a->dev_ring[pos]);
-    uint64_t lo[kDescWords], hi[kDescWords];
-#pragma unroll
-    for (int w = 0; w < kDescWords; ++w) load_host_words(src + 16 * w, lo[w], hi[w]);
-#pragma unroll
-    for (int w = 0; w < kDescWords; ++w) store_pack(dst + 16 * w, pack16{lo[w], hi[w]});
+  for (uint64_t base = from; base < to; base += 32 / kSqeWords) {
+    for (int l = control_lane(); l < 32; l += control_lanes()) {
+      const uint64_t i = base + (uint64_t)(l / kSqeWords);
+      const int w = l % kSqeWords;
+      if (i >= to || w >= kDescWords) continue;
+      const uint64_t pos = i & (a->ring_size - 1);
+      pack16 v;
+      load_host_words(reinterpret_cast<const char *>(&a->ring[pos].desc) + 16 * w, v.lo, v.hi);
+      store_pack(reinterpret_cast<char *>(&a->dev_ring[pos]) + 16 * w, v);
+    }
   }
 }
 
-// An entry read before the tail: taken only if it is entry `position` of
-// this lap, complete (dfccl_sqe_check) and published (below `upto`).
+// Leader: an entry read before the tail is taken only if it is entry
+// `position` of this lap, complete (dfccl_sqe_check) and published (below
+// `upto`).
 DFCCL_DEV bool take_early_entry(const dfccl_daemon_args *a, const pack16 *words, uint64_t position, uint64_t upto) {
   if (position >= upto) return false;
   const uint64_t seq = words[kSqeWords - 1].lo, check = words[kSqeWords - 1].hi;
@@ -54,73 +61,87 @@ DFCCL_DEV bool take_early_entry(const dfccl_daemon_args *a, const pack16 *words,
   return true;
 }
 
-// The leader of any block, once per scheduler pass.  Returns at once unless
-// this block gets the link and kLinkPollNs (kLinkBusyPollNs for a block that
-// ran a task in its last pass) have passed since the last read.  `seen_ns`
-// (leader-private): when this block last looked at the link's clock; a busy
-// block does not even read that clock (a device-memory round trip) more often
-// than every kLinkBusyPollNs.
-//
-// One PCIe round trip takes the control words and the next
-// kLinkAheadEntries entries together (a read of host memory costs several
-// microseconds in a VM, and the entries used to wait for the tail: a
-// round trip more, and one per entry).  Entries beyond those, or one read
-// while the host was still writing it, are read again after the tail.
+// The control warp of any block, once per scheduler pass (`busy`, `now`,
+// `seen_ns`: the leader's).  Returns at once unless this block gets the link
+// and kLinkPollNs (kLinkBusyPollNs for a block that ran a task in its last
+// pass) have passed since the last read.  `seen_ns` (leader-private): when
+// this block last looked at the link's clock; a busy block does not even
+// read that clock (a device-memory round trip) more often than every
+// kLinkBusyPollNs.
 DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
-  const bool lazy = busy && a->nblocks > 1;
-  if (lazy && now >= seen_ns && now - seen_ns < kLinkBusyPollNs) return;
-  seen_ns = now;
-  const uint64_t last = load_gpu(&st->link_poll_ns);
-  if (now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) return;
-  if (!try_lock_gpu(&st->link_busy)) return;
-  store_gpu(&st->link_poll_ns, now);
-  const uint64_t avail = load_gpu(&st->sq_avail);
-  // sq_tail .. abort_epoch, and the entries at avail, avail + 1, ...: independent reads.
-  uint64_t w[6];
-  pack16 ahead[kLinkAheadEntries][kSqeWords];
-  const char *ctrl = reinterpret_cast<const char *>(a->control);
-  load_host_words(ctrl, w[0], w[1]);
-  load_host_words(ctrl + 16, w[2], w[3]);
-  load_host_words(ctrl + 32, w[4], w[5]);
-#pragma unroll
-  for (int e = 0; e < kLinkAheadEntries; ++e) {
-    const char *src = reinterpret_cast<const char *>(&a->ring[(avail + e) & (a->ring_size - 1)]);
-#pragma unroll
-    for (int k = 0; k < kSqeWords; ++k) load_host_words(src + 16 * k, ahead[e][k].lo, ahead[e][k].hi);
+  BlockShared *sm = env.sm;
+  if (is_leader()) {
+    sm->link_go = 0;
+    const bool lazy = busy && a->nblocks > 1;
+    if (!(lazy && now >= seen_ns && now - seen_ns < kLinkBusyPollNs)) {
+      seen_ns = now;
+      const uint64_t last = load_gpu(&st->link_poll_ns);
+      if (!(now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) && try_lock_gpu(&st->link_busy)) {
+        store_gpu(&st->link_poll_ns, now);
+        sm->link_avail = load_gpu(&st->sq_avail);
+        sm->link_go = 1;
+      }
+    }
+  }
+  control_sync();
+  if (!sm->link_go) return;
+  const uint64_t avail = sm->link_avail;
+  const uint32_t ahead = a->link_ahead <= DFCCL_LINK_AHEAD_MAX ? a->link_ahead : DFCCL_LINK_AHEAD_MAX;
+  // One round trip: words 0..2 of the control line, and entries avail,
+  // avail + 1, ... (eight words each), one word per lane.
+  for (int l = control_lane(); l < 8 + 8 * (int)ahead; l += control_lanes()) {
+    const char *src;
+    if (l < 8) {
+      if (l >= kLinkControlWords) continue;
+      src = reinterpret_cast<const char *>(a->control) + 16 * l;
+    } else {
+      const uint64_t pos = (avail + (uint64_t)((l - 8) / kSqeWords)) & (a->ring_size - 1);
+      src = reinterpret_cast<const char *>(&a->ring[pos]) + 16 * ((l - 8) % kSqeWords);
+    }
+    load_host_words(src, sm->link_words[l].lo, sm->link_words[l].hi);
   }
   fence_system();  // acquire: what the host wrote before the words read from here on
-  const uint64_t tail = w[0];
-  store_gpu(&st->base_window_ns, w[1]);
-  store_gpu(&st->max_window_ns, w[2]);
-  store_gpu(&st->idle_quit_ns, w[3]);
-  store_gpu(&st->quit_request, w[4]);
-  if (w[5] != load_gpu(&st->abort_epoch)) {
-    for (uint32_t e = 0; e < a->max_endpoints; e += 4) {
-      uint64_t lo, hi;
-      load_host_words(a->endpoint_abort + e, lo, hi);
-      store_pack(a->endpoint_abort_dev + e, pack16{lo, hi});
+  control_sync();
+  if (is_leader()) {
+    const pack16 *w = sm->link_words;
+    const uint64_t tail = w[0].lo;
+    store_gpu(&st->base_window_ns, w[0].hi);
+    store_gpu(&st->max_window_ns, w[1].lo);
+    store_gpu(&st->idle_quit_ns, w[1].hi);
+    store_gpu(&st->quit_request, w[2].lo);
+    if (w[2].hi != load_gpu(&st->abort_epoch)) {
+      for (uint32_t e = 0; e < a->max_endpoints; e += 4) {
+        uint64_t lo, hi;
+        load_host_words(a->endpoint_abort + e, lo, hi);
+        store_pack(a->endpoint_abort_dev + e, pack16{lo, hi});
+      }
+      store_gpu(&st->abort_epoch, w[2].hi);
     }
-    store_gpu(&st->abort_epoch, w[5]);
+    // New entries, as far as every block has pulled the device-ring entries
+    // they would overwrite (a block lags only while a long run holds it).
+    uint64_t upto = tail;
+    for (uint32_t b = 0; b < a->nblocks; ++b) {
+      const uint64_t limit = load_gpu(&st->sq_head[b]) + a->ring_size;
+      if (limit < upto) upto = limit;
+    }
+    uint64_t from = avail;
+    for (uint32_t e = 0; e < ahead && take_early_entry(a, &w[8 + kSqeWords * e], from, upto); ++e) ++from;
+    sm->link_from = from;
+    sm->link_upto = upto > avail ? upto : avail;
   }
-  // New entries, as far as every block has pulled the device-ring entries
-  // they would overwrite (a block lags only while a long run holds it).
-  uint64_t upto = tail;
-  for (uint32_t b = 0; b < a->nblocks; ++b) {
-    const uint64_t limit = load_gpu(&st->sq_head[b]) + a->ring_size;
-    if (limit < upto) upto = limit;
+  control_sync();
+  copy_entries(a, sm->link_from, sm->link_upto);
+  fence_gpu();  // every lane's copies before the leader's count
+  control_sync();
+  if (is_leader()) {
+    if (sm->link_upto > avail) {
+      store_release_gpu(&st->sq_avail, sm->link_upto);  // the copies before the count, for the pullers
+      store_relaxed(&a->control->sq_copied, sm->link_upto);
+    }
+    store_release_gpu(&st->link_busy, 0u);
   }
-  if (upto > avail) {
-    uint64_t copied = avail;
-#pragma unroll
-    for (int e = 0; e < kLinkAheadEntries; ++e)
-      if (copied == avail + e && take_early_entry(a, ahead[e], copied, upto)) ++copied;
-    copy_entries(a, copied, upto);
-    store_release_gpu(&st->sq_avail, upto);  // the copies before the count, for the pullers
-    store_relaxed(&a->control->sq_copied, upto);
-  }
-  store_release_gpu(&st->link_busy, 0u);
 }
 
 }  // namespace dfccl

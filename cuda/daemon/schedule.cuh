@@ -266,9 +266,9 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   uint64_t picked_ns = 0;
   bool busy = false;  // leader: this block ran a task in its last pass
   for (;;) {
+    const uint64_t t0 = is_leader() ? now_ns() : 0;
+    poll_host_link(env, busy, t0, link_seen_ns);  // the whole control warp
     if (is_leader()) {
-      const uint64_t t0 = now_ns();
-      poll_host_link(env, busy, t0, link_seen_ns);
       if (++policy.passes >= kPolicyRefreshPasses) {
         policy.passes = 0;
         policy.base_window_ns = load_gpu(&st->base_window_ns);

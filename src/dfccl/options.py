@@ -4,6 +4,7 @@ communicator moves data.  Defaults need no tuning."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from dfccl.errors import InvalidArgumentError
@@ -24,6 +25,28 @@ def _check_ints(obj, names: tuple[str, ...]) -> None:
             raise InvalidArgumentError(f"{cls}.{name} must be an int, not {type(value).__name__} ({value!r})")
 
 
+#: Largest ContextOptions.link_ahead (DFCCL_LINK_AHEAD_MAX, abi.h).
+LINK_AHEAD_MAX = 3
+LINK_AHEAD_ENV = "DFCCL_LINK_AHEAD"
+DEFAULT_LINK_AHEAD = 1
+
+
+def link_ahead(options: "ContextOptions") -> int:
+    """The link_ahead a context runs with: the option, else the environment's, else the default."""
+    if options.link_ahead is not None:
+        return options.link_ahead
+    raw = os.environ.get(LINK_AHEAD_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LINK_AHEAD
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= LINK_AHEAD_MAX:
+        raise InvalidArgumentError(f"{LINK_AHEAD_ENV} must be an integer in 0..{LINK_AHEAD_MAX}, not {raw!r}")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContextOptions:
     """How the daemon of one device runs.
@@ -38,6 +61,11 @@ class ContextOptions:
     base_window_ns / max_window_ns / idle_quit_ns / relaunch_backoff_ns: the
         scheduler's time bounds; None picks the backend's defaults.  The base
         window adapts at run time (policy.py) unless adaptive is False.
+    link_ahead: submission-ring entries the daemon reads from host memory in
+        the same round trip as the submission tail, before it knows they are
+        there (0..3; docs/architecture.md, "The host link").  More saves a
+        round trip per burst of submissions and costs host-memory reads on
+        every poll.  None: ``DFCCL_LINK_AHEAD`` from the environment, else 1.
     """
 
     blocks: int | None = None
@@ -49,10 +77,13 @@ class ContextOptions:
     idle_quit_ns: int | None = None
     relaunch_backoff_ns: int | None = None
     max_endpoints: int = 256
+    link_ahead: int | None = None
 
     def __post_init__(self):
         _check_ints(self, ("blocks", "max_outstanding", "base_window_ns", "max_window_ns", "idle_quit_ns",
-                           "relaunch_backoff_ns", "max_endpoints"))
+                           "relaunch_backoff_ns", "max_endpoints", "link_ahead"))
+        if self.link_ahead is not None and not 0 <= self.link_ahead <= LINK_AHEAD_MAX:
+            raise InvalidArgumentError(f"ContextOptions.link_ahead must be in 0..{LINK_AHEAD_MAX}, not {self.link_ahead}")
         for name in ("preemption", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"ContextOptions.{name} must be a bool, not {getattr(self, name)!r}")

@@ -661,3 +661,20 @@ def test_buffer_from_pointer_and_view():
         Buffer.from_pointer(4096, 1, "int16")
     with pytest.raises(Exception):
         b.count = 3   # frozen
+
+
+def test_link_ahead_option_and_environment(monkeypatch):
+    from dfccl.options import ContextOptions, link_ahead, LINK_AHEAD_ENV
+    monkeypatch.delenv(LINK_AHEAD_ENV, raising=False)
+    assert link_ahead(ContextOptions()) == 1
+    assert link_ahead(ContextOptions(link_ahead=0)) == 0
+    monkeypatch.setenv(LINK_AHEAD_ENV, "3")
+    assert link_ahead(ContextOptions()) == 3
+    assert link_ahead(ContextOptions(link_ahead=2)) == 2, "the option wins over the environment"
+    for bad in ("4", "-1", "two"):
+        monkeypatch.setenv(LINK_AHEAD_ENV, bad)
+        with pytest.raises(InvalidArgumentError, match=LINK_AHEAD_ENV):
+            link_ahead(ContextOptions())
+    for bad in (4, -1, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match="link_ahead"):
+            ContextOptions(link_ahead=bad)

@@ -302,8 +302,11 @@ typedef struct dfccl_daemon_args {
   uint32_t nblocks;
   uint32_t epoch;                  /* launch epoch */
   uint32_t max_endpoints;
-  uint32_t args_pad;
+  uint32_t link_ahead;             /* ring entries the host link reads with the control words,
+                                      before the tail (0..DFCCL_LINK_AHEAD_MAX) */
 } dfccl_daemon_args;
+
+#define DFCCL_LINK_AHEAD_MAX 3u
 
 /* ---- arena: rank status ------------------------------------------------- */
 /* The first DFCCL_ARENA_STATUS_BYTES of every rank's arena: written by the

@@ -19,6 +19,7 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED, DFCCL_TASK_LL
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
     unsigned int DFCCL_RECORD_HEADER_BYTES
+    unsigned int DFCCL_LINK_AHEAD_MAX
 
     ctypedef struct dfccl_task_desc:
         uint64_t send_addr
@@ -142,6 +143,7 @@ cdef extern from "dfccl/abi.h":
         uint32_t nblocks
         uint32_t epoch
         uint32_t max_endpoints
+        uint32_t link_ahead
 
 
 cdef extern from "dfccl/host_atomics.h":

@@ -52,7 +52,8 @@ class Context:
     closed: bool
     relaunch_backoff_ns: int
     launches: int
-    def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any) -> None: ...
+    def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any,
+                 link_ahead: int = 1) -> None: ...
     def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,
                      peer_tables: list[int], peer_arenas: list[int], reg_table: int = 0, ll_offset: int = 0,
                      ll_max_bytes: int = 0) -> int: ...

@@ -303,12 +303,14 @@ cdef class Context:
         self.watch_wake = PyThread_allocate_lock()
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
 
-    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy):
+    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=1):
         cdef uint64_t off, size
         if slots & (slots - 1) or slots < 8:
             raise ValueError("slots must be a power of two >= 8")
         if blocks < 1 or blocks > DFCCL_MAX_CHANNELS:
             raise ValueError(f"blocks must be in 1..{DFCCL_MAX_CHANNELS}")
+        if link_ahead < 0 or link_ahead > DFCCL_LINK_AHEAD_MAX:
+            raise ValueError(f"link_ahead must be in 0..{DFCCL_LINK_AHEAD_MAX}")
         self.backend = backend
         self.nblocks = blocks
         self.nslots = slots
@@ -386,6 +388,7 @@ cdef class Context:
         self.args.nslots = slots
         self.args.nblocks = blocks
         self.args.max_endpoints = abort_words
+        self.args.link_ahead = link_ahead
         self.args.epoch = 0
 
         self.ctrl.base_window_ns = policy.base_window_ns
