@@ -28,7 +28,7 @@ def _check_ints(obj, names: tuple[str, ...]) -> None:
 #: Largest ContextOptions.link_ahead (DFCCL_LINK_AHEAD_MAX, abi.h).
 LINK_AHEAD_MAX = 3
 LINK_AHEAD_ENV = "DFCCL_LINK_AHEAD"
-DEFAULT_LINK_AHEAD = 1
+DEFAULT_LINK_AHEAD = 0
 
 
 def link_ahead(options: "ContextOptions") -> int:
@@ -65,7 +65,8 @@ class ContextOptions:
         the same round trip as the submission tail, before it knows they are
         there (0..3; docs/architecture.md, "The host link").  More saves a
         round trip per burst of submissions and costs host-memory reads on
-        every poll.  None: ``DFCCL_LINK_AHEAD`` from the environment, else 1.
+        every poll (on one H200 in a VM, 0 was fastest: benchmarks/NOTES.md).
+        None: ``DFCCL_LINK_AHEAD`` from the environment, else 0.
     """
 
     blocks: int | None = None

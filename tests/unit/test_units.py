@@ -666,8 +666,8 @@ def test_buffer_from_pointer_and_view():
 def test_link_ahead_option_and_environment(monkeypatch):
     from dfccl.options import ContextOptions, link_ahead, LINK_AHEAD_ENV
     monkeypatch.delenv(LINK_AHEAD_ENV, raising=False)
-    assert link_ahead(ContextOptions()) == 1
-    assert link_ahead(ContextOptions(link_ahead=0)) == 0
+    assert link_ahead(ContextOptions()) == 0
+    assert link_ahead(ContextOptions(link_ahead=1)) == 1
     monkeypatch.setenv(LINK_AHEAD_ENV, "3")
     assert link_ahead(ContextOptions()) == 3
     assert link_ahead(ContextOptions(link_ahead=2)) == 2, "the option wins over the environment"

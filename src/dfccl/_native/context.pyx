@@ -303,7 +303,7 @@ cdef class Context:
         self.watch_wake = PyThread_allocate_lock()
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
 
-    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=1):
+    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0):
         cdef uint64_t off, size
         if slots & (slots - 1) or slots < 8:
             raise ValueError("slots must be a power of two >= 8")
@@ -748,6 +748,14 @@ cdef class Context:
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
                 if (state >> 2) != self.epoch or (state & 3) != DFCCL_DAEMON_EXITED:
                     continue
+                if not self._any_unfinished():
+                    # Only completed collectives wait for retirement (which
+                    # may wait for the GIL): they do not need the daemon, and
+                    # bringing it back would keep the GPU busy for nothing; a
+                    # CUDA module load (lazy loading) in a thread holding the
+                    # GIL waits for the GPU to be free.
+                    self.exit_seen_ns = 0
+                    continue
                 # Work is left but the daemon quit (idle: peers absent, or
                 # tasks not armed yet).  Stay off for a backoff so that device
                 # syncs can return, then come back.
@@ -773,6 +781,19 @@ cdef class Context:
             # Whatever is pending stays so and times out; say why now.
             warnings.warn(f"dfccl: relaunching the daemon on {self.backend.name}:{self.backend.device} failed: "
                           f"{self.backend.launch_error(rc)}", RuntimeWarning)
+
+    cdef bint _any_unfinished(self) noexcept nogil:
+        """Whether an outstanding collective has not completed on the device."""
+        cdef uint32_t i, s
+        cdef bint unfinished = False
+        PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        for i in range(self.n_outstanding):
+            s = self.outstanding[i]
+            if dfccl_load_acquire_u32(&self.done[s]) != self.gens[s]:
+                unfinished = True
+                break
+        PyThread_release_lock(self.lock)
+        return unfinished
 
     cdef uint32_t _scan_unclaimed(self) noexcept nogil:
         """The watcher's look at the completion words: how many completed
