@@ -49,6 +49,28 @@ def comms2():
             c.close()
 
 
+def test_host_copies_do_not_wait_for_the_default_stream():
+    """The backend's host <-> device copies (liveness heartbeats, the live
+    "waiting for" word of a timeout message) run on a private stream: a long
+    kernel on the legacy default stream, where torch queues its work and
+    where a stream may wait for a collective, does not hold them up."""
+    torch = pytest.importorskip("torch")
+    be = runtime.get_backend("cuda", 0)
+    word = np.zeros(4, np.uint32)
+    dev = be.alloc_device(16)
+    try:
+        with torch.cuda.device(0):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the default stream
+            t0 = time.perf_counter()
+            be.copy_to_device(dev, word.ctypes.data, 16)
+            be.copy_from_device(word.ctypes.data, dev, 16)
+            took = time.perf_counter() - t0
+            torch.cuda.synchronize()
+        assert took < 0.3, f"host copies waited {took:.2f} s for the default stream"
+    finally:
+        be.free_device(dev)
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

@@ -1,6 +1,7 @@
 """The scripts of benchmarks/ that measure what ``dfccl bench`` does not, run
 on the simulator: bench_latency.py (dfccl's latency breakdown and the
-queue-depth sweep)."""
+queue-depth sweep) and host_timeline.py (a collective waited for, step by
+step on the host)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ def test_latency_bad_arguments_are_one_line(args, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_host_timeline_on_the_simulator():
+    script = BENCHMARKS / "host_timeline.py"
+    proc = subprocess.run([sys.executable, str(script), "--backend", "sim", "--device", "7300", "--bytes", "64",
+                           "--iters", "20", "--warmup", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if ":" in line}
+    for step in ("submitted -> taken", "taken -> rank 0 done", "retire both", "total"):
+        assert step in lines, proc.stdout
+    total = float(lines["total"].split(":")[1].split()[0])
+    assert total > 0

@@ -69,8 +69,8 @@ typedef struct dfccl_cuda_api {
   CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
   CUresult (*cuMemFree)(CUdeviceptr);
   CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
-  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
-  CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+  CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
   CUresult (*cuMemFreeHost)(void *);
   CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int);
@@ -93,7 +93,7 @@ static const struct { const char *name; size_t offset; } dfccl_cuda_api_entries[
   DFCCL_API_ENTRY(cuModuleGetFunction), DFCCL_API_ENTRY(cuStreamCreate), DFCCL_API_ENTRY(cuStreamDestroy),
   DFCCL_API_ENTRY(cuStreamQuery), DFCCL_API_ENTRY(cuStreamSynchronize), DFCCL_API_ENTRY(cuStreamWriteValue32),
   DFCCL_API_ENTRY(cuStreamWaitValue32), DFCCL_API_ENTRY(cuMemAlloc), DFCCL_API_ENTRY(cuMemFree),
-  DFCCL_API_ENTRY(cuMemsetD8Async), DFCCL_API_ENTRY(cuMemcpyHtoD), DFCCL_API_ENTRY(cuMemcpyDtoH), DFCCL_API_ENTRY(cuMemHostAlloc),
+  DFCCL_API_ENTRY(cuMemsetD8Async), DFCCL_API_ENTRY(cuMemcpyHtoDAsync), DFCCL_API_ENTRY(cuMemcpyDtoHAsync), DFCCL_API_ENTRY(cuMemHostAlloc),
   DFCCL_API_ENTRY(cuMemFreeHost), DFCCL_API_ENTRY(cuMemHostGetDevicePointer), DFCCL_API_ENTRY(cuPointerGetAttribute),
   DFCCL_API_ENTRY(cuIpcGetMemHandle), DFCCL_API_ENTRY(cuIpcOpenMemHandle), DFCCL_API_ENTRY(cuIpcCloseMemHandle),
   DFCCL_API_ENTRY(cuLaunchKernel),

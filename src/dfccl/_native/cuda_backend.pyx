@@ -67,8 +67,8 @@ cdef extern from "dfccl/cuda_driver.h":
         CUresult (*cuMemAlloc)(CUdeviceptr *, size_t) nogil
         CUresult (*cuMemFree)(CUdeviceptr) nogil
         CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) nogil
-        CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t) nogil
-        CUresult (*cuMemcpyDtoH)(void *, CUdeviceptr, size_t) nogil
+        CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream) nogil
+        CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream) nogil
         CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int) nogil
         CUresult (*cuMemFreeHost)(void *) nogil
         CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int) nogil
@@ -265,16 +265,30 @@ cdef class CudaBackend(Backend):
         self.make_current()
         check(API.cuMemFree(<CUdeviceptr>ptr), "cuMemFree")
 
+    # Host <-> device copies go through the private setup stream and wait for
+    # it alone, without the GIL.  On the legacy default stream (where torch
+    # queues its work unless told otherwise) a copy would wait for whatever
+    # the application queued there, such as a cuStreamWaitValue32 on a
+    # collective's completion: a liveness heartbeat or a timeout message
+    # would then wait for the very collective it reports on, holding the GIL.
     def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
+        cdef CUresult rc
         self.make_current()
-        check(API.cuMemcpyHtoD(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes), "cuMemcpyHtoD")
-        # From pageable memory the copy may still be in flight when
-        # cuMemcpyHtoD returns; later work on other streams must see it.
-        check(API.cuStreamSynchronize(<CUstream>NULL), "cuStreamSynchronize after cuMemcpyHtoD")
+        with nogil:
+            rc = API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes,
+                                       self.setup_stream)
+            if rc == DFCCL_CUDA_SUCCESS:
+                rc = API.cuStreamSynchronize(self.setup_stream)
+        check(rc, "cuMemcpyHtoDAsync(setup stream)")
 
     def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
+        cdef CUresult rc
         self.make_current()
-        check(API.cuMemcpyDtoH(<void *><uintptr_t>dst_host, <CUdeviceptr>src, nbytes), "cuMemcpyDtoH")
+        with nogil:
+            rc = API.cuMemcpyDtoHAsync(<void *><uintptr_t>dst_host, <CUdeviceptr>src, nbytes, self.setup_stream)
+            if rc == DFCCL_CUDA_SUCCESS:
+                rc = API.cuStreamSynchronize(self.setup_stream)
+        check(rc, "cuMemcpyDtoHAsync(setup stream)")
 
     def export_memory(self, uint64_t ptr):
         cdef CUipcMemHandle h
