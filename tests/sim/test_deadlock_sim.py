@@ -362,6 +362,44 @@ def test_ranks_sharing_a_device_run_side_by_side(rng):
         close_all(comms)
 
 
+def test_daemon_comes_back_while_the_gil_is_held_and_completions_wait(rng):
+    """As above, with completed collectives waiting for retirement while the
+    GIL is held: retiring needs the GIL, relaunching must not wait for it.
+    The main thread keeps the GIL throughout (a switch interval longer than
+    the test), so whatever needs it waits; rank 0's daemon must still come
+    back for the collective that is not complete."""
+    import ctypes
+    import sys
+
+    base = sc.fresh_sim_devices(2)[0]
+    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    interval = sys.getswitchinterval()
+    try:
+        firsts = [np.full(8, r + 1, np.float32) for r in range(2)]
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        sys.setswitchinterval(1000.0)
+        try:
+            a = [c.all_reduce(x, tag="first") for c, x in zip(comms, firsts)]
+            deadline = time.monotonic() + 10
+            while not (a[0]._peek_done() and a[1]._peek_done()):  # complete, not retired
+                assert time.monotonic() < deadline
+            w0 = comms[0].all_reduce(xs[0], tag="late")
+            while comms[0]._ctx.daemon_state[1] != "exited":     # it waited for rank 1, then left
+                assert time.monotonic() < deadline, comms[0]._ctx.daemon_state
+            w1 = comms[1].all_reduce(xs[1], tag="late")
+            ctypes.PyDLL(None).usleep(1_500_000)                 # holds the GIL for 1.5 s
+            came_back = w0._peek_done() and w1._peek_done()
+        finally:
+            sys.setswitchinterval(interval)
+        assert came_back, "rank 0's daemon did not come back while the GIL was held"
+        for w in a + [w0, w1]:
+            w.synchronize(timeout=10)
+        assert (xs[0] == 3).all() and (xs[1] == 3).all() and (firsts[0] == 3).all()
+    finally:
+        close_all(comms)
+
+
 def test_daemon_comes_back_while_a_thread_holds_the_gil(rng):
     """A rank's daemon that left while its collective waited (idle quit) is
     brought back by a watcher that needs no GIL: here the only host thread

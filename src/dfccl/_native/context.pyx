@@ -6,9 +6,9 @@ and retirement.
 Data path, host side: Context.submit() writes an SQE, publishes it and
 returns the Work (work.pyx) (submit); the daemon schedules and transfers; the
 daemon writes done[slot] (complete), which Work.synchronize() observes (or,
-for a collective nobody waits for, the context's watcher), and
-Context._retire() moves the result into the Work and gives the slot and the
-tag's record back.
+for a collective nobody waits for, the context's watcher, which wakes the
+progress thread), and Context._retire() moves the result into the Work and
+gives the slot and the tag's record back.
 """
 
 import threading
@@ -100,6 +100,36 @@ def first_block(key, uint32_t endpoint, uint32_t nblocks):
     if nblocks == 0:
         raise ValueError("nblocks must be positive")
     return dfccl_first_block(<uint64_t>(key & _MASK64), endpoint, nblocks)
+
+
+# The progress thread's wake-up: a binary semaphore that C code without the
+# GIL (a context's watcher) can release.  Taken at import: "nothing to do".
+cdef PyThread_type_lock _progress_sem = PyThread_allocate_lock()
+cdef uint32_t _progress_token = 0
+PyThread_acquire_lock(_progress_sem, WAIT_LOCK)
+
+
+cdef void signal_progress() noexcept nogil:
+    """Wakes the progress thread (at most one wake-up outstanding)."""
+    if dfccl_exchange_u32(&_progress_token, 1) == 0:
+        PyThread_release_lock(_progress_sem)
+
+
+def wake_progress():
+    """Wakes the progress thread: callbacks or retirements are due."""
+    signal_progress()
+
+
+def wait_progress(double timeout):
+    """The progress thread's sleep: returns True when woken, False after
+    ``timeout`` seconds; without the GIL meanwhile."""
+    cdef long long us = <long long>(timeout * 1e6)
+    cdef bint woken
+    with nogil:
+        woken = PyThread_acquire_lock_timed(_progress_sem, us, 0) == PY_LOCK_ACQUIRED
+        if woken:
+            dfccl_exchange_u32(&_progress_token, 0)
+    return woken
 
 
 cdef inline void _acquire(PyThread_type_lock lock) noexcept:
@@ -414,7 +444,8 @@ cdef class Context:
         # endpoint id -> what explains its failures from the peers' records
         # (dfccl.diagnostics.EndpointDiagnostics), set by the communicator.
         self.diagnostics = {}
-        self.watcher = threading.Thread(target=self._watch, name="dfccl-relaunch", daemon=True)
+        _progress.register(self)
+        self.watcher = threading.Thread(target=self._watch, name="dfccl-watcher", daemon=True)
         self.watcher.start()
 
     cdef int _seed_policy_copies(self) except -1:
@@ -715,16 +746,17 @@ cdef class Context:
         """The watcher (a thread per context).  While collectives are
         outstanding it looks every WATCH_POLL_NS at
           - the completion words: a collective seen completed at two looks in
-            a row was not retired by a thread waiting for it, so the watcher
-            retires it (at the first look if it has done-callbacks), taking
-            the GIL only then;
-          - the daemon: one that exited with work left is brought back after
-            the backoff that lets device synchronisations return.
-        Apart from retiring, it runs without the GIL: a thread that blocks in
-        a CUDA call while holding the GIL (a synchronising torch op waiting
-        for a collective, say) must not keep the daemon away, or the
-        collective it waits for never runs.  And a thread waiting for a
-        collective never finds the GIL taken by a poll."""
+            a row was not retired by a thread waiting for it (at the first
+            look if it has done-callbacks), so the watcher wakes the
+            progress thread to retire it;
+          - the daemon: one that exited while a collective is not complete
+            is brought back after the backoff that lets device
+            synchronisations return.
+        It never takes the GIL: a thread that blocks in a CUDA call while
+        holding the GIL (a synchronising torch op waiting for a collective,
+        say) must not keep the daemon away, or the collective it waits for
+        never runs.  And a thread waiting for a collective never finds the
+        GIL taken by a poll."""
         cdef uint64_t state, now
         cdef int rc = 0
         with nogil:
@@ -737,12 +769,8 @@ cdef class Context:
                         dfccl_exchange_u32(&self.watch_token, 0)
                     continue
                 dfccl_sleep_ns(WATCH_POLL_NS)
-                if self._scan_unclaimed() != 0 and not self.watch_stop:
-                    with gil:
-                        try:
-                            self._retire_completed(True)
-                        except Exception as exc:  # never let the watcher die
-                            warnings.warn(f"dfccl: retiring completed collectives: {exc!r}", RuntimeWarning)
+                if self._scan_unclaimed() != 0:
+                    signal_progress()  # the progress thread retires them
                 if self.epoch == 0:
                     continue
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
@@ -797,8 +825,8 @@ cdef class Context:
 
     cdef uint32_t _scan_unclaimed(self) noexcept nogil:
         """The watcher's look at the completion words: how many completed
-        slots are due for retirement by the watcher (seen completed at its
-        previous look as well, or wanted soon)."""
+        slots are due for retirement by the progress thread (seen completed
+        at the previous look as well, or wanted soon)."""
         cdef uint32_t i, s, due = 0
         PyThread_acquire_lock(self.lock, WAIT_LOCK)
         for i in range(self.n_outstanding):
@@ -813,7 +841,7 @@ cdef class Context:
         return due
 
     cdef int _retire_completed(self, bint due_only) except -1:
-        """Retires completed slots: every one, or (the watcher) those
+        """Retires completed slots: every one, or (the progress thread) those
         _scan_unclaimed found due."""
         cdef uint32_t i, s
         cdef list finished = []
@@ -828,21 +856,26 @@ cdef class Context:
             self._retire(s)
         return 0
 
+    def _retire_due(self):
+        """The progress thread: retires what the watcher found due."""
+        if self.n_outstanding:
+            self._retire_completed(True)
+
     def _retire_soon(self, uint32_t slot, uint32_t gen):
-        """A Work with done-callbacks: the watcher retires it (and the
-        callbacks run) at its first look after completion."""
+        """A Work with done-callbacks: due for retirement (and its callbacks)
+        at the watcher's first look after completion."""
         _acquire(self.lock)
         if self.gens[slot] == gen:
             self.retire_soon[slot] = 1
         PyThread_release_lock(self.lock)
 
     cdef void _wake_watch(self) noexcept nogil:
-        """Wakes an idle relaunch watcher (at most one token outstanding)."""
+        """Wakes an idle watcher (at most one token outstanding)."""
         if dfccl_exchange_u32(&self.watch_token, 1) == 0:
             PyThread_release_lock(self.watch_wake)
 
     cdef int _stop_watch(self) except -1:
-        """Stops the relaunch watcher and waits for it (idempotent)."""
+        """Stops the watcher and waits for it (idempotent)."""
         self.watch_stop = True
         self._wake_watch()
         if self.watcher is not None and self.watcher.is_alive() and self.watcher is not threading.current_thread():
@@ -967,6 +1000,7 @@ cdef class Context:
             return
         self.closed = True
         self._stop_watch()
+        _progress.unregister(self)
         for idx in range(self.max_endpoints):
             self.ep_abort[idx] = 1
         self._abort_flags_changed()

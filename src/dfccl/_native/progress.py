@@ -1,24 +1,34 @@
-"""The progress thread: one per process, it runs done-callbacks
-(Work.add_done_callback).  Callbacks are user code and may block or take
-long, so they run here rather than on the thread that retired their Work
-(a context's watcher, or a thread in synchronize).  Retiring collectives
-nobody waits for and relaunching exited daemons are each context's
-watcher's (Context._watch), which needs the GIL only to retire."""
+"""The progress thread: one per process.  It retires the collectives nobody
+waits for, once a context's watcher (Context._watch, which never takes the
+GIL) has found them complete at two of its looks, and runs done-callbacks
+(Work.add_done_callback): user code that may block or take long, so it runs
+here rather than on the thread that retired the Work.  It sleeps until the
+watcher or a new callback wakes it; it never polls."""
 
 import threading
 import warnings
+import weakref
 
 __all__ = ["progress"]
 
 
 class _ProgressThread:
-    """Runs done-callbacks in the order their Works were retired."""
+    """Retires what the watchers found due and runs done-callbacks."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._contexts = []
         self._thread = None
         self._callbacks = []
+
+    def register(self, ctx):
+        with self._lock:
+            self._contexts.append(weakref.ref(ctx))
+            self._start_locked()
+
+    def unregister(self, ctx):
+        with self._lock:
+            self._contexts = [r for r in self._contexts if r() is not None and r() is not ctx]
 
     def run_callbacks(self, work, callbacks):
         if threading.current_thread() is self._thread:
@@ -26,19 +36,36 @@ class _ProgressThread:
             return
         with self._lock:
             self._callbacks.append((work, list(callbacks)))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="dfccl-progress", daemon=True)
-                self._thread.start()
-        self._wake.set()
+            self._start_locked()
+        _native().wake_progress()
+
+    def _start_locked(self):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="dfccl-progress", daemon=True)
+            self._thread.start()
 
     def _run(self):
+        native = _native()
         while True:
-            self._wake.wait()
-            self._wake.clear()
+            native.wait_progress(0.05)
             with self._lock:
+                contexts = [r() for r in self._contexts]
                 pending, self._callbacks = self._callbacks, []
             for work, cbs in pending:
                 _call_all(work, cbs)
+            for ctx in contexts:
+                if ctx is None:
+                    continue
+                try:
+                    ctx._retire_due()
+                except Exception as exc:  # never let the progress thread die
+                    warnings.warn(f"dfccl progress thread: {exc!r}", RuntimeWarning)
+            del contexts
+
+
+def _native():
+    from dfccl._native import context
+    return context
 
 
 def _call_all(work, callbacks):

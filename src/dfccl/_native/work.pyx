@@ -139,8 +139,8 @@ cdef class Work:
         if self._callbacks is None:
             self._callbacks = []
         self._callbacks.append(fn)
-        # The context's watcher retires this work (and hands the callback to
-        # the progress thread) even if nobody synchronizes it.
+        # Retired (and the callback run) on the progress thread once the
+        # context's watcher sees it complete, even if nobody synchronizes it.
         self._ctx._retire_soon(self._slot, self._gen)
 
     def exception(self):
