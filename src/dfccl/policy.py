@@ -39,33 +39,19 @@ class WindowPolicy:
         self.max_base_ns = max_base_ns
         self.adaptive = adaptive
         self.period_ns = period_ns
-        self._completions = 0
-        self._preemptions = 0
-        self._last_update = 0
-        self._waits: list[int] = []
         self.history: list[tuple[int, float]] = []  # (new base, preemptions per completion)
 
-    def observe(self, preemptions: int, max_wait_ns: int, now_ns: int) -> int | None:
-        """One completed collective; returns a new base window to publish, or
-        None (update())."""
-        self._completions += 1
-        self._preemptions += preemptions
-        if len(self._waits) < 4096:
-            self._waits.append(max_wait_ns)
-        if now_ns - self._last_update < self.period_ns:
+    def adapt(self, completions: int, preemptions: int, waits: list[int]) -> int | None:
+        """One period's observations (the context gathers them at
+        retirement: how many collectives completed, their preemptions, the
+        longest successful wait of each, up to 4,096): returns a new base
+        window to publish, or None.  Called once per ``period_ns`` with at
+        least 8 completions."""
+        if not self.adaptive or completions < 8 or not waits:
             return None
-        return self.update(now_ns)
-
-    def update(self, now_ns: int) -> int | None:
-        """A new base window to publish, or None."""
-        if not self.adaptive or now_ns - self._last_update < self.period_ns or self._completions < 8:
-            return None
-        waits = sorted(self._waits)
+        waits = sorted(waits)
         p90 = waits[int(0.9 * (len(waits) - 1))]
-        rate = self._preemptions / self._completions
-        self._last_update = now_ns
-        self._completions = self._preemptions = 0
-        self._waits = []
+        rate = preemptions / completions
         target = min(self.max_base_ns, max(self.min_base_ns, 2 * p90))
         base = int(math.sqrt(self.base_window_ns * target))
         base = min(self.max_base_ns, max(self.min_base_ns, base))

@@ -327,6 +327,20 @@ def test_submissions_taken_by_the_daemon(make):
     assert taken == after, "a completed collective was copied to the device"
 
 
+def test_base_window_adapts_to_observed_waits(make):
+    """Every retirement feeds the policy; once per period the context hands
+    the observations to policy.adapt() and publishes the new base window."""
+    comms = make(2, "direct", base=DEV + 16)
+    ctx = comms[0]._ctx
+    start = ctx.policy.base_window_ns
+    deadline = time.monotonic() + TIMEOUT
+    while not ctx.policy.history and time.monotonic() < deadline:
+        all_reduce_ok(comms, tag="adapt")
+        time.sleep(2e-3)
+    assert ctx.policy.history, "the base window never adapted"
+    assert ctx.policy.base_window_ns != start and ctx.policy.history[-1][0] == ctx.policy.base_window_ns
+
+
 def test_unwaited_collectives_are_retired_by_the_watcher(make):
     """Nobody synchronizes these: the context's watcher retires them (slots
     and tag records given back), and a callback added later still runs."""

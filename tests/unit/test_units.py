@@ -678,3 +678,18 @@ def test_link_ahead_option_and_environment(monkeypatch):
     for bad in (4, -1, True, 1.0):
         with pytest.raises(InvalidArgumentError, match="link_ahead"):
             ContextOptions(link_ahead=bad)
+
+
+def test_window_policy_adapts_towards_twice_the_p90_wait():
+    from dfccl.policy import WindowPolicy
+    p = WindowPolicy(base_window_ns=200_000, max_window_ns=10**9, idle_quit_ns=10**9, relaunch_backoff_ns=1,
+                     min_base_ns=50_000, max_base_ns=1_000_000)
+    assert p.adapt(7, 0, [1000] * 7) is None, "fewer than 8 completions: no change"
+    # Short waits: halfway (geometrically) towards the floor.
+    assert p.adapt(10, 5, [1000] * 10) == 100_000 and p.history[-1] == (100_000, 0.5)
+    # Peers that arrive late: the base grows towards twice the 90th percentile.
+    waits = [10_000] * 5 + [900_000] * 5
+    assert p.adapt(10, 0, waits * 10) == int((100_000 * 1_000_000) ** 0.5)
+    fixed = WindowPolicy(base_window_ns=200_000, max_window_ns=10**9, idle_quit_ns=10**9, relaunch_backoff_ns=1,
+                         min_base_ns=50_000, max_base_ns=1_000_000, adaptive=False)
+    assert fixed.adapt(100, 0, [1000] * 100) is None and fixed.base_window_ns == 200_000

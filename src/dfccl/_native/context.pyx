@@ -268,6 +268,8 @@ cdef enum:
     # and the daemon's state (the relaunch backoff is measured in time, not
     # in looks).
     WATCH_POLL_NS = 100000
+    # Longest waits the policy keeps per period.
+    POLICY_WAITS = 4096
     # A daemon that leaves again and again with nothing retired in between
     # (its peers are absent) is brought back after a backoff that doubles each
     # time, up to this many doublings: it does not spin the device (or, in the
@@ -316,6 +318,12 @@ cdef class Context:
     cdef bint watch_stop
     cdef uint32_t *seen_done           # per slot: gen the watcher saw completed, unretired, last look
     cdef uint8_t *retire_soon          # per slot: retire at first sight (it has done-callbacks)
+    # The policy's observations since its last adaptation (gathered in C at
+    # retirement; policy.adapt() sees them once per period).
+    cdef bint pol_adaptive
+    cdef uint64_t pol_period_ns, pol_last_ns, pol_completions, pol_preemptions
+    cdef uint64_t *pol_waits
+    cdef uint32_t pol_nwaits
     cdef uint32_t watch_streak         # relaunches in a row after which nothing retired
     cdef uint64_t watch_retired_mark   # retired at the watcher's last relaunch
     cdef uint64_t retired_count        # works retired so far
@@ -433,8 +441,11 @@ cdef class Context:
         self.free_stack = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.seen_done = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.retire_soon = <uint8_t *>calloc(slots, sizeof(uint8_t))
+        self.pol_waits = <uint64_t *>calloc(POLICY_WAITS, sizeof(uint64_t))
+        self.pol_adaptive = bool(policy.adaptive)
+        self.pol_period_ns = policy.period_ns
         if (self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL
-                or self.seen_done == NULL or self.retire_soon == NULL):
+                or self.seen_done == NULL or self.retire_soon == NULL or self.pol_waits == NULL):
             raise MemoryError
         for i in range(slots):
             self.free_stack[i] = slots - 1 - i
@@ -476,6 +487,7 @@ cdef class Context:
         free(self.free_stack)
         free(self.seen_done)
         free(self.retire_soon)
+        free(self.pol_waits)
         if self.lock != NULL:
             PyThread_free_lock(self.lock)
 
@@ -856,6 +868,26 @@ cdef class Context:
             self._retire(s)
         return 0
 
+    cdef int _observe(self, Work work) except -1:
+        """One retired collective, for the preemption policy (policy.py)."""
+        cdef uint64_t now = work._retired_ns
+        cdef uint32_t i
+        self.pol_completions += 1
+        self.pol_preemptions += work._result.preemptions
+        if self.pol_nwaits < POLICY_WAITS:
+            self.pol_waits[self.pol_nwaits] = work._result.max_wait_ns
+            self.pol_nwaits += 1
+        if self.pol_completions < 8 or now - self.pol_last_ns < self.pol_period_ns:
+            return 0
+        waits = [self.pol_waits[i] for i in range(self.pol_nwaits)]
+        base = self.policy.adapt(self.pol_completions, self.pol_preemptions, waits)
+        self.pol_last_ns = now
+        self.pol_completions = self.pol_preemptions = 0
+        self.pol_nwaits = 0
+        if base is not None:
+            self.ctrl.base_window_ns = base
+        return 0
+
     def _retire_due(self):
         """The progress thread: retires what the watcher found due."""
         if self.n_outstanding:
@@ -933,9 +965,8 @@ cdef class Context:
         if work._tags is not None:
             work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging)
             work._tags = None
-        base = self.policy.observe(work._result.preemptions, work._result.max_wait_ns, work._retired_ns)
-        if base is not None:
-            self.ctrl.base_window_ns = base
+        if self.pol_adaptive:
+            self._observe(work)
         if work._callbacks:
             callbacks, work._callbacks = work._callbacks, None
             _progress.run_callbacks(work, callbacks)
