@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from dfccl import runtime
-from dfccl.types import as_data_type
 
 __all__ = ["DeviceArray", "empty", "from_numpy", "to_numpy"]
 
