@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -31,10 +32,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(18
 WORLD = 2
 
 
-def _worker(fn, rank, world_size, store_path, results, stacks_after_s):
+def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_path):
     import faulthandler
 
-    faulthandler.dump_traceback_later(stacks_after_s, exit=False)  # a stuck rank shows where
+    # A stuck rank shows where: every thread's stack, written without the GIL
+    # to a file the harness reads back (pytest's capture of a child's stderr
+    # is lost when the child is killed).
+    stacks = open(stacks_path, "w")
+    faulthandler.dump_traceback_later(stacks_after_s, exit=False, file=stacks)
     try:
         import dfccl.torch  # noqa: F401
 
@@ -44,6 +49,18 @@ def _worker(fn, rank, world_size, store_path, results, stacks_after_s):
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("dfccl", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=30))
+        comm = dist.group.WORLD.communicator()
+
+        def status_before_stacks():
+            # What dfccl says it waits for (needs the GIL: skipped if held).
+            time.sleep(max(1.0, stacks_after_s - 10))
+            try:
+                stacks.write(f"rank {rank} status: {comm.status()}\n")
+                stacks.flush()
+            except Exception:
+                pass  # closed meanwhile: nothing was stuck
+
+        threading.Thread(target=status_before_stacks, daemon=True).start()
         try:
             fn(rank, world_size)
             torch.cuda.synchronize()
@@ -61,7 +78,8 @@ def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 15))
+        stacks = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r]))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -73,6 +91,9 @@ def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
                     errors[rank] = err
         except Exception:
             errors["harness"] = f"a rank did not report within {join_s} s"
+            for r, f in enumerate(stacks):
+                if os.path.exists(f) and os.path.getsize(f):
+                    errors[f"stacks of rank {r} after {join_s - 30:g} s"] = open(f).read()
         finally:
             for p in procs:
                 p.join(timeout=20)
