@@ -29,6 +29,9 @@ MS = 1000 * US
 
 
 class WindowPolicy:
+    #: Completions a period needs before the base window moves.
+    min_completions = 8
+
     def __init__(self, *, base_window_ns: int, max_window_ns: int, idle_quit_ns: int, relaunch_backoff_ns: int,
                  min_base_ns: int, max_base_ns: int, adaptive: bool = True, period_ns: int = 20 * MS):
         self.base_window_ns = base_window_ns
@@ -46,8 +49,8 @@ class WindowPolicy:
         retirement: how many collectives completed, their preemptions, the
         longest successful wait of each, up to 4,096): returns a new base
         window to publish, or None.  Called once per ``period_ns`` with at
-        least 8 completions."""
-        if not self.adaptive or completions < 8 or not waits:
+        least ``min_completions`` completions."""
+        if not self.adaptive or completions < self.min_completions or not waits:
             return None
         waits = sorted(waits)
         p90 = waits[int(0.9 * (len(waits) - 1))]

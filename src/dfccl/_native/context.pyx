@@ -321,7 +321,7 @@ cdef class Context:
     # The policy's observations since its last adaptation (gathered in C at
     # retirement; policy.adapt() sees them once per period).
     cdef bint pol_adaptive
-    cdef uint64_t pol_period_ns, pol_last_ns, pol_completions, pol_preemptions
+    cdef uint64_t pol_period_ns, pol_min_completions, pol_last_ns, pol_completions, pol_preemptions
     cdef uint64_t *pol_waits
     cdef uint32_t pol_nwaits
     cdef uint32_t watch_streak         # relaunches in a row after which nothing retired
@@ -347,7 +347,7 @@ cdef class Context:
             raise ValueError("slots must be a power of two >= 8")
         if blocks < 1 or blocks > DFCCL_MAX_CHANNELS:
             raise ValueError(f"blocks must be in 1..{DFCCL_MAX_CHANNELS}")
-        if link_ahead < 0 or link_ahead > DFCCL_LINK_AHEAD_MAX:
+        if link_ahead < 0 or link_ahead > <int>DFCCL_LINK_AHEAD_MAX:
             raise ValueError(f"link_ahead must be in 0..{DFCCL_LINK_AHEAD_MAX}")
         self.backend = backend
         self.nblocks = blocks
@@ -444,6 +444,7 @@ cdef class Context:
         self.pol_waits = <uint64_t *>calloc(POLICY_WAITS, sizeof(uint64_t))
         self.pol_adaptive = bool(policy.adaptive)
         self.pol_period_ns = policy.period_ns
+        self.pol_min_completions = policy.min_completions
         if (self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL
                 or self.seen_done == NULL or self.retire_soon == NULL or self.pol_waits == NULL):
             raise MemoryError
@@ -771,6 +772,7 @@ cdef class Context:
         GIL taken by a poll."""
         cdef uint64_t state, now
         cdef int rc = 0
+        cdef bint unfinished
         with nogil:
             while not self.watch_stop:
                 if self.n_outstanding == 0:
@@ -781,14 +783,14 @@ cdef class Context:
                         dfccl_exchange_u32(&self.watch_token, 0)
                     continue
                 dfccl_sleep_ns(WATCH_POLL_NS)
-                if self._scan_unclaimed() != 0:
+                if self._look(&unfinished) != 0:
                     signal_progress()  # the progress thread retires them
                 if self.epoch == 0:
                     continue
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
                 if (state >> 2) != self.epoch or (state & 3) != DFCCL_DAEMON_EXITED:
                     continue
-                if not self._any_unfinished():
+                if not unfinished:
                     # Only completed collectives wait for retirement (which
                     # may wait for the GIL): they do not need the daemon, and
                     # bringing it back would keep the GPU busy for nothing; a
@@ -822,30 +824,27 @@ cdef class Context:
             warnings.warn(f"dfccl: relaunching the daemon on {self.backend.name}:{self.backend.device} failed: "
                           f"{self.backend.launch_error(rc)}", RuntimeWarning)
 
-    cdef bint _any_unfinished(self) noexcept nogil:
-        """Whether an outstanding collective has not completed on the device."""
-        cdef uint32_t i, s
-        cdef bint unfinished = False
-        PyThread_acquire_lock(self.lock, WAIT_LOCK)
-        for i in range(self.n_outstanding):
-            s = self.outstanding[i]
-            if dfccl_load_acquire_u32(&self.done[s]) != self.gens[s]:
-                unfinished = True
-                break
-        PyThread_release_lock(self.lock)
-        return unfinished
+    cdef inline bint _completed(self, uint32_t s) noexcept nogil:
+        """Slot ``s`` holds a collective the daemon has completed."""
+        return dfccl_load_acquire_u32(&self.done[s]) == self.gens[s]
 
-    cdef uint32_t _scan_unclaimed(self) noexcept nogil:
-        """The watcher's look at the completion words: how many completed
-        slots are due for retirement by the progress thread (seen completed
-        at the previous look as well, or wanted soon)."""
+    cdef inline bint _due(self, uint32_t s) noexcept nogil:
+        """A completed slot the progress thread should retire: the watcher
+        saw it completed at its previous look as well, or it is wanted soon."""
+        return self.retire_soon[s] or self.seen_done[s] == self.gens[s]
+
+    cdef uint32_t _look(self, bint *unfinished) noexcept nogil:
+        """The watcher's look at the completion words: returns how many
+        completed slots are due for retirement, marks the others seen, and
+        sets ``unfinished`` when some collective has not completed."""
         cdef uint32_t i, s, due = 0
+        unfinished[0] = False
         PyThread_acquire_lock(self.lock, WAIT_LOCK)
         for i in range(self.n_outstanding):
             s = self.outstanding[i]
-            if dfccl_load_acquire_u32(&self.done[s]) != self.gens[s]:
-                continue
-            if self.retire_soon[s] or self.seen_done[s] == self.gens[s]:
+            if not self._completed(s):
+                unfinished[0] = True
+            elif self._due(s):
                 due += 1
             else:
                 self.seen_done[s] = self.gens[s]
@@ -854,14 +853,13 @@ cdef class Context:
 
     cdef int _retire_completed(self, bint due_only) except -1:
         """Retires completed slots: every one, or (the progress thread) those
-        _scan_unclaimed found due."""
+        the watcher's _look found due."""
         cdef uint32_t i, s
         cdef list finished = []
         _acquire(self.lock)
         for i in range(self.n_outstanding):
             s = self.outstanding[i]
-            if dfccl_load_acquire_u32(&self.done[s]) == self.gens[s] and (
-                    not due_only or self.retire_soon[s] or self.seen_done[s] == self.gens[s]):
+            if self._completed(s) and (not due_only or self._due(s)):
                 finished.append(s)
         PyThread_release_lock(self.lock)
         for s in finished:
@@ -877,7 +875,7 @@ cdef class Context:
         if self.pol_nwaits < POLICY_WAITS:
             self.pol_waits[self.pol_nwaits] = work._result.max_wait_ns
             self.pol_nwaits += 1
-        if self.pol_completions < 8 or now - self.pol_last_ns < self.pol_period_ns:
+        if self.pol_completions < self.pol_min_completions or now - self.pol_last_ns < self.pol_period_ns:
             return 0
         waits = [self.pol_waits[i] for i in range(self.pol_nwaits)]
         base = self.policy.adapt(self.pol_completions, self.pol_preemptions, waits)
