@@ -40,6 +40,7 @@ __all__ = [
     "NotSupportedError",
     "TorchCollectiveTimeoutError",
     "create_process_group",
+    "premul_sum_supported",
 ]
 
 BACKEND_NAME = "dfccl"
@@ -77,10 +78,19 @@ _OPS = {
 }
 
 
+def premul_sum_supported() -> bool:
+    """Whether this torch shows a Python backend a PREMUL_SUM op's factor
+    (``ReduceOp.factor``; not every torch release does)."""
+    return hasattr(dist.ReduceOp, "factor")
+
+
 def _reduce_op(op: Any) -> tuple[str, float | None]:
     """(dfccl op, premultiply factor or None) for a torch ReduceOp."""
     kind = op.op if hasattr(op, "op") else op
     if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        if not premul_sum_supported():
+            raise NotSupportedError(f"PREMUL_SUM: torch {torch.__version__} does not give a Python backend the op's "
+                                    "factor (ReduceOp.factor); multiply the tensor by the factor and use SUM")
         factor = getattr(op, "factor", None)
         if factor is None:
             raise InvalidArgumentError("PREMUL_SUM needs a factor (use dist._make_nccl_premul_sum(factor))")
