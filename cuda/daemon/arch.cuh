@@ -46,12 +46,22 @@ DFCCL_DEV uint64_t from_leader(uint64_t v) { return __shfl_sync(0xffffffffu, (un
 // Work dealt over the control warp: lane i takes items i, i + lanes, ...
 DFCCL_DEV int control_lane() { return (int)threadIdx.x; }
 DFCCL_DEV int control_lanes() { return kControlThreads; }
+// The minimum of v over the control warp, in every lane.
+DFCCL_DEV uint64_t control_min(uint64_t v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    const uint64_t o = __shfl_xor_sync(0xffffffffu, (unsigned long long)v, d);
+    v = o < v ? o : v;
+  }
+  return v;
+}
 #else
 DFCCL_DEV int control_lane() { return 0; }
 DFCCL_DEV int control_lanes() { return 1; }
 DFCCL_DEV bool is_leader() { return true; }
 DFCCL_DEV void control_sync() {}
 DFCCL_DEV uint64_t from_leader(uint64_t v) { return v; }
+DFCCL_DEV uint64_t control_min(uint64_t v) { return v; }
 DFCCL_DEV int mover_index() { return 0; }
 DFCCL_DEV int mover_count() { return 1; }
 #endif

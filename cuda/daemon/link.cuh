@@ -103,6 +103,15 @@ DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now,
     load_host_words(src, sm->link_words[l].lo, sm->link_words[l].hi);
   }
   fence_system();  // acquire: what the host wrote before the words read from here on
+  // How far every block has pulled, one block per lane: the leader reading
+  // them one after the other (a dependent L2 round trip each, 32 blocks on
+  // an H200) took longer than the host round trip itself.
+  uint64_t pulled = ~0ull;
+  for (uint32_t b = (uint32_t)control_lane(); b < a->nblocks; b += (uint32_t)control_lanes()) {
+    const uint64_t h = load_gpu(&st->sq_head[b]);
+    pulled = h < pulled ? h : pulled;
+  }
+  pulled = control_min(pulled);
   control_sync();
   if (is_leader()) {
     const pack16 *w = sm->link_words;
@@ -121,11 +130,8 @@ DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now,
     }
     // New entries, as far as every block has pulled the device-ring entries
     // they would overwrite (a block lags only while a long run holds it).
-    uint64_t upto = tail;
-    for (uint32_t b = 0; b < a->nblocks; ++b) {
-      const uint64_t limit = load_gpu(&st->sq_head[b]) + a->ring_size;
-      if (limit < upto) upto = limit;
-    }
+    const uint64_t limit = pulled + a->ring_size;
+    const uint64_t upto = limit < tail ? limit : tail;
     uint64_t from = avail;
     for (uint32_t e = 0; e < ahead && take_early_entry(a, &w[8 + kSqeWords * e], from, upto); ++e) ++from;
     sm->link_from = from;

@@ -85,32 +85,50 @@ DFCCL_DEV uint32_t pick_task(const BlockEnv &env, const uint32_t *active, uint32
   return kNoTask;
 }
 
+DFCCL_DEV uint64_t daemon_state_word(uint32_t epoch, uint32_t state) {
+  return ((uint64_t)epoch << DFCCL_DAEMON_EPOCH_SHIFT) | state;
+}
+
 // The leader.  Block 0 decides when the whole daemon leaves: on the host's
 // request, or when no block has made progress for idle_quit_ns.  Before it
 // commits to an idle quit it announces QUITTING and re-reads the submission
-// tail; the host publishes the tail and then reads the state (the two halves
-// of Dekker's protocol), so a submission is never stranded: either the daemon
-// sees it and stays, or the host sees QUITTING and launches again.
+// tail and the count of collectives that streams wait for; the host writes
+// those and then reads the state (the two halves of Dekker's protocol).  Its
+// decision is then published as RUNNING (it stays: new work, or a stream
+// waits) or LEAVING, and a host that saw QUITTING waits for it, so that no
+// launch is queued behind a daemon that stays:
+//   - a submission is never stranded: either the daemon sees it and stays,
+//     or the host sees QUITTING, then LEAVING, and launches again;
+//   - the daemon never leaves while a stream waits for one of its
+//     collectives.  Its relaunch could not be trusted to run: the launch may
+//     be queued on the same hardware queue as the waiting stream, behind the
+//     wait (CUDA_DEVICE_MAX_CONNECTIONS=1, or MPS), and then neither ever
+//     runs.  Leaving would not help a device synchronisation either: it
+//     waits for that stream.
 DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   if (load_gpu(&st->quit_epoch) == a->epoch) return true;
   if (env.block != 0) return false;
   dfccl_control *ctrl = a->control;
-  const uint64_t running = ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_RUNNING;
   bool quit = load_gpu(&st->quit_request) != 0;
   if (!quit) {
     const uint64_t last = load_gpu(&st->last_progress_ns);
     if (now < last || now - last < p.idle_quit_ns) return false;
-    store_release(&ctrl->daemon_state, ((uint64_t)a->epoch << 2) | DFCCL_DAEMON_QUITTING);
+    store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_QUITTING));
     fence_seq_cst();
     // From host memory, not the link's copy: this read is the daemon's half
     // of the handshake.
     const uint64_t tail = load_acquire(&ctrl->sq_tail);
-    if (tail != st->sq_head[0]) {
-      store_release(&ctrl->daemon_state, running);
+    const uint64_t stream_waits = load_acquire(&ctrl->stream_waits);
+    if (tail != st->sq_head[0] || stream_waits != 0) {
+      // Staying for a stream restarts the idle clock: the next look is
+      // idle_quit_ns away, not one pass.
+      if (stream_waits != 0) atomic_max_local(&st->last_progress_ns, now);
+      store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_RUNNING));
       return false;
     }
+    store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_LEAVING));
   }
   store_release_gpu(&st->quit_epoch, (uint64_t)a->epoch);
   return true;
@@ -171,7 +189,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
       ctx->fails = run.progressed ? 0 : ctx->fails + 1;
       ctx->sticky = run.progressed ? 1 : 0;
       ctx->waiting_on = run.waiting_on;
-      store_gpu(&a->slot_waiting[run.d->slot], run.waiting_on);  // live, for timeouts
+      store_relaxed(&a->slot_waiting[run.d->slot], run.waiting_on);  // live (host memory), for timeouts
       sm->cursor = pick + 1;
     } else {
       uint64_t t = end;
@@ -253,7 +271,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   if (is_leader()) {
     sm->active_len = st->active_len[block];
     sm->cursor = st->cursor[block];
-    if (block == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_RUNNING);
+    if (block == 0) store_release(&ctrl->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_RUNNING));
     atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress
   }
   // Leader-private copies, kept in registers across passes.
@@ -275,7 +293,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
         policy.max_window_ns = load_gpu(&st->max_window_ns);
         policy.idle_quit_ns = load_gpu(&st->idle_quit_ns);
       }
-      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, t0);
+      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head);
       const uint64_t now = pulled != 0 ? now_ns() : t0;
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
       const bool check_quit = !busy || ++quiet_passes >= kQuitCheckPasses;
@@ -317,7 +335,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     st->cursor[block] = sm->cursor;
     fence_system();
     const uint64_t left = atomic_add(&st->blocks_exited, 1) + 1;
-    if (left % args->nblocks == 0) store_release(&ctrl->daemon_state, ((uint64_t)args->epoch << 2) | DFCCL_DAEMON_EXITED);
+    if (left % args->nblocks == 0) store_release(&ctrl->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_EXITED));
   }
 }
 

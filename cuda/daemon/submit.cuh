@@ -72,13 +72,15 @@ DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d)
 
 // The leader.  `head`: this block's consumed count, kept in a register by the
 // caller and stored to device memory (where the host link reads it) when it
-// moves.  Returns how many entries were consumed.
-DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head,
-                                    uint64_t t0) {
+// moves.  Returns how many entries were consumed.  The pull time (a task's
+// "queued" starts there) is read here, not at the start of the pass: the host
+// link's round trips earlier in the same pass are the pickup, not queueing.
+DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   const uint64_t tail = load_acquire_gpu(&st->sq_avail);
   if (head == tail) return 0;
+  const uint64_t t0 = now_ns();
   uint32_t pulled = 0;
   constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
   for (; head < tail; ++head, ++pulled) {

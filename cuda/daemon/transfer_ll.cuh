@@ -295,7 +295,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
         }
       }
       if (decision == WAIT_OK && (spins & 3u) == 0) {
-        if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
+        if (spins == 16) store_relaxed(&env.args->slot_waiting[run.d->slot], peer + 1);
         const bool expired = now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;
         if (((spins & 255u) == 0 || expired) && abort_pending(env, run, peer)) {
           decision = WAIT_ABORT;

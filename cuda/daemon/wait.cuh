@@ -104,7 +104,7 @@ DFCCL_DEV int block_wait(BlockEnv &env, TaskRun &run, uint32_t peer, Ready ready
         if ((++spins & 3u) == 0) {
           // Diagnostics: whom this collective waits for, visible to the host
           // while it waits (Work.synchronize timeouts name the rank).
-          if (spins == 16) store_gpu(&env.args->slot_waiting[run.d->slot], peer + 1);
+          if (spins == 16) store_relaxed(&env.args->slot_waiting[run.d->slot], peer + 1);
           // The daemon is leaving: stop at this wait like at a deadline.
           const bool expired =
               now_ns() >= run.deadline_ns || load_gpu(&env.args->state->quit_epoch) == env.args->epoch;

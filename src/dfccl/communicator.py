@@ -616,7 +616,8 @@ class Communicator:
         aux = tags.alloc_instance_staging(plan.aux_bytes)
         try:
             table = split_table(layout, plan.geometry.nchannels)
-            self._ctx.backend.copy_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes)
+            # Not waited for: the stream that copies arms the collective.
+            sid = self._ctx.backend.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
             # The tag table takes the table back when the instance retires
             # (TagTable.release; a failed instance keeps it).
             return self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,

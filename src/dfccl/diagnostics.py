@@ -28,6 +28,8 @@ __all__ = ["EndpointDiagnostics", "instance_token", "decode_signature", "SIGNATU
 # Later instances of a tag a peer may already have published while ours is
 # still pending (ring neighbours finish one instance before us).
 _LOOKAHEAD = 8
+# How long an explanation waits for one read of device memory.
+READ_TIMEOUT_S = 0.5
 
 # Seconds a mismatch report waits for ranks that have not published yet.
 _PUBLISH_GRACE = 0.2
@@ -106,7 +108,8 @@ class EndpointDiagnostics:
             return self._read_now(addr, words)
 
     def _read_now(self, addr: int, words: int) -> list[int]:
-        self._backend.copy_from_device(self._buf.ctypes.data, addr, 8 * words)
+        # Bounded: an explanation must not wait for the collective it explains.
+        self._backend.read_device(self._buf.ctypes.data, addr, 8 * words, READ_TIMEOUT_S)
         return [int(v) for v in self._buf[:words]]
 
     def find_record(self, rank: int, key: int) -> int:

@@ -2,10 +2,11 @@
 records, the LL region and ring-path staging FIFOs, in device memory its peers
 map), the host mirror of its tag table, and its registration with the daemon.
 
-Arena layout: | dfccl_rank_status (ARENA_STATUS_BYTES: state, heartbeat, pid,
-written by this rank's host, read by the peers' daemons and hosts) + the tag
-table | LL region (planning.ll_region_bytes) | staging |, each part
-4096-aligned."""
+Arena layout: | dfccl_rank_status (ARENA_STATUS_BYTES: the state and pid,
+written by this rank's host when the state changes, read by the peers'
+daemons) + the tag table | LL region (planning.ll_region_bytes) | staging |,
+each part 4096-aligned.  The heartbeat and the state that peers' hosts watch
+are in the rank's status page (status_page.py), in host shared memory."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dfccl.errors import BackendError
 from dfccl.registration import REG_SLOTS
 from dfccl.planning import ll_region_bytes
 from dfccl.staging import StagingPool
+from dfccl.status_page import StatusPage
 from dfccl.tags import TagTable
 
 __all__ = ["Endpoint", "RECORD_STRIDE"]
@@ -66,6 +68,9 @@ class Endpoint:
         self.peers: list[dict] = []        # every rank's describe()
         self._status = np.zeros(3, np.uint64)   # state, heartbeat, pid
         self._status[2] = os.getpid()
+        # Peers in other processes watch this rank through its status page.
+        self.page: StatusPage | None = StatusPage.create(RANK_LIVE) if shareable else None
+        self._peer_pages: dict[int, StatusPage] = {}
         self.write_status(RANK_LIVE)
 
     # -- bootstrap ---------------------------------------------------------------
@@ -86,6 +91,8 @@ class Endpoint:
         }
         if self.shareable:
             info["arena"] = self.backend.export_memory(self.arena)
+        if self.page is not None:
+            info["status_page"] = self.page.path
         return info
 
     @staticmethod
@@ -129,6 +136,14 @@ class Endpoint:
                 ptr = self.backend.import_memory(info["arena"])
                 self._imported.append(ptr)
                 arenas.append(ptr)
+                if "status_page" not in info:
+                    raise BackendError(f"rank {p} is in another process but did not publish a status page")
+                try:
+                    self._peer_pages[p] = StatusPage.open(info["status_page"])
+                except OSError as exc:
+                    raise BackendError(f"cannot open the status page of rank {p} ({info['status_page']}): {exc}; "
+                                       "ranks of one host must see the same status directory "
+                                       "($DFCCL_STATUS_DIR, else /dev/shm)") from exc
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
                                         tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes)
@@ -164,22 +179,33 @@ class Endpoint:
         return err == driver.CUresult.CUDA_SUCCESS and bool(atomics)
 
     def unlink_export(self) -> None:
-        """Drops the name peers in other processes open this rank's arena by
-        (a shared-memory file in the simulator), once they all have mapped it:
-        nothing is left behind however this process ends."""
+        """Drops the names peers in other processes open this rank's arena
+        (a shared-memory file in the simulator) and status page by, once they
+        all have mapped them: nothing is left behind however this process
+        ends."""
         if self.shareable and self.arena:
             self.backend.unlink_export(self.arena)
+        if self.page is not None:
+            self.page.unlink()
 
     # -- status ------------------------------------------------------------------
     def write_status(self, state: int | None = None) -> None:
-        """Publishes this rank's state (RANK_*) and bumps its heartbeat, in
-        the status header of its arena, where peers look."""
-        if not self.arena:
-            return
-        if state is not None:
-            self._status[0] = state
+        """Bumps this rank's heartbeat and publishes its state (RANK_*) in
+        its status page, where peers' hosts look; a new state also goes to
+        the status header of its arena, for the peers' daemons.  A heartbeat
+        alone never touches the device (nothing to wait for there)."""
         self._status[1] += np.uint64(1)
+        if self.page is not None:
+            self.page.write(int(state if state is not None else self._status[0]), int(self._status[1]))
+        if state is None or not self.arena:
+            return
+        self._status[0] = state
         self.backend.copy_to_device(self.arena, self._status.ctypes.data, 24)
+
+    def peer_status(self, rank: int) -> tuple[int, int, int]:
+        """(state, heartbeat, pid) of ``rank``, a peer in another process,
+        from its status page: plain loads of host memory."""
+        return self._peer_pages[rank].read()
 
     # -- teardown ----------------------------------------------------------------
     def abort(self, lost_rank: int = -1) -> None:
@@ -195,6 +221,12 @@ class Endpoint:
             except Exception:
                 pass
         self._imported = []
+        for page in self._peer_pages.values():
+            page.close()
+        self._peer_pages = {}
+        if self.page is not None:
+            self.page.close()
+            self.page = None
         self.unlink_export()
         if self.id is not None:
             self.ctx.remove_endpoint(self.id)

@@ -1,7 +1,9 @@
 """Peer liveness and the process status file: one monitor thread per process.
 
 Every `INTERVAL` seconds, for every open communicator of this process:
-- bumps this rank's heartbeat in the status header of its arena;
+- bumps this rank's heartbeat in its status page (status_page.py: host
+  shared memory, so that neither this nor reading the peers' pages ever
+  waits for a device);
 - checks each peer in another process: its process must exist (a pid check
   through /proc, guarded against pid reuse by the process start time, so an
   exit, a kill or a crash is seen within one interval), and, where
@@ -117,13 +119,12 @@ class _PeerWatch:
             return None
         if comm._lost_rank is not None or comm._aborted:
             return None
-        diag = comm._diag
         for p in self.remote:
             info = ep.peers[p]
             try:
-                state, beat, _pid = diag.rank_state(p)
+                state, beat, _pid = ep.peer_status(p)
             except Exception:
-                return p, "its memory can no longer be read"
+                return p, "its status page can no longer be read"
             if state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
             if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):

@@ -71,6 +71,74 @@ def test_host_copies_do_not_wait_for_the_default_stream():
         be.free_device(dev)
 
 
+def test_one_hardware_queue():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM sets it) puts every stream
+    of the process on one hardware queue: a stream waiting for a collective
+    then holds up whatever is queued after the wait, on any stream, dfccl's
+    own launches and copies included.  The daemon must stay while a stream
+    waits (a relaunch queued behind the wait would never run); the host
+    must never wait for its private stream on the way to a collective
+    (an all-to-all's split table) or to an explanation (waiting_for,
+    status).  Rank 1 arrives after ten idle-quit periods each time.  In a
+    fresh process: the variable is read when CUDA starts.  Every torch
+    kernel is run once first: a kernel's first launch loads its module
+    (lazy loading), which waits for the device to drain, here for the
+    collective that only this thread's later submission completes."""
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    code = r"""
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(90, exit=True)
+import torch, dfccl
+torch.cuda.set_device(0)
+comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
+s = torch.cuda.current_stream().cuda_stream
+slowest = {"waiting_for": 0.0, "status": 0.0, "all_to_all_submit": 0.0}
+warm = torch.full((8,), 1.0, device="cuda:0")
+bool(((warm * 2) == 2).all()); torch.equal(torch.cat([warm, torch.arange(8, dtype=torch.float32, device="cuda:0")]), warm)
+torch.cuda.synchronize()
+for it in range(3):
+    xs = [torch.full((4096,), float(r + 1 + it), device="cuda:0") for r in range(2)]
+    sends = [torch.arange(8, dtype=torch.float32, device="cuda:0") + 100 * r for r in range(2)]
+    recvs = [torch.full((8,), -1.0, device="cuda:0") for _ in range(2)]
+    torch.cuda.synchronize()
+    w0 = comms[0].all_reduce(xs[0], stream=s)   # ordered after the stream ...
+    w0.wait(s)                                  # ... which waits for it
+    ys = xs[0] * 2                              # queued behind the wait
+    t0 = time.perf_counter(); a0 = comms[0].all_to_all(sends[0], recvs[0])
+    slowest["all_to_all_submit"] = max(slowest["all_to_all_submit"], time.perf_counter() - t0)
+    time.sleep(0.05)                            # ten idle-quit periods
+    t0 = time.perf_counter(); w0.waiting_for()
+    slowest["waiting_for"] = max(slowest["waiting_for"], time.perf_counter() - t0)
+    t0 = time.perf_counter(); str(comms[0].status())
+    slowest["status"] = max(slowest["status"], time.perf_counter() - t0)
+    assert not w0.done()
+    w1 = comms[1].all_reduce(xs[1])
+    a1 = comms[1].all_to_all(sends[1], recvs[1])
+    for w in (w1, a0, a1):
+        w.synchronize(timeout=30)
+    torch.cuda.synchronize()
+    total = float(3 + 2 * it)
+    assert bool((xs[0] == total).all()) and bool((xs[1] == total).all()), (xs[0][:4], xs[1][:4])
+    assert bool((ys == 2 * total).all()), ys[:4]
+    for r in range(2):
+        expect = torch.cat([sends[p][4 * r:4 * r + 4] for p in range(2)])
+        assert torch.equal(recvs[r], expect), (r, recvs[r], expect)
+for c in comms:
+    c.close()
+print("RESULT", " ".join(f"{k}={v:.4f}" for k, v in slowest.items()))
+"""
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150, env=env)
+    assert out.returncode == 0 and "RESULT" in out.stdout, out.stdout[-3000:] + out.stderr[-6000:]
+    slowest = dict(kv.split("=") for kv in out.stdout.split("RESULT")[1].split())
+    record("one_hardware_queue", **{k: float(v) for k, v in slowest.items()})
+    # None of them waits for the collective (held for 50 ms each round).
+    assert float(slowest["waiting_for"]) < 0.01 and float(slowest["all_to_all_submit"]) < 0.04, slowest
+    assert float(slowest["status"]) < 2.0, slowest
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

@@ -161,17 +161,25 @@ typedef struct dfccl_control {
   uint64_t idle_quit_ns;     /* quit after this long without progress */
   uint64_t quit_request;     /* nonzero: daemon exits at its next scheduler pass */
   uint64_t abort_epoch;      /* bumped after every change of endpoint_abort */
-  uint64_t host_pad[10];
+  uint64_t stream_waits;     /* incomplete collectives some stream waits for:
+                                the daemon does not leave while nonzero */
+  uint64_t host_pad[9];
   /* device -> host */
-  uint64_t daemon_state;     /* (epoch << 2) | DFCCL_DAEMON_* */
+  uint64_t daemon_state;     /* (epoch << DFCCL_DAEMON_EPOCH_SHIFT) | DFCCL_DAEMON_* */
   uint64_t sq_copied;        /* SQEs copied into the device ring: the host may
                                 rewrite ring entries below this */
   uint64_t dev_pad[14];
 } dfccl_control;
 
+/* QUITTING: deciding (it re-reads the host's words); then RUNNING (it
+   stays) or LEAVING (it will exit, and is relaunched by the host if need
+   be); EXITED once every block is gone. */
 #define DFCCL_DAEMON_RUNNING 1u
 #define DFCCL_DAEMON_QUITTING 2u
 #define DFCCL_DAEMON_EXITED 3u
+#define DFCCL_DAEMON_LEAVING 4u
+#define DFCCL_DAEMON_EPOCH_SHIFT 3
+#define DFCCL_DAEMON_STATE_MASK 7u
 
 /* Per-slot result, written by the device before done[slot] = gen. */
 typedef struct dfccl_result {
@@ -293,7 +301,7 @@ typedef struct dfccl_daemon_args {
   uint32_t *active;                /* device, [block][nslots] */
   uint32_t *slot_counter;          /* device, per slot: channel parts finished */
   uint32_t *slot_error;            /* device, per slot: first error status */
-  uint32_t *slot_waiting;          /* device, per slot: +1 rank the task waits for (live) */
+  uint32_t *slot_waiting;          /* host-mapped, per slot: +1 rank the task waits for (live; the host zeroes it at submission) */
   dfccl_endpoint *endpoints;       /* device */
   uint32_t *endpoint_abort;        /* host-mapped, per endpoint: nonzero = aborted */
   uint32_t *endpoint_abort_dev;    /* device: the host link's copy */

@@ -17,7 +17,8 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_EP_ABORTED, DFCCL_EP_PEER_LOST
     unsigned int DFCCL_ARENA_STATUS_BYTES, DFCCL_RANK_LIVE, DFCCL_RANK_ABORTED, DFCCL_RANK_CLOSED
     unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED, DFCCL_TASK_LL
-    unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED
+    unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED, DFCCL_DAEMON_LEAVING
+    unsigned int DFCCL_DAEMON_EPOCH_SHIFT, DFCCL_DAEMON_STATE_MASK
     unsigned int DFCCL_RECORD_HEADER_BYTES
     unsigned int DFCCL_LINK_AHEAD_MAX
 
@@ -58,6 +59,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t idle_quit_ns
         uint64_t quit_request
         uint64_t abort_epoch
+        uint64_t stream_waits
         uint64_t daemon_state
         uint64_t sq_copied
 

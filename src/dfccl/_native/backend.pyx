@@ -43,6 +43,21 @@ cdef class Backend:
     def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
         raise NotImplementedError
 
+    def stage_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes, stream):
+        """Copies what a collective will read (an all-to-all's split table)
+        without waiting for it: ordered on ``stream`` (a handle, or None).
+        Returns the stream that must arm the collective, after the copy
+        (None: the copy is done, the collective may run at once).  The
+        source may be reused on return."""
+        self.copy_to_device(dst, src_host, nbytes)
+        return stream
+
+    def read_device(self, uint64_t dst_host, uint64_t src, size_t nbytes, double timeout):
+        """copy_from_device for explanations (error messages, status):
+        gives up with BackendError after ``timeout`` seconds instead of
+        waiting for a device that does not answer."""
+        self.copy_from_device(dst_host, src, nbytes)
+
     def export_memory(self, uint64_t ptr):
         """A JSON-able description that import_memory() turns into a local
         pointer in another process."""

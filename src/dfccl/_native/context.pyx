@@ -275,6 +275,9 @@ cdef enum:
     # time, up to this many doublings: it does not spin the device (or, in the
     # simulator, the CPU) at full duty for collectives that cannot move.
     WATCH_BACKOFF_DOUBLINGS = 4
+    # How long the host waits for a quitting daemon to decide whether it
+    # stays (it re-reads two host words: microseconds).
+    DECIDE_NS = 50000000
 
 
 cdef class Context:
@@ -294,7 +297,9 @@ cdef class Context:
     cdef readonly uint64_t mapped_dev
     cdef readonly uint64_t done_dev
     cdef uint64_t armed_dev
-    cdef uint64_t waiting_dev
+    cdef uint32_t *waiting            # per slot: the daemon's live "waiting for" word (host-mapped)
+    cdef uint8_t *stream_waited       # per slot: a stream waits for it and it is not seen complete
+    cdef uint32_t n_stream_waited     # how many (mirrored in ctrl.stream_waits for the daemon)
     cdef uint64_t device_mem
     cdef uint64_t endpoints_dev
     cdef dfccl_daemon_args args
@@ -355,7 +360,7 @@ cdef class Context:
         self.max_endpoints = max_endpoints
         self.policy = policy
 
-        # Host-mapped words: control | ring | done | results | endpoint_abort
+        # Host-mapped words: control | ring | done | results | waiting | endpoint_abort
         # The ring has twice as many entries as there are slots: an entry is
         # rewritten only once the daemon's host link has copied it, and the
         # link copies only as far as every block has pulled (link.cuh).
@@ -368,6 +373,8 @@ cdef class Context:
         off = _align(off + slots * 4, 256)
         results_off = off
         off = _align(off + slots * sizeof(dfccl_result), 256)
+        host_waiting_off = off
+        off = _align(off + slots * 4, 256)
         abort_off = off
         size = _align(off + abort_words * 4, 4096)
         host, dev = backend.alloc_mapped(size)
@@ -378,6 +385,7 @@ cdef class Context:
         self.done = <uint32_t *><uintptr_t>(host + done_off)
         self.results = <dfccl_result *><uintptr_t>(host + results_off)
         self.ep_abort = <uint32_t *><uintptr_t>(host + abort_off)
+        self.waiting = <uint32_t *><uintptr_t>(host + host_waiting_off)
         self.done_dev = dev + done_off
 
         # Device memory: state | ctx[slot][block] | active[block][slot] | per-slot words | device ring |
@@ -391,8 +399,6 @@ cdef class Context:
         off = _align(off + slots * 4, 256)
         error_off = off
         off = _align(off + slots * 4, 256)
-        waiting_off = off
-        off = _align(off + slots * 4, 256)
         armed_off = off
         off = _align(off + slots * 4, 256)
         dev_ring_off = off
@@ -405,7 +411,6 @@ cdef class Context:
         base = self.device_mem
         self.endpoints_dev = base + ep_off
         self.armed_dev = base + armed_off
-        self.waiting_dev = base + waiting_off
 
         self.args.control = <dfccl_control *><uintptr_t>dev
         self.args.ring = <dfccl_sqe *><uintptr_t>(dev + ring_off)
@@ -420,7 +425,7 @@ cdef class Context:
         self.args.active = <uint32_t *><uintptr_t>(base + active_off)
         self.args.slot_counter = <uint32_t *><uintptr_t>(base + counter_off)
         self.args.slot_error = <uint32_t *><uintptr_t>(base + error_off)
-        self.args.slot_waiting = <uint32_t *><uintptr_t>(base + waiting_off)
+        self.args.slot_waiting = <uint32_t *><uintptr_t>(dev + host_waiting_off)
         self.args.endpoints = <dfccl_endpoint *><uintptr_t>(base + ep_off)
         self.args.ring_size = self.ring_size
         self.args.nslots = slots
@@ -441,12 +446,14 @@ cdef class Context:
         self.free_stack = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.seen_done = <uint32_t *>calloc(slots, sizeof(uint32_t))
         self.retire_soon = <uint8_t *>calloc(slots, sizeof(uint8_t))
+        self.stream_waited = <uint8_t *>calloc(slots, sizeof(uint8_t))
         self.pol_waits = <uint64_t *>calloc(POLICY_WAITS, sizeof(uint64_t))
         self.pol_adaptive = bool(policy.adaptive)
         self.pol_period_ns = policy.period_ns
         self.pol_min_completions = policy.min_completions
         if (self.gens == NULL or self.outstanding == NULL or self.position == NULL or self.free_stack == NULL
-                or self.seen_done == NULL or self.retire_soon == NULL or self.pol_waits == NULL):
+                or self.seen_done == NULL or self.retire_soon == NULL or self.stream_waited == NULL
+                or self.pol_waits == NULL):
             raise MemoryError
         for i in range(slots):
             self.free_stack[i] = slots - 1 - i
@@ -488,6 +495,7 @@ cdef class Context:
         free(self.free_stack)
         free(self.seen_done)
         free(self.retire_soon)
+        free(self.stream_waited)
         free(self.pol_waits)
         if self.lock != NULL:
             PyThread_free_lock(self.lock)
@@ -600,7 +608,8 @@ cdef class Context:
         work._slot = slot
         work._gen = gen
         work._done = &self.done[slot]
-        work._waiting_addr = self.waiting_dev + 4 * <uint64_t>slot
+        work._waiting = &self.waiting[slot]
+        self.waiting[slot] = 0  # the daemon stores it only while it waits
         try:
             if self.tail >= self.ring_size:
                 self._wait_ring_entry(self.tail - self.ring_size)
@@ -723,11 +732,27 @@ cdef class Context:
 
     cdef bint _leaving(self) noexcept nogil:
         """The daemon has not been launched, or its current launch is
-        leaving or gone."""
-        cdef uint64_t state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-        cdef uint64_t st = state & 3
-        return self.epoch == 0 or ((state >> 2) == self.epoch and
-                                   (st == DFCCL_DAEMON_QUITTING or st == DFCCL_DAEMON_EXITED))
+        leaving or gone.  A launch that announced QUITTING is deciding
+        (schedule.cuh, should_quit): this waits for its decision, so that no
+        launch is queued behind a daemon that stays (on a hardware queue
+        shared with an application stream, that launch would hold up the
+        stream until the daemon leaves).  A decision that does not come
+        within DECIDE_NS (a daemon that died deciding) counts as leaving."""
+        cdef uint64_t state, st, deadline = 0
+        if self.epoch == 0:
+            return True
+        while True:
+            state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+            if (state >> DFCCL_DAEMON_EPOCH_SHIFT) != self.epoch:
+                return False  # not started yet: it will see what the host wrote
+            st = state & DFCCL_DAEMON_STATE_MASK
+            if st != DFCCL_DAEMON_QUITTING:
+                return st == DFCCL_DAEMON_LEAVING or st == DFCCL_DAEMON_EXITED
+            if deadline == 0:
+                deadline = dfccl_now_ns() + DECIDE_NS
+            elif dfccl_now_ns() > deadline:
+                return True
+            dfccl_cpu_relax()
 
     cdef int _launch_locked(self) noexcept nogil:
         """Launches the daemon (the launch lock held); returns the backend's
@@ -788,7 +813,8 @@ cdef class Context:
                 if self.epoch == 0:
                     continue
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-                if (state >> 2) != self.epoch or (state & 3) != DFCCL_DAEMON_EXITED:
+                if ((state >> DFCCL_DAEMON_EPOCH_SHIFT) != self.epoch
+                        or (state & DFCCL_DAEMON_STATE_MASK) != DFCCL_DAEMON_EXITED):
                     continue
                 if not unfinished:
                     # Only completed collectives wait for retirement (which
@@ -844,7 +870,9 @@ cdef class Context:
             s = self.outstanding[i]
             if not self._completed(s):
                 unfinished[0] = True
-            elif self._due(s):
+                continue
+            self._drop_stream_wait(s)
+            if self._due(s):
                 due += 1
             else:
                 self.seen_done[s] = self.gens[s]
@@ -913,7 +941,33 @@ cdef class Context:
         return 0
 
     def _stream_wait(self, uint64_t stream, uint32_t slot, uint32_t gen):
+        """Makes ``stream`` wait for the collective in ``slot``.  First it is
+        counted among those streams wait for (ctrl.stream_waits), so that the
+        daemon does not leave before it completes, and the daemon is made
+        sure to run: a launch queued after the wait might never run (a
+        hardware queue shared with the stream, the wait ahead of it).  The
+        count drops when the watcher or retirement sees it complete."""
+        cdef bint counted = False
+        _acquire(self.lock)
+        if self.gens[slot] == gen and self.slot_work[slot] is not None and not self.stream_waited[slot] \
+                and not self._completed(slot):
+            self.stream_waited[slot] = 1
+            self.n_stream_waited += 1
+            dfccl_store_release_u64(&self.ctrl.stream_waits, self.n_stream_waited)
+            counted = True
+        PyThread_release_lock(self.lock)
+        if counted:
+            # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
+            dfccl_fence_seq_cst()
+            self._ensure_running()
         self.backend.stream_wait32(stream, self.done_dev + 4 * slot, gen)
+
+    cdef inline void _drop_stream_wait(self, uint32_t s) noexcept nogil:
+        """Under the lock: slot ``s`` no longer holds the daemon for a stream."""
+        if self.stream_waited[s]:
+            self.stream_waited[s] = 0
+            self.n_stream_waited -= 1
+            dfccl_store_release_u64(&self.ctrl.stream_waits, self.n_stream_waited)
 
     # -- complete ------------------------------------------------------------
     def _retire(self, uint32_t slot, Work expected=None):
@@ -939,6 +993,7 @@ cdef class Context:
     cdef void _unlink(self, uint32_t slot) noexcept:
         """Under the lock: takes ``slot`` off the outstanding list and frees it."""
         cdef uint32_t last = self.outstanding[self.n_outstanding - 1]
+        self._drop_stream_wait(slot)
         self.slot_work[slot] = None
         self.outstanding[self.position[slot]] = last
         self.position[last] = self.position[slot]
@@ -985,10 +1040,11 @@ cdef class Context:
     @property
     def daemon_state(self):
         """(epoch, state) as the daemon last published it; state is one of
-        'running', 'quitting', 'exited' ('idle' before the first launch)."""
+        'running', 'quitting' (deciding whether to leave), 'leaving',
+        'exited' ('idle' before the first launch)."""
         cdef uint64_t v = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-        names = {0: "idle", 1: "running", 2: "quitting", 3: "exited"}
-        return (v >> 2, names[v & 3])
+        names = {0: "idle", 1: "running", 2: "quitting", 3: "exited", 4: "leaving"}
+        return (v >> DFCCL_DAEMON_EPOCH_SHIFT, names.get(v & DFCCL_DAEMON_STATE_MASK, "?"))
 
     def daemon_profile(self):
         """Where each daemon block's time went since the context was created
@@ -1040,7 +1096,8 @@ cdef class Context:
         if self.epoch != 0:
             while True:
                 state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-                if (state >> 2) == self.epoch and (state & 3) == DFCCL_DAEMON_EXITED:
+                if ((state >> DFCCL_DAEMON_EPOCH_SHIFT) == self.epoch
+                        and (state & DFCCL_DAEMON_STATE_MASK) == DFCCL_DAEMON_EXITED):
                     break
                 if time.monotonic() > deadline:
                     exited = False

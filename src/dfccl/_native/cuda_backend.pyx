@@ -5,9 +5,11 @@ into a C table (cuda/include/dfccl/cuda_driver.h) that the hot paths call
 without the GIL.  Every call is checked; a failure raises BackendError naming
 the call and the CUresult."""
 
+import threading
+
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
-from dfccl._native.abi cimport dfccl_daemon_args
+from dfccl._native.abi cimport dfccl_daemon_args, dfccl_now_ns, dfccl_sleep_ns
 from dfccl._native.backend cimport Backend
 
 from dfccl.errors import BackendError, InvalidArgumentError
@@ -173,6 +175,12 @@ cdef class CudaBackend(Backend):
     cdef readonly str pci_bus_id
     cdef readonly bytes uuid
     cdef dict _imported
+    # read_device's pinned bounce buffer; `pending`: a read gave up while
+    # its copy was still queued (the copy may land in it later).
+    cdef void *_bounce
+    cdef size_t _bounce_bytes
+    cdef bint _bounce_pending
+    cdef object _read_lock
 
     def __cinit__(self, int device, bytes image, int blocks=0):
         cdef int value = 0
@@ -182,6 +190,7 @@ cdef class CudaBackend(Backend):
         self.device = device
         self.block_threads = BLOCK_THREADS
         self._imported = {}
+        self._read_lock = threading.Lock()
         if not load_driver():
             raise BackendError("no CUDA driver on this machine")
         check(API.cuDeviceGet(&self.cu_device, device), f"cuDeviceGet({device})")
@@ -290,6 +299,60 @@ cdef class CudaBackend(Backend):
                 rc = API.cuStreamSynchronize(self.setup_stream)
         check(rc, "cuMemcpyDtoHAsync(setup stream)")
 
+    def stage_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes, stream):
+        """The copy goes on ``stream`` (else the setup stream), which then
+        arms the collective: the submitting thread does not wait for it, nor
+        for whatever holds up that stream (an application stream waiting for
+        an earlier collective, on a shared hardware queue, say).  A pageable
+        source is staged by the driver before the call returns."""
+        cdef CUstream s = self.setup_stream if stream is None else <CUstream><uintptr_t>stream
+        self.make_current()
+        check(API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes, s),
+              "cuMemcpyHtoDAsync")
+        return <uint64_t><uintptr_t>s
+
+    def read_device(self, uint64_t dst_host, uint64_t src, size_t nbytes, double timeout):
+        """copy_from_device with a deadline, for explanations (a timeout's
+        message, status()): even the private stream can be held up, when it
+        shares a hardware queue with an application stream that waits for a
+        collective (CUDA_DEVICE_MAX_CONNECTIONS=1, MPS), and an explanation
+        must not wait for the collective it explains.  Raises BackendError
+        after ``timeout`` seconds; the copy then lands in a bounce buffer
+        that later reads skip until the stream has drained."""
+        cdef CUresult rc
+        cdef void *fresh = NULL
+        cdef uint64_t deadline
+        with self._read_lock:
+            self.make_current()
+            if self._bounce_pending:
+                rc = API.cuStreamQuery(self.setup_stream)
+                if rc == DFCCL_CUDA_ERROR_NOT_READY:
+                    raise BackendError(f"device {self.device}: an earlier read of device memory is still queued behind "
+                                       "an application stream that waits for a collective")
+                check(rc, "cuStreamQuery(setup stream)")
+                self._bounce_pending = False
+            if nbytes > self._bounce_bytes:
+                check(API.cuMemHostAlloc(&fresh, max(nbytes, 4096), 0), "cuMemHostAlloc(bounce)")
+                if self._bounce != NULL:
+                    API.cuMemFreeHost(self._bounce)
+                self._bounce = fresh
+                self._bounce_bytes = max(nbytes, 4096)
+            check(API.cuMemcpyDtoHAsync(self._bounce, <CUdeviceptr>src, nbytes, self.setup_stream),
+                  "cuMemcpyDtoHAsync(setup stream)")
+            deadline = dfccl_now_ns() + <uint64_t>(timeout * 1e9)
+            with nogil:
+                while True:
+                    rc = API.cuStreamQuery(self.setup_stream)
+                    if rc != DFCCL_CUDA_ERROR_NOT_READY or dfccl_now_ns() > deadline:
+                        break
+                    dfccl_sleep_ns(20000)
+            if rc == DFCCL_CUDA_ERROR_NOT_READY:
+                self._bounce_pending = True
+                raise BackendError(f"device {self.device}: reading device memory took over {timeout:g} s (the copy "
+                                   "is queued behind an application stream that waits for a collective)")
+            check(rc, "cuStreamQuery(setup stream)")
+            memcpy(<void *><uintptr_t>dst_host, self._bounce, nbytes)
+
     def export_memory(self, uint64_t ptr):
         cdef CUipcMemHandle h
         self.make_current()
@@ -364,6 +427,10 @@ cdef class CudaBackend(Backend):
         check(rc, "cuCtxSynchronize")
 
     def close(self):
+        if self._bounce != NULL and not self._bounce_pending:
+            self.make_current()
+            API.cuMemFreeHost(self._bounce)
+            self._bounce = NULL
         if self.stream != NULL:
             self.make_current()
             API.cuStreamDestroy(self.stream)

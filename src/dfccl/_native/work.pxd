@@ -10,7 +10,7 @@ cdef enum:
 cdef class Work:
     cdef object _ctx              # the Context that submitted it (None: refers to nothing)
     cdef uint32_t *_done          # its slot's completion word (host-mapped)
-    cdef uint64_t _waiting_addr   # its slot's live "waiting on" word (device memory)
+    cdef uint32_t *_waiting       # its slot's live "waiting on" word (host-mapped)
     cdef uint32_t _slot
     cdef uint32_t _gen
     cdef bint _retired

@@ -188,16 +188,17 @@ cdef class Work:
 
     def waiting_for(self):
         """The rank the daemon last reported this pending collective waiting
-        for, or None (read live from device memory)."""
+        for, or None.  A host-memory word the daemon stores while it waits:
+        reading it never waits for the device."""
         cdef uint32_t word = 0
-        if self._retired or self._ctx is None or self._ctx.closed:
+        if self._retired or self._ctx is None or self._ctx.closed or self._waiting == NULL:
             return None
-        self._ctx.backend.copy_from_device(<uint64_t><uintptr_t>&word, self._waiting_addr, 4)
+        word = dfccl_load_acquire_u32(self._waiting)
         waiting = <int>word - 1
         return waiting if 0 <= waiting < 0xfff0 else None
 
     cdef object _timeout_error(self, timeout):
-        # Written live by the daemon into device memory (wait.cuh).
+        # Written live by the daemon into host memory (wait.cuh).
         waiting = self.waiting_for()
         what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
         diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None

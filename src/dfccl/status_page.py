@@ -1,0 +1,141 @@
+"""A rank's status page: its state, heartbeat and pid in host shared memory.
+
+Peers in other processes of the host map it read-only and read it with plain
+loads, so the liveness monitor never waits for a device to watch its peers or
+to show it is alive itself.  (The same words once lived in the rank's arena
+only, in device memory, and every read and heartbeat was a copy on a CUDA
+stream.  Such a copy can be held up behind an application stream that waits
+for a collective when the two share a hardware queue: with
+CUDA_DEVICE_MAX_CONNECTIONS=1, or under MPS.  Then the monitor stopped
+exactly while its process waited for a peer, and could no longer see that
+peer die.)  The arena still holds the state for the daemon (a peer that left
+on purpose, cuda/daemon/wait.cuh, ``rank_left``), written when it changes.
+
+One file per rank, under $DFCCL_STATUS_DIR, /dev/shm or the temporary
+directory, named after the owning process.  It exists only while peers look
+it up: the owner removes it once every peer has mapped it (the end of the
+bootstrap; the mappings stay), or at close or exit; files left by processes
+that no longer exist are removed when a process creates its first page."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import mmap
+import os
+import re
+import struct
+import tempfile
+import threading
+
+__all__ = ["StatusPage"]
+
+_SIZE = 64
+_WORDS = struct.Struct("<QQQ")  # state, heartbeat, pid
+_counter = itertools.count()
+_owned: set[str] = set()
+_lock = threading.Lock()
+_swept = False
+
+
+def _directory() -> str:
+    d = os.environ.get("DFCCL_STATUS_DIR")
+    if d:
+        return d
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _sweep(directory: str) -> None:
+    """Removes pages of this user's processes that no longer exist."""
+    from dfccl.liveness import process_alive
+
+    pattern = re.compile(rf"^dfccl-rank-{os.getuid()}-(\d+)-")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+class StatusPage:
+    """One rank's (state, heartbeat, pid): created writable by its owner
+    (:meth:`create`), opened read-only by peers (:meth:`open`)."""
+
+    def __init__(self, path: str, mm: mmap.mmap, owner: bool):
+        self.path = path
+        self._mm: mmap.mmap | None = mm
+        self.owner = owner
+
+    @classmethod
+    def create(cls, state: int) -> "StatusPage":
+        global _swept
+        directory = _directory()
+        with _lock:
+            if not _swept:
+                _swept = True
+                _sweep(directory)
+        path = os.path.join(directory, f"dfccl-rank-{os.getuid()}-{os.getpid()}-{next(_counter)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, _SIZE)
+            mm = mmap.mmap(fd, _SIZE)
+        finally:
+            os.close(fd)
+        with _lock:
+            _owned.add(path)
+        page = cls(path, mm, True)
+        page.write(state, 0)
+        return page
+
+    @classmethod
+    def open(cls, path: str) -> "StatusPage":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(path, mm, False)
+
+    def write(self, state: int, heartbeat: int) -> None:
+        """The owner: publishes its state and heartbeat."""
+        if self._mm is not None:
+            _WORDS.pack_into(self._mm, 0, state, heartbeat, os.getpid())
+
+    def read(self) -> tuple[int, int, int]:
+        """(state, heartbeat, pid); a closed page reads as (0, 0, 0)."""
+        mm = self._mm
+        return (0, 0, 0) if mm is None else _WORDS.unpack_from(mm, 0)
+
+    def unlink(self) -> None:
+        """The owner: removes the file (every peer has mapped it); the
+        mappings stay.  Idempotent."""
+        if self.owner:
+            _remove(self.path)
+
+    def close(self) -> None:
+        """Unmaps the page; the owner also removes its file.  Idempotent."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            mm.close()
+        self.unlink()
+
+
+def _remove(path: str) -> None:
+    with _lock:
+        _owned.discard(path)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@atexit.register
+def _remove_owned() -> None:
+    for path in list(_owned):
+        _remove(path)
