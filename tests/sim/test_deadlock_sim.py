@@ -425,3 +425,48 @@ def test_daemon_comes_back_while_a_thread_holds_the_gil(rng):
         assert (xs[0] == 3).all() and (xs[1] == 3).all()
     finally:
         close_all(comms)
+
+
+def test_daemon_stays_while_a_stream_waits():
+    """A collective some stream waits for keeps its daemon from leaving
+    (design decision 27: on a hardware queue shared with that stream, a
+    relaunch would be queued behind the wait and never run).  The simulator
+    has no streams; Context._hold_for_stream_of is the part of
+    Work.wait(stream) that counts the wait and makes sure the daemon runs.
+    Rank 0 waits 25 idle-quit periods for rank 1 and its daemon stays; once
+    the collective completes the count drops and the daemon leaves; without
+    the hold it leaves while rank 1 is still absent."""
+    base = sc.fresh_sim_devices(2)[0]
+    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=1_000_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    try:
+        ctx = comms[0]._ctx
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        w0 = comms[0].all_reduce(xs[0], tag="held")
+        ctx._hold_for_stream_of(w0)
+        assert ctx.stream_waits == 1
+        launches = ctx.launches
+        time.sleep(0.05)
+        assert ctx.daemon_state[1] == "running" and ctx.launches == launches, ctx.daemon_state
+        assert not w0._peek_done()
+        w1 = comms[1].all_reduce(xs[1], tag="held")
+        for w in (w0, w1):
+            w.synchronize(timeout=10)
+        assert (xs[0] == 3).all() and (xs[1] == 3).all()
+        assert ctx.stream_waits == 0
+        deadline = time.monotonic() + 10
+        while ctx.daemon_state[1] != "exited":       # nothing holds it now
+            assert time.monotonic() < deadline, ctx.daemon_state
+            time.sleep(1e-3)
+        # The control: not held, it leaves while its peer is absent.
+        w0 = comms[0].all_reduce(xs[0], tag="free")
+        while ctx.daemon_state[1] != "exited":
+            assert time.monotonic() < deadline, ctx.daemon_state
+            time.sleep(1e-3)
+        assert not w0._peek_done()
+        w1 = comms[1].all_reduce(xs[1], tag="free")
+        for w in (w0, w1):
+            w.synchronize(timeout=10)
+        assert (xs[0] == 6).all() and (xs[1] == 6).all()
+    finally:
+        close_all(comms)

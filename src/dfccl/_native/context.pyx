@@ -941,12 +941,29 @@ cdef class Context:
         return 0
 
     def _stream_wait(self, uint64_t stream, uint32_t slot, uint32_t gen):
-        """Makes ``stream`` wait for the collective in ``slot``.  First it is
-        counted among those streams wait for (ctrl.stream_waits), so that the
-        daemon does not leave before it completes, and the daemon is made
-        sure to run: a launch queued after the wait might never run (a
-        hardware queue shared with the stream, the wait ahead of it).  The
-        count drops when the watcher or retirement sees it complete."""
+        """Makes ``stream`` wait for the collective in ``slot``, once it
+        holds the daemon for it (_hold_for_stream)."""
+        self._hold_for_stream(slot, gen)
+        self.backend.stream_wait32(stream, self.done_dev + 4 * slot, gen)
+
+    def _hold_for_stream_of(self, Work work):
+        """The first half of ``work.wait(stream)`` alone: what the simulator,
+        which has no streams, tests of it."""
+        self._hold_for_stream(work._slot, work._gen)
+
+    @property
+    def stream_waits(self):
+        """Incomplete collectives some stream waits for (the daemon stays
+        while there are any)."""
+        return dfccl_load_acquire_u64(&self.ctrl.stream_waits)
+
+    cdef int _hold_for_stream(self, uint32_t slot, uint32_t gen) except -1:
+        """Counts the collective in ``slot`` among those streams wait for
+        (ctrl.stream_waits), so that the daemon does not leave before it
+        completes, and makes sure the daemon runs: a launch queued after the
+        wait might never run (a hardware queue shared with the stream, the
+        wait ahead of it).  The count drops when the watcher or retirement
+        sees it complete."""
         cdef bint counted = False
         _acquire(self.lock)
         if self.gens[slot] == gen and self.slot_work[slot] is not None and not self.stream_waited[slot] \
@@ -960,7 +977,7 @@ cdef class Context:
             # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
             dfccl_fence_seq_cst()
             self._ensure_running()
-        self.backend.stream_wait32(stream, self.done_dev + 4 * slot, gen)
+        return 0
 
     cdef inline void _drop_stream_wait(self, uint32_t s) noexcept nogil:
         """Under the lock: slot ``s`` no longer holds the daemon for a stream."""
