@@ -14,7 +14,9 @@ import math
 import numbers
 import secrets
 import threading
+import os
 import time
+import warnings
 import weakref
 from dataclasses import replace
 from typing import Sequence
@@ -52,6 +54,26 @@ _log = logging.getLogger("dfccl")
 DEFAULT_STARTUP_TIMEOUT = 120.0
 #: Seconds between start-up progress lines (logger "dfccl", INFO).
 STARTUP_LOG_INTERVAL = 5.0
+
+
+def shared_gpu_lazy_loading(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
+    """Why this rank should load CUDA modules eagerly, or None: some peer
+    in another process shares its GPU (MPS) while lazy module loading is on.
+    Then a kernel's first launch in one process, between collectives, can
+    stop both ranks (docs/torch.md, "Known problems"; seen on one H200 with
+    two processes under MPS)."""
+    me = peers[rank]
+    if me.get("backend") != "cuda" or not me.get("bus_id"):
+        return None
+    if environ.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER":
+        return None
+    sharing = [p for p, info in enumerate(peers) if p != rank and info.get("bus_id") == me["bus_id"]
+               and (info.get("pid") != me.get("pid") or info.get("host") != me.get("host"))]
+    if not sharing:
+        return None
+    return (f"dfccl: rank {rank} shares GPU {me['bus_id']} with ranks {sharing} of other processes while CUDA loads "
+            "modules lazily; a kernel's first launch between collectives can then stop the ranks.  Set "
+            "CUDA_MODULE_LOADING=EAGER before CUDA starts (docs/torch.md, \"Known problems\").")
 
 
 def _check_int(name: str, value, minimum: int | None = None) -> int:
@@ -333,6 +355,9 @@ class Communicator:
     def _finish_init(self, peers):
         self._channels = min([self._channels] + [p["blocks"] for p in peers])
         mode = self._endpoint.connect(peers, self._comm_key)
+        why = shared_gpu_lazy_loading(peers, self._rank)
+        if why is not None:
+            warnings.warn(why, RuntimeWarning, stacklevel=3)
         if self._options.path == "direct" and mode == "ring":
             raise InvalidArgumentError("path='direct' needs every peer reachable (ranks of this process, or of this "
                                        "host with peer access between the devices); use 'auto' or 'ring'")
