@@ -1,16 +1,16 @@
 // The host link: the one place where the daemon reads host memory.
 //
-// A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU).  Such
-// reads do not pipeline well: every request (one per 16-byte load of one
-// thread, or one per line that a warp's loads cover together) takes its turn,
-// about 1.5 us each on the 1 x H200 VM, and with every block polling the host
-// on its own they queued up for tens of microseconds.  So host memory is read
+// A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU): a
+// dependent read costs ~2.3 us on the 1 x H200 VM, and the lines of one
+// warp-wide load share that round trip (benchmarks/host_handoff_probe.py).
+// With every block polling the host on its own the reads queued up for tens
+// of microseconds.  So host memory is read
 // by one block at a time (whichever block's scheduler pass takes the link
 // lock first, at most once per kLinkPollNs; a block that is running
 // collectives takes it only when no idle block has for kLinkBusyPollNs, so
 // the round trips stay off the critical path of a run), by its control warp,
-// each lane loading one 16-byte word so that the words of a line go in one
-// request.  One round trip reads the control words and the next link_ahead
+// each lane loading one 16-byte word, so that several lines go in one round
+// trip.  One round trip reads the control words and the next link_ahead
 // ring entries; the block copies into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
 //   - new submission-queue entries, into the device ring: those read ahead

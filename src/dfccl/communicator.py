@@ -12,9 +12,9 @@ import json
 import logging
 import math
 import numbers
+import os
 import secrets
 import threading
-import os
 import time
 import warnings
 import weakref

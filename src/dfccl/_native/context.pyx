@@ -754,6 +754,12 @@ cdef class Context:
                 return True
             dfccl_cpu_relax()
 
+    cdef bint _exited(self) noexcept nogil:
+        """Every block of the current launch has left."""
+        cdef uint64_t state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
+        return ((state >> DFCCL_DAEMON_EPOCH_SHIFT) == self.epoch
+                and (state & DFCCL_DAEMON_STATE_MASK) == DFCCL_DAEMON_EXITED)
+
     cdef int _launch_locked(self) noexcept nogil:
         """Launches the daemon (the launch lock held); returns the backend's
         code, 0 on success."""
@@ -795,7 +801,7 @@ cdef class Context:
         say) must not keep the daemon away, or the collective it waits for
         never runs.  And a thread waiting for a collective never finds the
         GIL taken by a poll."""
-        cdef uint64_t state, now
+        cdef uint64_t now
         cdef int rc = 0
         cdef bint unfinished
         with nogil:
@@ -812,9 +818,7 @@ cdef class Context:
                     signal_progress()  # the progress thread retires them
                 if self.epoch == 0:
                     continue
-                state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-                if ((state >> DFCCL_DAEMON_EPOCH_SHIFT) != self.epoch
-                        or (state & DFCCL_DAEMON_STATE_MASK) != DFCCL_DAEMON_EXITED):
+                if not self._exited():
                     continue
                 if not unfinished:
                     # Only completed collectives wait for retirement (which
@@ -1112,9 +1116,7 @@ cdef class Context:
         exited = True
         if self.epoch != 0:
             while True:
-                state = dfccl_load_acquire_u64(&self.ctrl.daemon_state)
-                if ((state >> DFCCL_DAEMON_EPOCH_SHIFT) == self.epoch
-                        and (state & DFCCL_DAEMON_STATE_MASK) == DFCCL_DAEMON_EXITED):
+                if self._exited():
                     break
                 if time.monotonic() > deadline:
                     exited = False

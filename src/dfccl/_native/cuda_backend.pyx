@@ -275,11 +275,13 @@ cdef class CudaBackend(Backend):
         check(API.cuMemFree(<CUdeviceptr>ptr), "cuMemFree")
 
     # Host <-> device copies go through the private setup stream and wait for
-    # it alone, without the GIL.  On the legacy default stream (where torch
+    # it alone, without the GIL: on the legacy default stream (where torch
     # queues its work unless told otherwise) a copy would wait for whatever
     # the application queued there, such as a cuStreamWaitValue32 on a
-    # collective's completion: a liveness heartbeat or a timeout message
-    # would then wait for the very collective it reports on, holding the GIL.
+    # collective's completion.  Even the private stream waits behind such a
+    # wait when they share a hardware queue, so nothing on the way to a
+    # collective or to an explanation uses these two: see stage_to_device
+    # and read_device.
     def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
         cdef CUresult rc
         self.make_current()
@@ -322,6 +324,7 @@ cdef class CudaBackend(Backend):
         cdef CUresult rc
         cdef void *fresh = NULL
         cdef uint64_t deadline
+        cdef size_t size = nbytes if nbytes > 4096 else 4096
         with self._read_lock:
             self.make_current()
             if self._bounce_pending:
@@ -332,11 +335,11 @@ cdef class CudaBackend(Backend):
                 check(rc, "cuStreamQuery(setup stream)")
                 self._bounce_pending = False
             if nbytes > self._bounce_bytes:
-                check(API.cuMemHostAlloc(&fresh, max(nbytes, 4096), 0), "cuMemHostAlloc(bounce)")
+                check(API.cuMemHostAlloc(&fresh, size, 0), "cuMemHostAlloc(bounce)")
                 if self._bounce != NULL:
                     API.cuMemFreeHost(self._bounce)
                 self._bounce = fresh
-                self._bounce_bytes = max(nbytes, 4096)
+                self._bounce_bytes = size
             check(API.cuMemcpyDtoHAsync(self._bounce, <CUdeviceptr>src, nbytes, self.setup_stream),
                   "cuMemcpyDtoHAsync(setup stream)")
             deadline = dfccl_now_ns() + <uint64_t>(timeout * 1e9)
