@@ -427,5 +427,10 @@ def _all_to_all(rank, ws):
         inp = torch.zeros(sum(bad))
         out = torch.empty(4)
         work = dist.all_to_all_single(out, inp, output_split_sizes=[2, 2], input_split_sizes=bad, async_op=True)
+        # A timeout makes wait() block the host (on CUDA a plain wait() only
+        # orders the current stream, and the error shows once it is known).
+        with pytest.raises(dfccl.MismatchError):
+            work.wait(timeout=timedelta(seconds=30))
+        assert isinstance(work.exception(), dfccl.MismatchError)
         with pytest.raises(dfccl.MismatchError):
             work.wait()

@@ -156,8 +156,11 @@ DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) {
 DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
   return atomicCAS(p, expect, v);
 }
+// Raises a word of global memory (the daemon state) to v without waiting for
+// the old value.  atomicMax on a generic pointer compiled to an atomic that
+// also reports whether the address was shared memory, and a branch on that.
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
-  atomicMax((unsigned long long *)p, (unsigned long long)v);
+  asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 // Words only this GPU's blocks share (daemon state, contexts): GPU scope, so
 // nothing waits on traffic to the host or to peers.
@@ -197,6 +200,17 @@ DFCCL_DEV bool try_lock_gpu(uint32_t *p) {
 // 16 bytes of host memory, never from a cache (the host rewrites them).
 DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
   asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+}
+// Loads issued where they are written.  ptxas moves a plain, relaxed or .cg
+// load down to its first use, and when that use is behind a branch that
+// waits for another load, the two round trips run one after the other (the
+// pull read a descriptor in five of them, one per check).  It leaves a
+// volatile load in place (seen in the SASS), so several are in flight
+// together.  Strong, like .cg: never from L1.
+DFCCL_DEV uint64_t load_early(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // Orders this block's earlier writes (made visible to thread 0 by a barrier)
@@ -242,6 +256,7 @@ DFCCL_DEV void load_host_words(const void *p, uint64_t &lo, uint64_t &hi) {
   lo = __atomic_load_n(q, __ATOMIC_RELAXED);
   hi = __atomic_load_n(q + 1, __ATOMIC_RELAXED);
 }
+DFCCL_DEV uint64_t load_early(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 DFCCL_DEV void fence_system() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 DFCCL_DEV void fence_gpu() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 DFCCL_DEV void fence_seq_cst() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -260,6 +275,12 @@ DFCCL_DEV pack16 load_pack(const void *p) {
   asm volatile("ld.global.cg.v2.u64 {%0, %1}, [%2];" : "=l"(v.lo), "=l"(v.hi) : "l"(p) : "memory");
   return v;
 }
+// load_pack, issued where it is written (load_early).
+DFCCL_DEV pack16 load_pack_early(const void *p) {
+  pack16 v;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.lo), "=l"(v.hi) : "l"(p) : "memory");
+  return v;
+}
 DFCCL_DEV void store_pack(void *p, pack16 v) {
   asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(v.lo), "l"(v.hi) : "memory");
 }
@@ -274,6 +295,7 @@ DFCCL_DEV pack16 load_pack(const void *p) {
   memcpy(&v, p, 16);
   return v;
 }
+DFCCL_DEV pack16 load_pack_early(const void *p) { return load_pack(p); }
 DFCCL_DEV void store_pack(void *p, pack16 v) { memcpy(p, &v, 16); }
 template <typename T>
 DFCCL_DEV T load_elem(const T *p) { return *p; }

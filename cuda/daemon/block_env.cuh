@@ -27,6 +27,7 @@ struct MoveDesc {
 // warp, the move barriers publish to the movers.
 struct BlockShared {
   uint32_t pick;           // scheduler decision for this pass
+  uint32_t slot;           // active[pick]
   uint32_t quit;
   int32_t wait_result[2];  // double-buffered result of block_wait()
   MoveDesc move;

@@ -5,8 +5,14 @@
 
 extern "C" __global__ void __launch_bounds__(512, 1) dfccl_daemon(dfccl_daemon_args args) {
   __shared__ dfccl::BlockShared sm;
+  // The scheduler reads its arguments through a pointer.  The parameter's
+  // address would make a copy in local memory, which every acquire (it
+  // invalidates L1) may send back to L2; shared memory stays on chip.
+  __shared__ dfccl_daemon_args shared_args;
   if (threadIdx.x < dfccl::kControlThreads) {
-    dfccl::daemon_block(&args, &sm, blockIdx.x);
+    if (threadIdx.x == 0) shared_args = args;
+    __syncwarp();
+    dfccl::daemon_block(&shared_args, &sm, blockIdx.x);
   } else {
     dfccl::mover_loop(&sm);
   }

@@ -77,10 +77,14 @@ DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
   return true;
 }
 
-DFCCL_DEV uint32_t pick_task(const BlockEnv &env, const uint32_t *active, uint32_t len, uint32_t cursor) {
+// The leader: the index of the next runnable task from `cursor` on, and its
+// slot in `slot`.
+DFCCL_DEV uint32_t pick_task(const BlockEnv &env, const uint32_t *active, uint32_t len, uint32_t cursor,
+                             uint32_t &slot) {
   for (uint32_t i = 0; i < len; ++i) {
     uint32_t idx = (cursor + i) % len;
-    if (runnable(env, ctx_at(env.args, active[idx], env.block))) return idx;
+    slot = active[idx];
+    if (runnable(env, ctx_at(env.args, slot, env.block))) return idx;
   }
   return kNoTask;
 }
@@ -105,14 +109,31 @@ DFCCL_DEV uint64_t daemon_state_word(uint32_t epoch, uint32_t state) {
 //     wait (CUDA_DEVICE_MAX_CONNECTIONS=1, or MPS), and then neither ever
 //     runs.  Leaving would not help a device synchronisation either: it
 //     waits for that stream.
-DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now) {
+//
+// `q`: the words it reads first, loaded before the pull (quit_words), so that
+// their round trip overlaps the pull's.  `pulled`: this pass pulled work,
+// which is progress: no idle quit.
+struct QuitWords {
+  uint64_t epoch, request;
+};
+
+DFCCL_DEV QuitWords quit_words(const BlockEnv &env) {
+  const dfccl_daemon_state *st = env.args->state;
+  QuitWords q;
+  q.epoch = load_early(&st->quit_epoch);
+  q.request = env.block == 0 ? load_early(&st->quit_request) : 0;
+  return q;
+}
+
+DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now, const QuitWords &q, bool pulled) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
-  if (load_gpu(&st->quit_epoch) == a->epoch) return true;
+  if (q.epoch == a->epoch) return true;
   if (env.block != 0) return false;
   dfccl_control *ctrl = a->control;
-  bool quit = load_gpu(&st->quit_request) != 0;
+  bool quit = q.request != 0;
   if (!quit) {
+    if (pulled) return false;
     const uint64_t last = load_gpu(&st->last_progress_ns);
     if (now < last || now - last < p.idle_quit_ns) return false;
     store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_QUITTING));
@@ -144,7 +165,9 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   const dfccl_daemon_args *a = env.args;
   BlockShared *sm = env.sm;
   if (is_leader()) sm->handoff = 0;
-  dfccl_task_ctx *ctx = ctx_at(a, active[pick], env.block);
+  // The slot from shared memory: active[pick] in device memory is a round
+  // trip, and the leader knows it.
+  dfccl_task_ctx *ctx = ctx_at(a, sm->slot, env.block);
   TaskRun run;
   run.ctx = ctx;
   run.d = &ctx->desc;
@@ -201,14 +224,16 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
       // every stalled task per completion, quadratic with many pending.  The
       // oldest keeps its priority through its longer window.
       if (ctx->successor != 0) {
-        active[pick] = ctx->successor - 1;
+        const uint32_t next = ctx->successor - 1;
+        active[pick] = next;
         // Hand the channel straight to the successor when it may run: the
         // scheduler pass in between (host link, pull, quit check, pick) has
         // nothing to add for it.  Bounded, so that pulls and the other
         // tasks wait at most kMaxHandoffs runs.
-        if (handoffs < kMaxHandoffs && runnable(env, ctx_at(a, active[pick], env.block))) {
+        if (handoffs < kMaxHandoffs && runnable(env, ctx_at(a, next, env.block))) {
           sm->handoff = 1;
           sm->pick = pick;
+          sm->slot = next;
         }
       } else {
         for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
@@ -293,13 +318,27 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
         policy.max_window_ns = load_gpu(&st->max_window_ns);
         policy.idle_quit_ns = load_gpu(&st->idle_quit_ns);
       }
-      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head);
-      const uint64_t now = pulled != 0 ? now_ns() : t0;
-      if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
       const bool check_quit = !busy || ++quiet_passes >= kQuitCheckPasses;
       if (check_quit) quiet_passes = 0;
-      sm->quit = check_quit && should_quit(env, policy, now) ? 1u : 0u;
-      sm->pick = sm->quit ? kNoTask : pick_task(env, active, sm->active_len, sm->cursor);
+      QuitWords quit_seen = {0, 0};
+      if (check_quit) quit_seen = quit_words(env);
+      uint32_t ready;
+      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, ready);
+      const uint64_t now = pulled != 0 ? now_ns() : t0;
+      if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
+      sm->quit = check_quit && should_quit(env, policy, now, quit_seen, pulled != 0) ? 1u : 0u;
+      if (sm->quit) {
+        sm->pick = kNoTask;
+      } else if (ready != kNoSlot) {
+        // The list was empty and the pull left a runnable task at its head
+        // (an empty list has no round-robin position to keep).
+        sm->pick = 0;
+        sm->slot = ready;
+      } else {
+        uint32_t slot = 0;
+        sm->pick = pick_task(env, active, sm->active_len, sm->cursor, slot);
+        sm->slot = slot;
+      }
       busy = sm->pick != kNoTask;
       picked_ns = now_ns();
       prof.passes += 1;

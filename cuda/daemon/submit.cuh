@@ -49,12 +49,14 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
       d->path >= DFCCL_NUM_PATHS)
     return false;
   if (d->nchannels == 0 || d->nchannels > a->nblocks || d->first_block >= a->nblocks) return false;
-  if (d->endpoint >= a->max_endpoints) return false;
+  if (d->endpoint >= a->max_endpoints || d->instance == 0 || (d->after >> 32) > a->nslots) return false;
+  // The endpoint's words tested at once, so that their loads share a round
+  // trip (tested one by one, each load waited for the test before it).
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
-  if (ep->nranks == 0 || ep->nranks > DFCCL_MAX_RANKS || ep->rank >= ep->nranks) return false;
-  if (d->bucket >= ep->table_capacity || d->root >= ep->nranks || d->instance == 0) return false;
-  if ((d->after >> 32) > a->nslots) return false;
-  if (ep->nranks > 1 && d->path == DFCCL_PATH_RING) {
+  const uint32_t nranks = ep->nranks, rank = ep->rank, capacity = ep->table_capacity;
+  const bool ep_ok = (nranks - 1u < DFCCL_MAX_RANKS) & (rank < nranks) & (d->bucket < capacity) & (d->root < nranks);
+  if (!ep_ok) return false;
+  if (nranks > 1 && d->path == DFCCL_PATH_RING) {
     const uint32_t esize = dtype_size(d->dtype);
     if (d->slice_bytes < esize || d->slice_bytes % esize != 0 || d->fifo_slots == 0) return false;
   }
@@ -70,56 +72,105 @@ DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d)
   publish_result(a, d->slot, d->gen, empty_result(DFCCL_STATUS_BAD_TASK, 0));
 }
 
+// The leader: device-ring entry `i`, every word in flight at once
+// (load_pack_early).
+DFCCL_DEV void load_entry(const dfccl_daemon_args *a, uint64_t i, pack16 *words) {
+  const pack16 *sqe = ptr<const pack16>((uint64_t)&a->dev_ring[i & (a->ring_size - 1)]);
+#pragma unroll
+  for (int w = 0; w < kDescWords; ++w) words[w] = load_pack_early(sqe + w);
+}
+
+constexpr uint32_t kNoSlot = 0xffffffffu;
+
+// The leader: takes a pulled entry (`words`) into this block's list if one
+// of its channels runs here.  `ready`: see pull_submissions.
+DFCCL_DEV void take_entry(const BlockEnv &env, const pack16 *words, uint64_t pulled_ns, bool was_empty, uint32_t *active,
+                          uint32_t &active_len, uint32_t &ready) {
+  const dfccl_daemon_args *a = env.args;
+  const dfccl_task_desc *d = reinterpret_cast<const dfccl_task_desc *>(words);
+  // Another block's task: nothing to look up (the channel needs only the
+  // descriptor; a bad one is block 0's to report).
+  const uint32_t chan = channel_of(d, env.block, a->nblocks);
+  if (env.block != 0 && chan >= d->nchannels) return;
+  if (!valid_task(a, d)) {
+    if (env.block == 0) reject_task(a, d);
+    return;
+  }
+  if (chan >= d->nchannels) return;
+  const bool chained = chain_behind_pending(env, d, chan);
+  dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
+  ctx->desc = *d;
+  ctx->channel = chan;
+  ctx->state = (d->flags & DFCCL_TASK_ARMED) ? DFCCL_CTX_ARMED : DFCCL_CTX_PULLED;
+  ctx->step = 0;
+  ctx->fails = 0;
+  ctx->sticky = 0;
+  for (int i = 0; i < 4; ++i) ctx->pos[i] = 0;
+  ctx->pulled_ns = pulled_ns;
+  ctx->first_run_ns = 0;
+  ctx->running_ns = 0;
+  ctx->finish_ns = 0;
+  ctx->max_wait_ns = 0;
+  ctx->preemptions = 0;
+  ctx->resumes = 0;
+  ctx->waiting_on = 0;
+  ctx->status = DFCCL_STATUS_OK;
+  ctx->detail = -1;
+  ctx->nbr_slots = 0;
+  ctx->nbr_fifo = 0;
+  ctx->successor = 0;
+  for (int i = 0; i < DFCCL_PEER_CACHE; ++i) ctx->peer_rec[i] = 0;
+  if (chained) return;
+  if (was_empty && active_len == 0 && (d->flags & DFCCL_TASK_ARMED) && d->after == 0) ready = d->slot;
+  active[active_len++] = d->slot;
+}
+
 // The leader.  `head`: this block's consumed count, kept in a register by the
 // caller and stored to device memory (where the host link reads it) when it
 // moves.  Returns how many entries were consumed.  The pull time (a task's
 // "queued" starts there) is read here, not at the start of the pass: the host
 // link's round trips earlier in the same pass are the pickup, not queueing.
-DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head) {
+// `ready`: the slot of the task now at active[0] when the list was empty and
+// that task may run at once (host-armed, no `after`), else kNoSlot; the
+// scheduler then runs it without a pick, which would only read back what
+// the pull just wrote.
+//
+// Every dependent round trip here delays the task's first run
+// (benchmarks/NOTES.md, section 13).  An entry costs one (its words, all
+// in flight at once; the first two entries share it), an entry for other
+// blocks nothing more (block 0 still checks every entry, to reject bad
+// ones), and a task of this block four more (endpoint, own record's
+// address, chain words, the chained-on context).
+DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head,
+                                    uint32_t &ready) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
+  ready = kNoSlot;
   const uint64_t tail = load_acquire_gpu(&st->sq_avail);
   if (head == tail) return 0;
   const uint64_t t0 = now_ns();
-  uint32_t pulled = 0;
-  constexpr int kWords = (int)(sizeof(dfccl_task_desc) / 16);
-  for (; head < tail; ++head, ++pulled) {
-    const pack16 *sqe = ptr<const pack16>((uint64_t)&a->dev_ring[head & (a->ring_size - 1)]);
-    pack16 words[kWords];
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) words[i] = load_pack(sqe + i);
-    const dfccl_task_desc *d = reinterpret_cast<const dfccl_task_desc *>(words);
-    if (!valid_task(a, d)) {
-      if (env.block == 0) reject_task(a, d);
-      continue;
+  const bool was_empty = active_len == 0;
+  // The first two entries in flight together (in a loop that loaded the next
+  // entry ahead, ptxas moved the current one out of the registers the next
+  // one was loaded into, and so waited for it first); later ones of a burst
+  // one at a time.  On the GPU the second is loaded even when there is
+  // none: a ring entry past the tail is ring memory, read and ignored, and
+  // an unconditional load needs nothing kept for the case without it (the
+  // simulator reads only published entries: there, a read racing the
+  // link's copy would be a data race).
+  pack16 first[kDescWords], second[kDescWords];
+  load_entry(a, head, first);
+  if (DFCCL_GPU || head + 1 < tail) load_entry(a, head + 1, second);
+  take_entry(env, first, t0, was_empty, active, active_len, ready);
+  if (head + 1 < tail) {
+    take_entry(env, second, t0, was_empty, active, active_len, ready);
+    for (uint64_t i = head + 2; i < tail; ++i) {
+      load_entry(a, i, first);
+      take_entry(env, first, t0, was_empty, active, active_len, ready);
     }
-    const uint32_t chan = channel_of(d, env.block, a->nblocks);
-    if (chan >= d->nchannels) continue;
-    const bool chained = chain_behind_pending(env, d, chan);
-    dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
-    ctx->desc = *d;
-    ctx->channel = chan;
-    ctx->state = (d->flags & DFCCL_TASK_ARMED) ? DFCCL_CTX_ARMED : DFCCL_CTX_PULLED;
-    ctx->step = 0;
-    ctx->fails = 0;
-    ctx->sticky = 0;
-    for (int i = 0; i < 4; ++i) ctx->pos[i] = 0;
-    ctx->pulled_ns = t0;
-    ctx->first_run_ns = 0;
-    ctx->running_ns = 0;
-    ctx->finish_ns = 0;
-    ctx->max_wait_ns = 0;
-    ctx->preemptions = 0;
-    ctx->resumes = 0;
-    ctx->waiting_on = 0;
-    ctx->status = DFCCL_STATUS_OK;
-    ctx->detail = -1;
-    ctx->nbr_slots = 0;
-    ctx->nbr_fifo = 0;
-    ctx->successor = 0;
-    for (int i = 0; i < DFCCL_PEER_CACHE; ++i) ctx->peer_rec[i] = 0;
-    if (!chained) active[active_len++] = d->slot;
   }
+  const uint32_t pulled = (uint32_t)(tail - head);
+  head = tail;
   store_gpu(&st->sq_head[env.block], head);
   return pulled;
 }

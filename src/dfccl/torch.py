@@ -230,6 +230,11 @@ class DfcclWork(dist._Work):
         if not self._cuda or self._host_blocking or seconds is not None:
             self._synchronize(seconds if seconds is not None else self._timeout)
         if self._cuda:
+            # The stream is released when a collective fails too; a failure
+            # already seen is raised here rather than left to a later call.
+            exc = self.exception()
+            if exc is not None:
+                raise exc
             stream = torch.cuda.current_stream(self._device)
             for w in self._works:
                 w.wait(stream)
@@ -237,8 +242,11 @@ class DfcclWork(dist._Work):
         return True
 
     def synchronize(self) -> None:
-        """Blocks the host until the collective completes (and, on CUDA, until
-        the current stream has caught up with it)."""
+        """Blocks the host until the collective completes, raising its error
+        if it failed (and, on CUDA, until the current stream has caught up
+        with it)."""
+        if self._cuda:
+            self._synchronize(self._timeout)
         self.wait()
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()

@@ -139,6 +139,70 @@ print("RESULT", " ".join(f"{k}={v:.4f}" for k, v in slowest.items()))
     assert float(slowest["status"]) < 2.0, slowest
 
 
+_FIRST_LAUNCH = r"""
+import faulthandler, os, sys, threading, time
+faulthandler.dump_traceback_later(50, exit=True)
+import torch
+import dfccl
+torch.cuda.set_device(0)
+comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
+s = torch.cuda.current_stream().cuda_stream
+probe = torch.rand(1024, device="cuda:0") * 0.5
+x = [torch.full((4096,), float(r + 1), device="cuda:0") for r in range(2)]
+torch.cuda.synchronize()
+w0 = comms[0].all_reduce(x[0], stream=s)
+w0.wait(s)                        # the stream now waits for rank 1 ...
+late, stop = {}, threading.Event()
+def rank1():
+    time.sleep(PEER_DELAY)        # ... which comes later, from another thread
+    late["work"] = comms[1].all_reduce(x[1])
+def explain():                    # status() reads device memory meanwhile
+    while not stop.is_set():
+        str(comms[0].status())
+        time.sleep(0.05)
+threads = [threading.Thread(target=rank1), threading.Thread(target=explain)]
+for t in threads:
+    t.start()
+time.sleep(0.2)
+t0 = time.perf_counter()
+probe.erfinv_()                   # a torch kernel's first launch in this process
+took = time.perf_counter() - t0
+stop.set()
+for t in threads:
+    t.join()
+late["work"].synchronize(timeout=30)
+w0.synchronize(timeout=30)
+torch.cuda.synchronize()
+assert bool((x[0] == 3.0).all()) and bool((x[1] == 3.0).all())
+assert torch.allclose(probe, torch.erfinv(torch.erf(probe)), atol=1e-4)
+for c in comms:
+    c.close()
+print("RESULT", f"{took:.4f}")
+"""
+
+
+@pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
+def test_first_launch_while_a_stream_waits(loading):
+    """A kernel's first launch in a process waits for the device to drain,
+    in both module-loading modes (benchmarks/module_loading_probe.py): here
+    for a collective a stream waits for, whose peer another thread submits a
+    second later.  Meanwhile status() reads device memory; a driver call
+    made with the GIL held would block there too and keep the submitting
+    thread from running (seen: the process stopped).  dfccl makes such calls
+    without the GIL, so the launch returns once the peer has come.  In a
+    fresh process: CUDA reads CUDA_MODULE_LOADING when it starts."""
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    env = dict(os.environ, CUDA_MODULE_LOADING=loading)
+    out = subprocess.run([sys.executable, "-c", "PEER_DELAY = 1.0\n" + _FIRST_LAUNCH], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "RESULT" in out.stdout, out.stdout[-3000:] + out.stderr[-6000:]
+    took = float(out.stdout.split("RESULT")[1].split()[0])
+    record("first_launch_while_a_stream_waits", loading=loading, took_s=took)
+    assert took < 10.0, took
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

@@ -262,12 +262,20 @@ cdef class CudaBackend(Backend):
     def alloc_device(self, size_t nbytes, bint shareable=False):
         cdef CUdeviceptr p = 0
         self.make_current()
+        cdef CUresult rc
         check(API.cuMemAlloc(&p, nbytes), f"cuMemAlloc({nbytes})")
-        # Zeroed on a private stream and waited for alone: a context
-        # synchronise would wait for the running daemon, the legacy stream for
-        # whatever the application queued there.
-        check(API.cuMemsetD8Async(p, 0, nbytes, self.setup_stream), "cuMemsetD8Async")
-        check(API.cuStreamSynchronize(self.setup_stream), "cuStreamSynchronize(setup stream)")
+        # Zeroed on a private stream and waited for alone, without the GIL: a
+        # context synchronise would wait for the running daemon, the legacy
+        # stream for whatever the application queued there, and the private
+        # stream too can wait behind an application stream (shared hardware
+        # queues) for a collective that another thread's submission completes.
+        with nogil:
+            rc = API.cuMemsetD8Async(p, 0, nbytes, self.setup_stream)
+            if rc == DFCCL_CUDA_SUCCESS:
+                rc = API.cuStreamSynchronize(self.setup_stream)
+        if rc != DFCCL_CUDA_SUCCESS:
+            API.cuMemFree(p)
+        check(rc, "cuMemsetD8Async + cuStreamSynchronize(setup stream)")
         return <uint64_t>p
 
     def free_device(self, uint64_t ptr):
@@ -284,19 +292,21 @@ cdef class CudaBackend(Backend):
     # and read_device.
     def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
         cdef CUresult rc
-        self.make_current()
         with nogil:
-            rc = API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes,
-                                       self.setup_stream)
+            rc = API.cuCtxSetCurrent(self.cu_ctx)
+            if rc == DFCCL_CUDA_SUCCESS:
+                rc = API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes,
+                                           self.setup_stream)
             if rc == DFCCL_CUDA_SUCCESS:
                 rc = API.cuStreamSynchronize(self.setup_stream)
         check(rc, "cuMemcpyHtoDAsync(setup stream)")
 
     def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
         cdef CUresult rc
-        self.make_current()
         with nogil:
-            rc = API.cuMemcpyDtoHAsync(<void *><uintptr_t>dst_host, <CUdeviceptr>src, nbytes, self.setup_stream)
+            rc = API.cuCtxSetCurrent(self.cu_ctx)
+            if rc == DFCCL_CUDA_SUCCESS:
+                rc = API.cuMemcpyDtoHAsync(<void *><uintptr_t>dst_host, <CUdeviceptr>src, nbytes, self.setup_stream)
             if rc == DFCCL_CUDA_SUCCESS:
                 rc = API.cuStreamSynchronize(self.setup_stream)
         check(rc, "cuMemcpyDtoHAsync(setup stream)")
@@ -320,41 +330,63 @@ cdef class CudaBackend(Backend):
         collective (CUDA_DEVICE_MAX_CONNECTIONS=1, MPS), and an explanation
         must not wait for the collective it explains.  Raises BackendError
         after ``timeout`` seconds; the copy then lands in a bounce buffer
-        that later reads skip until the stream has drained."""
-        cdef CUresult rc
+        that later reads skip until the stream has drained.
+
+        Every driver call here is made without the GIL: a driver call can
+        itself block while another thread's kernel launch waits for the
+        device to drain (a kernel's first launch does), and the thread
+        whose submission would let it drain may need the GIL."""
+        cdef CUresult rc = DFCCL_CUDA_SUCCESS
         cdef void *fresh = NULL
         cdef uint64_t deadline
         cdef size_t size = nbytes if nbytes > 4096 else 4096
+        cdef bint grow = nbytes > self._bounce_bytes
+        cdef bint was_pending
+        cdef int failed = 0   # 1: an earlier read still queued, 2: over the deadline, 3: a driver error
+        cdef const char *what = NULL
         with self._read_lock:
-            self.make_current()
-            if self._bounce_pending:
-                rc = API.cuStreamQuery(self.setup_stream)
-                if rc == DFCCL_CUDA_ERROR_NOT_READY:
-                    raise BackendError(f"device {self.device}: an earlier read of device memory is still queued behind "
-                                       "an application stream that waits for a collective")
-                check(rc, "cuStreamQuery(setup stream)")
-                self._bounce_pending = False
-            if nbytes > self._bounce_bytes:
-                check(API.cuMemHostAlloc(&fresh, size, 0), "cuMemHostAlloc(bounce)")
-                if self._bounce != NULL:
-                    API.cuMemFreeHost(self._bounce)
-                self._bounce = fresh
-                self._bounce_bytes = size
-            check(API.cuMemcpyDtoHAsync(self._bounce, <CUdeviceptr>src, nbytes, self.setup_stream),
-                  "cuMemcpyDtoHAsync(setup stream)")
-            deadline = dfccl_now_ns() + <uint64_t>(timeout * 1e9)
+            was_pending = self._bounce_pending
             with nogil:
-                while True:
+                rc = API.cuCtxSetCurrent(self.cu_ctx)
+                what = "cuCtxSetCurrent"
+                if rc == DFCCL_CUDA_SUCCESS and was_pending:
                     rc = API.cuStreamQuery(self.setup_stream)
-                    if rc != DFCCL_CUDA_ERROR_NOT_READY or dfccl_now_ns() > deadline:
-                        break
-                    dfccl_sleep_ns(20000)
-            if rc == DFCCL_CUDA_ERROR_NOT_READY:
+                    what = "cuStreamQuery(setup stream)"
+                    if rc == DFCCL_CUDA_ERROR_NOT_READY:
+                        failed = 1
+                    elif rc == DFCCL_CUDA_SUCCESS:
+                        self._bounce_pending = False   # the late copy has landed
+                if rc == DFCCL_CUDA_SUCCESS and grow:
+                    rc = API.cuMemHostAlloc(&fresh, size, 0)
+                    what = "cuMemHostAlloc(bounce)"
+                    if rc == DFCCL_CUDA_SUCCESS:
+                        if self._bounce != NULL:
+                            API.cuMemFreeHost(self._bounce)
+                        self._bounce = fresh
+                        self._bounce_bytes = size
+                if rc == DFCCL_CUDA_SUCCESS:
+                    rc = API.cuMemcpyDtoHAsync(self._bounce, <CUdeviceptr>src, nbytes, self.setup_stream)
+                    what = "cuMemcpyDtoHAsync(setup stream)"
+                if rc == DFCCL_CUDA_SUCCESS:
+                    what = "cuStreamQuery(setup stream)"
+                    deadline = dfccl_now_ns() + <uint64_t>(timeout * 1e9)
+                    while True:
+                        rc = API.cuStreamQuery(self.setup_stream)
+                        if rc != DFCCL_CUDA_ERROR_NOT_READY or dfccl_now_ns() > deadline:
+                            break
+                        dfccl_sleep_ns(20000)
+                    if rc == DFCCL_CUDA_ERROR_NOT_READY:
+                        failed = 2
+                if rc == DFCCL_CUDA_SUCCESS:
+                    memcpy(<void *><uintptr_t>dst_host, self._bounce, nbytes)
+            if failed == 1:
+                raise BackendError(f"device {self.device}: an earlier read of device memory is still queued behind "
+                                   "an application stream that waits for a collective")
+            if failed == 2:
                 self._bounce_pending = True
                 raise BackendError(f"device {self.device}: reading device memory took over {timeout:g} s (the copy "
                                    "is queued behind an application stream that waits for a collective)")
-            check(rc, "cuStreamQuery(setup stream)")
-            memcpy(<void *><uintptr_t>dst_host, self._bounce, nbytes)
+            check(rc, what.decode())
 
     def export_memory(self, uint64_t ptr):
         cdef CUipcMemHandle h
