@@ -25,8 +25,9 @@ import mmap
 import os
 import re
 import struct
-import tempfile
 import threading
+
+from dfccl.shared_files import create_mapped, shared_directory
 
 __all__ = ["StatusPage"]
 
@@ -42,7 +43,7 @@ def _directory() -> str:
     d = os.environ.get("DFCCL_STATUS_DIR")
     if d:
         return d
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return shared_directory()
 
 
 def _sweep(directory: str) -> None:
@@ -81,12 +82,9 @@ class StatusPage:
                 _swept = True
                 _sweep(directory)
         path = os.path.join(directory, f"dfccl-rank-{os.getuid()}-{os.getpid()}-{next(_counter)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, _SIZE)
-            mm = mmap.mmap(fd, _SIZE)
-        finally:
-            os.close(fd)
+        # Truncated if it exists: a page of an earlier process with this pid
+        # is not swept (its pid is alive: ours).
+        mm = create_mapped(path, _SIZE, exclusive=False, mode=0o644)
         with _lock:
             _owned.add(path)
         page = cls(path, mm, True)

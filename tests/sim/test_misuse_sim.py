@@ -21,7 +21,7 @@ import pytest
 import dfccl
 from dfccl.testing import scenarios as sc
 from dfccl import communicator as comm_mod
-from dfccl._native.sim_backend import _shm_dir
+from dfccl.shared_files import shared_directory
 from reference import KINDS
 
 DEV = 2400          # device ids of this module: 2400..2599
@@ -50,7 +50,7 @@ def _raises(exc_type, *fragments, call):
 
 
 def _shm_files(pid: int) -> list[str]:
-    d = _shm_dir()
+    d = shared_directory()
     return sorted(f for f in os.listdir(d) if f.startswith(f"dfccl-{pid}-"))
 
 
@@ -71,7 +71,7 @@ _THREADS_SCRIPT = """
     import os, sys, threading
     import numpy as np
     import dfccl
-    from dfccl._native.sim_backend import _shm_dir
+    from dfccl.shared_files import shared_directory
     print("PID", os.getpid(), flush=True)
     uid = dfccl.UniqueId.create()
     comms = [None, None]
@@ -84,7 +84,7 @@ _THREADS_SCRIPT = """
     for w in [c.all_reduce(x, tag="t") for c, x in zip(comms, xs)]:
         w.synchronize(timeout=30)
     assert all((x == 3).all() for x in xs)
-    left = [f for f in os.listdir(_shm_dir()) if f.startswith(f"dfccl-{os.getpid()}-")]
+    left = [f for f in os.listdir(shared_directory()) if f.startswith(f"dfccl-{os.getpid()}-")]
     print("AFTER-INIT", len(left), flush=True)
     for c in comms: c.close()
 """
@@ -113,8 +113,8 @@ _FAILED_SCRIPT = """
         dfccl.Communicator(uid, 1, 2, backend="sim", device=7111, timeout=0.5)
     except dfccl.StartupTimeoutError as exc:
         print("NO-STORE", exc.missing_ranks, flush=True)
-    from dfccl._native.sim_backend import _shm_dir
-    print("LEFT", len([f for f in os.listdir(_shm_dir()) if f.startswith(f"dfccl-{os.getpid()}-")]), flush=True)
+    from dfccl.shared_files import shared_directory
+    print("LEFT", len([f for f in os.listdir(shared_directory()) if f.startswith(f"dfccl-{os.getpid()}-")]), flush=True)
 """
 
 

@@ -340,12 +340,12 @@ cdef class CudaBackend(Backend):
         cdef void *fresh = NULL
         cdef uint64_t deadline
         cdef size_t size = nbytes if nbytes > 4096 else 4096
-        cdef bint grow = nbytes > self._bounce_bytes
-        cdef bint was_pending
-        cdef int failed = 0   # 1: an earlier read still queued, 2: over the deadline, 3: a driver error
+        cdef bint grow, was_pending
+        cdef int failed = 0   # 1: an earlier read still queued, 2: over the deadline
         cdef const char *what = NULL
         with self._read_lock:
             was_pending = self._bounce_pending
+            grow = nbytes > self._bounce_bytes
             with nogil:
                 rc = API.cuCtxSetCurrent(self.cu_ctx)
                 what = "cuCtxSetCurrent"

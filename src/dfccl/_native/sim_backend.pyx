@@ -6,7 +6,6 @@ shared-memory file."""
 
 import mmap
 import os
-import tempfile
 import uuid
 
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
@@ -16,6 +15,7 @@ from dfccl._native.abi cimport dfccl_daemon_args
 from dfccl._native.backend cimport Backend
 
 from dfccl.errors import BackendError, InvalidArgumentError
+from dfccl.shared_files import create_mapped, shared_directory
 
 
 cdef extern from "sim_device.h":
@@ -38,10 +38,6 @@ def _unlink(path):
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _shm_dir():
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 cdef class SimBackend(Backend):
@@ -83,13 +79,8 @@ cdef class SimBackend(Backend):
     def alloc_device(self, size_t nbytes, bint shareable=False):
         if not shareable:
             return self.alloc_mapped(nbytes)[0]
-        path = os.path.join(_shm_dir(), f"dfccl-{os.getpid()}-{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        path = os.path.join(shared_directory(), f"dfccl-{os.getpid()}-{uuid.uuid4().hex}")
+        mm = create_mapped(path, nbytes, exclusive=True, mode=0o600)
         addr = _buffer_address(mm)
         self._shared[addr] = (mm, path, nbytes)
         return addr

@@ -1,0 +1,28 @@
+"""Files in host shared memory that processes of this host map: the
+simulator's device memory (sim_backend.pyx) and status pages
+(status_page.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+__all__ = ["shared_directory", "create_mapped"]
+
+
+def shared_directory() -> str:
+    """/dev/shm where it is writable, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def create_mapped(path: str, size: int, *, exclusive: bool, mode: int) -> mmap.mmap:
+    """Creates ``path`` with ``size`` bytes and maps it read-write.
+    ``exclusive``: fail if it exists; else an existing file is truncated."""
+    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, mode)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
