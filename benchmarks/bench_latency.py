@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"run {b['run_us']:.1f} save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)
                 if b["ll_runs"]:  # a daemon built with DFCCL_STEP_PROFILE=1
                     print(f"{'':>8} LL steps per collective (us): credit {b['ll_credit_us']:.2f} push "
-                          f"{b['ll_push_us']:.2f} recv {b['ll_recv_us']:.2f} finish {b['ll_finish_us']:.2f} "
+                          f"{b['ll_push_us']:.2f} publish {b['ll_publish_us']:.2f} recv {b['ll_recv_us']:.2f} "
+                          f"finish {b['ll_finish_us']:.2f} move {b['ll_move_us']:.2f} "
                           f"complete {b['complete_us']:.2f} ({b['ll_runs']:.2f} LL runs)", flush=True)
             case = Case.for_size(kind, sizes[0], n, "float32", "sum", 0)
             bufs = Buffers(backend, devices, case)

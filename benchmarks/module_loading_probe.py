@@ -32,20 +32,15 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+
+from probe_snippets import CHECKED_CALL, PROBE_KERNEL_CUBIN, report
 
 _CASE = textwrap.dedent(r"""
     import faulthandler, json, sys, threading, time
     faulthandler.dump_traceback_later(CASE_TIMEOUT - 5, exit=True)
     import dfccl, torch
     from cuda.bindings import driver, nvrtc
-
-    def ok(res, what):
-        err = res[0]
-        if int(err) != 0:
-            raise RuntimeError(f"{what}: {err}")
-        return res[1:] if len(res) > 2 else (res[1] if len(res) == 2 else None)
-
+""") + CHECKED_CALL + textwrap.dedent(r"""
     torch.cuda.set_device(0)
     mode = ok(driver.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
     comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
@@ -56,17 +51,7 @@ _CASE = textwrap.dedent(r"""
         w.synchronize(timeout=30)
     probe = torch.rand(1024, device="cuda:0") * 0.5
     torch.cuda.synchronize()
-
-    src = b'extern "C" __global__ void k(float *x) { x[threadIdx.x] += 1.0f; }'
-    prog = ok(nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], []), "nvrtcCreateProgram")
-    major = torch.cuda.get_device_capability(0)[0] * 10 + torch.cuda.get_device_capability(0)[1]
-    rc = nvrtc.nvrtcCompileProgram(prog, 1, [f"--gpu-architecture=sm_{major}".encode()])[0]
-    if int(rc) != 0:
-        raise RuntimeError(f"nvrtcCompileProgram: {rc}")
-    size = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-
+""") + PROBE_KERNEL_CUBIN + textwrap.dedent(r"""
     if ACTION == "warm_launch":
         probe.erfinv_()
         torch.cuda.synchronize()
@@ -182,22 +167,26 @@ def main() -> int:
     ap.add_argument("--peer-delay", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--json", help="append the results to this file")
+    ap.add_argument("--actions", default=None,
+                    help="comma-separated subset of startup, first_launch, warm_launch, module_load, host_wait, "
+                         "busy_kernel (default: all)")
     args = ap.parse_args()
+    keep = set(args.actions.split(",")) if args.actions else None
     cases = []
     for env_mode in ("EAGER", "LAZY"):
-        cases.append((env_mode, _STARTUP))
+        if keep is None or "startup" in keep:
+            cases.append((env_mode, _STARTUP))
         for action, stream_wait in (("first_launch", True), ("warm_launch", True), ("first_launch", False),
                                     ("module_load", True), ("module_load", False)):
-            cases.append((env_mode, f"ACTION = {action!r}\nSTREAM_WAIT = {stream_wait}\n" + _CASE))
+            if keep is None or action in keep:
+                cases.append((env_mode, f"ACTION = {action!r}\nSTREAM_WAIT = {stream_wait}\n" + _CASE))
         for action in ("host_wait", "busy_kernel"):
-            cases.append((env_mode, f"ACTION = {action!r}\n" + _NO_DFCCL))
+            if keep is None or action in keep:
+                cases.append((env_mode, f"ACTION = {action!r}\n" + _NO_DFCCL))
     for env_mode, body in cases:
         code = f"CASE_TIMEOUT = {args.timeout}\nPEER_DELAY = {args.peer_delay}\n" + body
         r = _run(code, env_mode, args.timeout)
-        print("RESULT", json.dumps(r), flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(dict(r, date=time.strftime("%Y-%m-%d"))) + "\n")
+        report(r, args.json)
     return 0
 
 

@@ -263,6 +263,8 @@ DFCCL_DEV void flush_steps(dfccl_step_profile *dst, const dfccl_step_profile &p)
   store_gpu(&dst->ll_recv_ns, p.ll_recv_ns);
   store_gpu(&dst->ll_finish_ns, p.ll_finish_ns);
   store_gpu(&dst->complete_ns, p.complete_ns);
+  store_gpu(&dst->ll_publish_ns, p.ll_publish_ns);
+  store_gpu(&dst->ll_move_ns, p.ll_move_ns);
 }
 
 DFCCL_DEV void flush_profile(dfccl_block_profile *dst, const dfccl_block_profile &p) {

@@ -359,7 +359,9 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
     m.quit = 0;
   }
   control_sync();
+  uint64_t t = step_start();
   execute_move(env.sm);
+  step_mark(env, &dfccl_step_profile::ll_move_ns, t);
   // Every peer's lines are consumed: acknowledge (posted stores, nobody
   // waits for them unless it reuses the area).
   if (is_leader()) {
@@ -399,6 +401,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         // needs the record only to find this rank's bucket the first time, or
         // when it is on another path (a mismatch).
         for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
+        step_mark(env, &dfccl_step_profile::ll_push_ns, t);
         publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
@@ -410,7 +413,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
           }
           own->ll_inst[run.d->instance & 1u] = run.d->instance;
         }
-        step_mark(env, &dfccl_step_profile::ll_push_ns, t);
+        step_mark(env, &dfccl_step_profile::ll_publish_ns, t);
         run.pos[1] = 0;
         run.step = L_RECV;
         run.progressed = true;

@@ -52,6 +52,12 @@ def test_latency_breakdown_on_the_simulator(tmp_path):
         # Some block of rank 0's daemon ran every collective at least once.
         b = d["busy_blocks"]
         assert b["blocks"] and b["runs"] >= 1 and b["passes"] >= 1 and b["run_us"] > 0
+        # The step profile's fields are there (zero unless the daemon was
+        # built with DFCCL_STEP_PROFILE=1); the move is part of FINISH.
+        for key in ("ll_credit_us", "ll_push_us", "ll_publish_us", "ll_recv_us", "ll_finish_us", "ll_move_us",
+                    "complete_us"):
+            assert b[key] >= 0, key
+        assert b["ll_move_us"] <= b["ll_finish_us"]
     assert [r["kind"] for r in sweeps] == ["all_reduce", "reduce_scatter"]
     for r in sweeps:
         assert r["wrong"] == 0

@@ -244,11 +244,12 @@ typedef struct dfccl_block_profile {
 typedef struct dfccl_step_profile {
   uint64_t ll_runs;       /* LL instances finished */
   uint64_t ll_credit_ns;  /* LL PUSH: waiting for credit */
-  uint64_t ll_push_ns;    /* LL PUSH: publishing, stores into the peers' areas */
+  uint64_t ll_push_ns;    /* LL PUSH: stores into the peers' areas (publishing not counted) */
   uint64_t ll_recv_ns;    /* LL RECV: polling this rank's areas for the peers' lines */
-  uint64_t ll_finish_ns;  /* LL FINISH: unpacking, reducing, acknowledging */
+  uint64_t ll_finish_ns;  /* LL FINISH: unpacking, reducing, acknowledging (ll_move_ns included) */
   uint64_t complete_ns;   /* any task: completing a channel (result, completion word) */
-  uint64_t pad[2];
+  uint64_t ll_publish_ns; /* LL PUSH: publishing the record, updating its LL words */
+  uint64_t ll_move_ns;    /* of LL FINISH: the movers' reduce or gather, barrier to barrier */
 } dfccl_step_profile;  /* 64 bytes */
 
 /* Daemon-wide state in device memory. */

@@ -95,6 +95,8 @@ cdef extern from "dfccl/abi.h":
         uint64_t ll_recv_ns
         uint64_t ll_finish_ns
         uint64_t complete_ns
+        uint64_t ll_publish_ns
+        uint64_t ll_move_ns
 
     ctypedef struct dfccl_daemon_state:
         uint64_t base_window_ns

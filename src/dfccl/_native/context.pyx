@@ -1092,7 +1092,8 @@ cdef class Context:
                             "restore_ns": p.restore_ns, "run_ns": p.run_ns, "save_ns": p.save_ns,
                             "idle_ns": p.idle_ns, "ll_runs": q.ll_runs, "ll_credit_ns": q.ll_credit_ns,
                             "ll_push_ns": q.ll_push_ns, "ll_recv_ns": q.ll_recv_ns,
-                            "ll_finish_ns": q.ll_finish_ns, "complete_ns": q.complete_ns})
+                            "ll_finish_ns": q.ll_finish_ns, "complete_ns": q.complete_ns,
+                            "ll_publish_ns": q.ll_publish_ns, "ll_move_ns": q.ll_move_ns})
             return out
         finally:
             free(st)

@@ -1,0 +1,40 @@
+"""Code the probes' child processes share (module_loading_probe.py,
+mps_first_launch_probe.py): each child is a fresh interpreter started with
+``python -c``, so these are source text, pasted into the child's program."""
+
+import textwrap
+
+# ok(res, what): a cuda.bindings call's result without its error code, or
+# RuntimeError naming the call.
+CHECKED_CALL = textwrap.dedent(r"""
+    def ok(res, what):
+        err = res[0]
+        if int(err) != 0:
+            raise RuntimeError(f"{what}: {err}")
+        return res[1:] if len(res) > 2 else (res[1] if len(res) == 2 else None)
+""")
+
+# cubin: a one-line kernel `k(float *x)` compiled with NVRTC for device 0
+# (needs torch, ok and `from cuda.bindings import nvrtc`).
+PROBE_KERNEL_CUBIN = textwrap.dedent(r"""
+    _src = b'extern "C" __global__ void k(float *x) { x[threadIdx.x] += 1.0f; }'
+    _prog = ok(nvrtc.nvrtcCreateProgram(_src, b"k.cu", 0, [], []), "nvrtcCreateProgram")
+    _cc = torch.cuda.get_device_capability(0)
+    _rc = nvrtc.nvrtcCompileProgram(_prog, 1, [f"--gpu-architecture=sm_{_cc[0]}{_cc[1]}".encode()])[0]
+    if int(_rc) != 0:
+        raise RuntimeError(f"nvrtcCompileProgram: {_rc}")
+    cubin = b" " * ok(nvrtc.nvrtcGetCUBINSize(_prog), "nvrtcGetCUBINSize")
+    ok(nvrtc.nvrtcGetCUBIN(_prog, cubin), "nvrtcGetCUBIN")
+""")
+
+
+def report(result: dict, json_path: str | None) -> None:
+    """One probe case's result: a ``RESULT`` line, and a dated line appended
+    to ``json_path`` when given."""
+    import json
+    import time
+
+    print("RESULT", json.dumps(result), flush=True)
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(dict(result, date=time.strftime("%Y-%m-%d"))) + "\n")
