@@ -31,7 +31,7 @@ from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
                           PeerAbortedError, PeerLostError, StartupTimeoutError)
-from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
+from dfccl.flight import CommStatus, FlightRecorder, PendingStatus, pending_state
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
@@ -909,22 +909,27 @@ class Communicator:
         ep = self._endpoint
         if not self._closed and ep.id is not None and not self._ctx.closed:
             now = time.monotonic_ns()
-            for w in self._ctx.pending_works(ep.id):
-                if w.done():
-                    continue
+            works = [w for w in self._ctx.pending_works(ep.id) if not w.done()]
+            taken_upto = self._ctx.submissions[1]
+            epoch, daemon = self._ctx.daemon_state
+            if self._ctx.epoch == 0:
+                daemon = "not launched"
+            elif epoch != self._ctx.epoch:
+                daemon = "running"  # the current launch has published no state yet
+            for w in works:
                 waiting = w.waiting_for()
-                joined = missing = None
+                joined = missing = own = None
                 if self._diag is not None:
                     try:
                         joined, missing = self._diag.joined_ranks(w.key, w.instance)
+                        own = self._diag.published(self._rank, w.key, w.instance) is not None
                     except Exception:
-                        pass
-                if missing:
-                    what = "waiting for ranks to join"
-                elif waiting is not None:
-                    what = "every rank has joined; waiting for data"
-                else:
-                    what = "queued or transferring"
+                        pass  # unknown: the state says less
+                earlier = min((o.instance for o in works if o.key == w.key and o.instance < w.instance), default=None)
+                reached = self._ctx.stream_reached(w) if own is False and w.stream_ordered else None
+                what = pending_state(missing=missing, waiting_for=waiting, own_published=own,
+                                     taken=taken_upto > w.position, earlier_instance=earlier,
+                                     stream_ordered=w.stream_ordered, daemon=daemon, stream_reached=reached)
                 st.pending.append(PendingStatus(kind=w.kind, tag=w.tag, instance=w.instance,
                                                 age_s=(now - w.submitted_ns) / 1e9, state=what,
                                                 waiting_for=missing[0] if missing else waiting,
