@@ -898,8 +898,9 @@ class Communicator:
     def status(self) -> CommStatus:
         """What this rank is doing now: every pending collective, how long
         it has been pending, whom it waits for (the ranks that have not
-        joined it, else the rank whose data it waits for), and the last
-        events of the flight recorder.  ``print(comm.status())`` formats it."""
+        joined it, else the rank whose data it waits for) or, when this rank
+        has not started it, why (flight.pending_state), and the last events
+        of the flight recorder.  ``print(comm.status())`` formats it."""
         if self._lost_rank is not None:
             state = f"peer rank {self._lost_rank} lost"
         else:
@@ -916,16 +917,21 @@ class Communicator:
                 daemon = "not launched"
             elif epoch != self._ctx.epoch:
                 daemon = "running"  # the current launch has published no state yet
+            first_instance: dict[int, int] = {}  # per tag, its oldest instance pending here
+            for w in works:
+                first_instance[w.key] = min(w.instance, first_instance.get(w.key, w.instance))
             for w in works:
                 waiting = w.waiting_for()
-                joined = missing = own = None
+                joined = missing = None
+                own = True if waiting is not None else None  # a daemon that waits has started it
                 if self._diag is not None:
                     try:
                         joined, missing = self._diag.joined_ranks(w.key, w.instance)
-                        own = self._diag.published(self._rank, w.key, w.instance) is not None
+                        if own is None:
+                            own = self._diag.published(self._rank, w.key, w.instance) is not None
                     except Exception:
                         pass  # unknown: the state says less
-                earlier = min((o.instance for o in works if o.key == w.key and o.instance < w.instance), default=None)
+                earlier = first_instance[w.key] if first_instance[w.key] < w.instance else None
                 reached = self._ctx.stream_reached(w) if own is False and w.stream_ordered else None
                 what = pending_state(missing=missing, waiting_for=waiting, own_published=own,
                                      taken=taken_upto > w.position, earlier_instance=earlier,
