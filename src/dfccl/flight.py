@@ -134,9 +134,9 @@ def pending_state(*, missing: list[int] | None, waiting_for: int | None, own_pub
     chained behind it); ``stream_ordered``: it runs once its stream reaches it,
     and ``stream_reached`` says whether it has (None: unknown,
     Context.stream_reached); ``daemon``: the daemon's state
-    (Context.daemon_state).  A collective this
-    rank has not started is described from this rank's side first: that is
-    where it is held, whatever the peers do."""
+    (Context.daemon_state).  A collective this rank has not started is
+    described from this rank's side first: that is where it is held,
+    whatever the peers do."""
     if own_published is False:
         running = daemon in ("running", "quitting")
         if not taken:
