@@ -143,6 +143,9 @@ class _Group:
         self.lock = threading.Lock()
         self.open = size
         self.endpoints: list[Endpoint] = []
+        # A rank closed while the daemon still held some of its collectives
+        # (abandoned by an abort): the group's arenas then stay mapped.
+        self.held = False
         self.rendezvous = LocalRendezvous(size)  # split() among ranks of this process
 
     def leave(self) -> bool:
@@ -761,16 +764,19 @@ class Communicator:
             self._closed = True
             if self._diag is not None:
                 self._diag.closed = True
-        # Abandoned collectives keep their slot (and our memory) until the daemon lets go.
-        unfinished = bool(pending) and ep.id is not None and not self._ctx.closed and \
-            bool(self._ctx.pending_works(ep.id))
+        # Abandoned collectives keep their slot (and our memory) until the daemon
+        # lets go, whether this close or an earlier abort() abandoned them.
+        unfinished = ep.id is not None and not self._ctx.closed and self._ctx.held_by_daemon(ep.id) > 0
         if self._registry is not None and not unfinished:
             self._registry.close()
+        if unfinished:
+            self._group.held = True
         last = self._group.leave()
         # Free the arena only when no peer can touch it: every in-process rank
         # of the communicator has closed and nothing is left in flight.
-        self._endpoint.release(free_memory=last and self._group_closes_memory and not unfinished)
-        if last and self._group_closes_memory and not unfinished:
+        free = last and self._group_closes_memory and not self._group.held
+        self._endpoint.release(free_memory=free)
+        if free:
             for ep in self._group.endpoints:
                 ep.release(free_memory=True)
             self._group.endpoints = []

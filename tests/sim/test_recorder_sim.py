@@ -152,6 +152,23 @@ def test_status_says_where_this_rank_holds_a_collective():
         sc.settle(comms)
 
 
+def test_close_keeps_memory_the_daemon_still_holds():
+    """A collective abandoned on the host (an abort that could not wait) is
+    still the daemon's until it writes its completion word: closing the
+    communicator afterwards must not free the memory under it."""
+    comms = dfccl.Communicator.for_devices([DEV + 15, DEV + 16], backend="sim")
+    c = comms[0]
+    w = c.all_reduce(np.ones(64, np.float32), tag="alone")  # rank 1 never joins
+    ep = c._endpoint
+    assert c._ctx.held_by_daemon(ep.id) == 1
+    assert c._ctx.abandon(w) and w.done() and isinstance(w.exception(), dfccl.AbortedError)
+    time.sleep(0.05)
+    assert c._ctx.held_by_daemon(ep.id) == 1  # the daemon still runs it
+    for cc in comms:
+        cc.close()
+    assert ep.arena != 0, "the arena was freed under a collective the daemon still held"
+
+
 def test_trace_bad_arguments(tmp_path):
     with pytest.raises(dfccl.InvalidArgumentError, match="path must be"):
         trace.export(42)

@@ -681,6 +681,28 @@ cdef class Context:
             return None
         return value == gen
 
+    def held_by_daemon(self, uint32_t endpoint):
+        """How many collectives of ``endpoint`` the daemon may still be running:
+        in their slots, completion word not written, abandoned ones included
+        (Context.abandon fails them on the host at once; the daemon lets go
+        of them only when it writes their completion word).  Until this is
+        zero the endpoint's memory must stay."""
+        cdef uint32_t slot, n = 0
+        cdef Work work
+        _acquire(self.lock)
+        try:
+            for i in range(self.n_outstanding):
+                slot = self.outstanding[i]
+                obj = self.slot_work[slot]
+                if obj is None:
+                    continue
+                work = <Work>obj
+                if work.endpoint == endpoint and dfccl_load_acquire_u32(&self.done[slot]) != work._gen:
+                    n += 1
+            return n
+        finally:
+            PyThread_release_lock(self.lock)
+
     def pending_works(self, uint32_t endpoint):
         """The Works of ``endpoint`` that have not been retired yet."""
         _acquire(self.lock)
