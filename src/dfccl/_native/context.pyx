@@ -687,21 +687,7 @@ cdef class Context:
         (Context.abandon fails them on the host at once; the daemon lets go
         of them only when it writes their completion word).  Until this is
         zero the endpoint's memory must stay."""
-        cdef uint32_t slot, n = 0
-        cdef Work work
-        _acquire(self.lock)
-        try:
-            for i in range(self.n_outstanding):
-                slot = self.outstanding[i]
-                obj = self.slot_work[slot]
-                if obj is None:
-                    continue
-                work = <Work>obj
-                if work.endpoint == endpoint and dfccl_load_acquire_u32(&self.done[slot]) != work._gen:
-                    n += 1
-            return n
-        finally:
-            PyThread_release_lock(self.lock)
+        return sum(1 for w in self.pending_works(endpoint) if not (<Work>w)._device_done())
 
     def pending_works(self, uint32_t endpoint):
         """The Works of ``endpoint`` that have not been retired yet."""
