@@ -31,7 +31,7 @@ from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
                           PeerAbortedError, PeerLostError, StartupTimeoutError)
-from dfccl.flight import CommStatus, FlightRecorder, PendingStatus, pending_state
+from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
@@ -904,9 +904,8 @@ class Communicator:
     def status(self) -> CommStatus:
         """What this rank is doing now: every pending collective, how long
         it has been pending, whom it waits for (the ranks that have not
-        joined it, else the rank whose data it waits for) or, when this rank
-        has not started it, why (flight.pending_state), and the last events
-        of the flight recorder.  ``print(comm.status())`` formats it."""
+        joined it, else the rank whose data it waits for), and the last
+        events of the flight recorder.  ``print(comm.status())`` formats it."""
         if self._lost_rank is not None:
             state = f"peer rank {self._lost_rank} lost"
         else:
@@ -916,32 +915,22 @@ class Communicator:
         ep = self._endpoint
         if not self._closed and ep.id is not None and not self._ctx.closed:
             now = time.monotonic_ns()
-            works = [w for w in self._ctx.pending_works(ep.id) if not w.done()]
-            taken_upto = self._ctx.submissions[1]
-            epoch, daemon = self._ctx.daemon_state
-            if self._ctx.epoch == 0:
-                daemon = "not launched"
-            elif epoch != self._ctx.epoch:
-                daemon = "running"  # the current launch has published no state yet
-            first_instance: dict[int, int] = {}  # per tag, its oldest instance pending here
-            for w in works:
-                first_instance[w.key] = min(w.instance, first_instance.get(w.key, w.instance))
-            for w in works:
+            for w in self._ctx.pending_works(ep.id):
+                if w.done():
+                    continue
                 waiting = w.waiting_for()
                 joined = missing = None
-                own = True if waiting is not None else None  # a daemon that waits has started it
                 if self._diag is not None:
                     try:
                         joined, missing = self._diag.joined_ranks(w.key, w.instance)
-                        if own is None:
-                            own = self._diag.published(self._rank, w.key, w.instance) is not None
                     except Exception:
-                        pass  # unknown: the state says less
-                earlier = first_instance[w.key] if first_instance[w.key] < w.instance else None
-                reached = self._ctx.stream_reached(w) if own is False and w.stream_ordered else None
-                what = pending_state(missing=missing, waiting_for=waiting, own_published=own,
-                                     taken=taken_upto > w.position, earlier_instance=earlier,
-                                     stream_ordered=w.stream_ordered, daemon=daemon, stream_reached=reached)
+                        pass
+                if missing:
+                    what = "waiting for ranks to join"
+                elif waiting is not None:
+                    what = "every rank has joined; waiting for data"
+                else:
+                    what = "queued or transferring"
                 st.pending.append(PendingStatus(kind=w.kind, tag=w.tag, instance=w.instance,
                                                 age_s=(now - w.submitted_ns) / 1e9, state=what,
                                                 waiting_for=missing[0] if missing else waiting,

@@ -25,7 +25,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["FlightRecorder", "CommStatus", "PendingStatus", "pending_state", "recorders"]
+__all__ = ["FlightRecorder", "CommStatus", "PendingStatus", "recorders"]
 
 _DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16")
 _STATUS = {0: "ok", 1: "mismatch", 2: "peer_aborted", 3: "aborted", 4: "bad_task", 5: "peer_lost"}
@@ -115,48 +115,10 @@ class PendingStatus:
     tag: object
     instance: int
     age_s: float
-    state: str                        # pending_state(): "waiting for ranks to join", "transferring", ...
+    state: str                        # "waiting for ranks to join", "transferring", ...
     waiting_for: int | None = None    # the daemon's live report
     joined_ranks: list[int] | None = None
     missing_ranks: list[int] | None = None
-
-
-def pending_state(*, missing: list[int] | None, waiting_for: int | None, own_published: bool | None,
-                  taken: bool, earlier_instance: int | None, stream_ordered: bool, daemon: str,
-                  stream_reached: bool | None = None) -> str:
-    """What a pending collective on this rank is doing, as `status()` says it.
-
-    ``missing``: peers that have not published it (None: unknown);
-    ``waiting_for``: the daemon's live report; ``own_published``: whether this
-    rank's daemon has published it (None: unknown); ``taken``: whether the
-    daemon's host link has copied its submission; ``earlier_instance``: an
-    earlier instance of its tag still pending on this rank (this one is
-    chained behind it); ``stream_ordered``: it runs once its stream reaches it,
-    and ``stream_reached`` says whether it has (None: unknown,
-    Context.stream_reached); ``daemon``: the daemon's state
-    (Context.daemon_state).  A collective this rank has not started is
-    described from this rank's side first: that is where it is held,
-    whatever the peers do."""
-    if own_published is False:
-        running = daemon in ("running", "quitting")
-        if not taken:
-            gone = "" if running else f" (the daemon is {daemon})"
-            return f"not started: this rank's daemon has not taken the submission up yet{gone}"
-        if earlier_instance is not None:
-            return f"not started: instance {earlier_instance} of its tag is still pending here and runs first"
-        # A daemon with nothing runnable may leave; the stream is the cause then.
-        if stream_ordered and stream_reached is False:
-            return "not started: taken by this rank's daemon, its stream has not reached it"
-        if not running:
-            return f"not started: this rank's daemon is {daemon}"
-        if stream_ordered and stream_reached is None:
-            return "not started: taken by this rank's daemon; whether its stream has reached it is unknown"
-        return "not started: taken by this rank's daemon, not run yet"
-    if missing:
-        return "waiting for ranks to join"
-    if waiting_for is not None:
-        return "every rank has joined; waiting for data"
-    return "transferring"
 
 
 @dataclass

@@ -119,39 +119,6 @@ def test_status_names_what_each_pending_collective_waits_for(tmp_path):
     assert comms[0].status().state == "closed"
 
 
-def test_status_says_where_this_rank_holds_a_collective():
-    """A collective this rank has not started is described from this rank's
-    side: the second instance of a tag waits here for the first, which this
-    rank's daemon has published and which waits for the peer."""
-    comms = dfccl.Communicator.for_devices([DEV + 13, DEV + 14], backend="sim")
-    try:
-        xs = [np.ones(64, np.float32) for _ in range(4)]
-        works = [comms[0].all_reduce(xs[0], tag="chain"), comms[0].all_reduce(xs[1], tag="chain")]
-        chained = "not started: instance 1 of its tag is still pending here and runs first"
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # until the daemon has taken both up and published the first
-            st = comms[0].status()
-            states = [p.state for p in sorted(st.pending, key=lambda p: p.instance)]
-            if states == ["waiting for ranks to join", chained] or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        first, second = sorted(st.pending, key=lambda p: p.instance)
-        assert (first.instance, second.instance) == (1, 2)
-        assert first.state == "waiting for ranks to join" and first.missing_ranks == [1]
-        assert second.state == chained
-        assert "instance 1 of its tag is still pending here" in str(st)
-        # Submitted without a stream: armed at submission, nothing to read.
-        assert not works[1].stream_ordered and comms[0]._ctx.stream_reached(works[1]) is None
-        assert works[0].position < works[1].position
-        works += [comms[1].all_reduce(xs[2], tag="chain"), comms[1].all_reduce(xs[3], tag="chain")]
-        for w in works:
-            w.synchronize(timeout=TIMEOUT)
-        assert comms[0].status().pending == [] and comms[1].status().pending == []
-        assert all(bool((x == 2.0).all()) for x in xs)
-    finally:
-        sc.settle(comms)
-
-
 def test_close_keeps_memory_the_daemon_still_holds():
     """A collective abandoned on the host (an abort that could not wait) is
     still the daemon's until it writes its completion word: closing the

@@ -33,7 +33,7 @@ cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
 
 from dfccl._native.progress import progress as _progress
-from dfccl.errors import BackendError, ClosedError, InvalidArgumentError, ResourceError
+from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
 
 
 # Status codes of dfccl_result (abi.h), for Python.
@@ -631,8 +631,6 @@ cdef class Context:
                 self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
             else:
                 d.flags = d.flags | DFCCL_TASK_ARMED
-            work.position = self.tail
-            work.stream_ordered = task.has_stream
             # Lets the daemon take the entry in the round trip that reads the tail.
             e.seq = self.tail + 1
             e.check = dfccl_sqe_check(<const uint64_t *>d, e.seq)
@@ -660,26 +658,6 @@ cdef class Context:
         if self.n_outstanding == 1:
             self._wake_watch()
         return work
-
-    def stream_reached(self, Work work, double timeout=0.5):
-        """For a stream-ordered collective (``work.stream_ordered``) still in
-        its slot: whether its stream has reached it, that is written its armed
-        word (what ``status()`` says of one the daemon has taken up but not
-        started).  None when it is not stream-ordered or no longer in its
-        slot, or when the word could not be read within ``timeout`` seconds
-        (the read can be held up behind a waiting stream, as every device
-        read of an explanation)."""
-        cdef uint32_t value = 0
-        cdef uint32_t slot = work._slot
-        cdef uint32_t gen = work._gen
-        if work._ctx is not self or work._retired or not work.stream_ordered or slot >= self.nslots \
-                or self.gens[slot] != gen:
-            return None
-        try:
-            self.backend.read_device(<uint64_t><uintptr_t>&value, self.armed_dev + 4 * <uint64_t>slot, 4, timeout)
-        except BackendError:
-            return None
-        return value == gen
 
     def held_by_daemon(self, uint32_t endpoint):
         """How many collectives of ``endpoint`` the daemon may still be running:
