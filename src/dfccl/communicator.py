@@ -782,6 +782,8 @@ class Communicator:
             self._group.endpoints = []
         elif self._group_closes_memory:
             self._group.endpoints.append(self._endpoint)
+        if not self._ctx.closed:
+            self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
 
     def __enter__(self) -> "Communicator":
         return self

@@ -214,13 +214,12 @@ class Endpoint:
 
     def release(self, free_memory: bool) -> None:
         """Unregisters from the daemon; frees the arena only when no peer can
-        touch it any more (``free_memory``), else leaves it mapped."""
-        for ptr in self._imported:
-            try:
-                self.backend.release_import(ptr)
-            except Exception:
-                pass
-        self._imported = []
+        touch it any more (``free_memory``), else leaves it mapped.  What the
+        daemon reads while it runs a collective of this endpoint (the peers'
+        imported arenas, the registration table, the arena) goes only once it
+        holds none: a collective an abort abandoned on the host may still run
+        (Context.remove_endpoint); until then it stays, and the context
+        releases it later."""
         for page in self._peer_pages.values():
             page.close()
         self._peer_pages = {}
@@ -228,15 +227,26 @@ class Endpoint:
             self.page.close()
             self.page = None
         self.unlink_export()
+        imported, self._imported = self._imported, []
+
+        def release_memory() -> None:
+            for ptr in imported:
+                try:
+                    self.backend.release_import(ptr)
+                except Exception:
+                    pass  # the mapping goes with the process
+            if free_memory and self.arena:
+                self.backend.free_device(self.arena)
+                self.arena = 0
+            if free_memory and self.reg_table:
+                self.backend.free_device(self.reg_table)
+                self.reg_table = 0
+
         if self.id is not None:
-            self.ctx.remove_endpoint(self.id)
-            self.id = None
-        if free_memory and self.arena:
-            self.backend.free_device(self.arena)
-            self.arena = 0
-        if free_memory and self.reg_table:
-            self.backend.free_device(self.reg_table)
-            self.reg_table = 0
+            idx, self.id = self.id, None
+            self.ctx.remove_endpoint(idx, release_memory)
+        else:
+            release_memory()
 
 
 def _process_start_time(pid: int) -> int | None:

@@ -136,6 +136,77 @@ def test_close_keeps_memory_the_daemon_still_holds():
     assert ep.arena != 0, "the arena was freed under a collective the daemon still held"
 
 
+def _wait_released_by_daemon(ctx, idx, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while ctx.held_by_daemon(idx) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert ctx.held_by_daemon(idx) == 0, "the daemon never let go of the abandoned collective"
+
+
+def test_closed_endpoint_keeps_its_id_while_the_daemon_holds_it():
+    """The endpoint of a communicator closed while the daemon still runs one
+    of its collectives drains: its id is not handed to the next communicator
+    (the collective would run against that one's peers) and its device entry
+    stays until the daemon lets go; then the entry is cleared and the id
+    reused."""
+    comms = dfccl.Communicator.for_devices([DEV + 17, DEV + 18], backend="sim")
+    c = comms[0]
+    ctx, idx = c._ctx, c._endpoint.id
+    w = c.all_reduce(np.ones(64, np.float32), tag="alone")   # rank 1 never joins
+    assert ctx.abandon(w)
+    c.close()
+    assert ctx.draining == [idx] and ctx.endpoint_entry(idx) == (0, 2)
+    later = dfccl.Communicator.for_devices([DEV + 17, DEV + 18], backend="sim")
+    try:
+        assert later[0]._endpoint.id != idx
+        comms[1].close()              # rank 0's abandoned collective fails now: its peer left
+        _wait_released_by_daemon(ctx, idx)
+        assert ctx.reclaim_endpoints() == 0 and ctx.draining == []
+        assert ctx.endpoint_entry(idx) == (0, 0)
+        # The daemon still serves the communicator created meanwhile.
+        ys = [np.full(64, r + 1, np.float32) for r in range(2)]
+        for ww in [cc.all_reduce(y, tag="after") for cc, y in zip(later, ys)]:
+            ww.synchronize(timeout=TIMEOUT)
+        assert (ys[0] == 3).all() and (ys[1] == 3).all()
+        again = dfccl.Communicator.for_devices([DEV + 17, DEV + 18], backend="sim")
+        assert again[0]._endpoint.id == idx     # released, so reused
+        sc.settle(again)
+    finally:
+        sc.settle(later)
+
+
+def test_daemon_rejects_descriptor_naming_a_released_endpoint():
+    """A descriptor naming the id of a closed communicator (stale, or corrupt)
+    is rejected, not run against memory that communicator freed."""
+    live = dfccl.Communicator.for_devices([DEV + 19, DEV + 20], backend="sim")
+    gone = dfccl.Communicator.for_devices([DEV + 19, DEV + 20], backend="sim")
+    try:
+        ctx, stale = gone[0]._ctx, gone[0]._endpoint.id
+        for cc in gone:
+            cc.close()
+        assert ctx.endpoint_entry(stale) == (0, 0) and ctx.draining == []
+        c = live[0]
+        x = np.ones(64, np.float32)
+        task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
+        before = ctx.bad_tasks
+        w = ctx.submit(task, {"endpoint": stale})
+        with pytest.raises(dfccl.BackendError, match="BAD_TASK"):
+            w.synchronize(timeout=TIMEOUT)
+        assert ctx.bad_tasks == before + 1 and (x == 1).all()
+    finally:
+        sc.settle(live)
+
+
+def test_remove_endpoint_refuses_an_id_not_registered():
+    comms = dfccl.Communicator.for_devices([DEV + 21, DEV + 22], backend="sim")
+    ctx, idx = comms[0]._ctx, comms[0]._endpoint.id
+    sc.settle(comms)
+    with pytest.raises(dfccl.InvalidArgumentError, match="not registered"):
+        ctx.remove_endpoint(idx)      # already removed by close()
+    with pytest.raises(dfccl.InvalidArgumentError, match="not registered"):
+        ctx.remove_endpoint(ctx.max_endpoints)
+
+
 def test_trace_bad_arguments(tmp_path):
     with pytest.raises(dfccl.InvalidArgumentError, match="path must be"):
         trace.export(42)

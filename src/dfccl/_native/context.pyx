@@ -314,6 +314,7 @@ cdef class Context:
     cdef uint32_t n_free
     cdef list slot_work
     cdef list free_endpoints
+    cdef dict draining_endpoints      # id -> on_released: removed, the daemon still holds collectives of it
     cdef PyThread_type_lock lock
     cdef PyThread_type_lock launch_lock
     cdef PyThread_type_lock watch_wake
@@ -460,6 +461,7 @@ cdef class Context:
         self.n_free = slots
         self.slot_work = [None] * slots
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
+        self.draining_endpoints = {}
         # endpoint id -> what explains its failures from the peers' records
         # (dfccl.diagnostics.EndpointDiagnostics), set by the communicator.
         self.diagnostics = {}
@@ -510,6 +512,12 @@ cdef class Context:
         every rank's arena (endpoint.py, ll_region_bytes)."""
         cdef dfccl_endpoint ep
         if not self.free_endpoints:
+            self.reclaim_endpoints()
+        if not self.free_endpoints:
+            if self.draining_endpoints:
+                raise ResourceError(f"too many communicators on {self.backend.name}:{self.backend.device} "
+                                    f"(max_endpoints={self.max_endpoints}; {len(self.draining_endpoints)} of them "
+                                    f"closed, but the daemon still runs collectives they abandoned)")
             raise ResourceError(f"too many communicators on {self.backend.name}:{self.backend.device} "
                                 f"(max_endpoints={self.max_endpoints})")
         if nranks > DFCCL_MAX_RANKS:
@@ -533,9 +541,62 @@ cdef class Context:
         self._abort_flags_changed()
         return idx
 
-    def remove_endpoint(self, int idx):
+    def remove_endpoint(self, int idx, on_released=None):
+        """Unregisters endpoint ``idx``.  While the daemon still holds
+        collectives of it (held_by_daemon: ones an abort abandoned on the
+        host), its id stays taken, its device entry stays as it is and
+        ``on_released`` (what frees the memory those collectives touch) waits:
+        reused at once, the id would run them against another communicator's
+        peers.  The endpoint drains; reclaim_endpoints() and close() finish
+        it.  Once released, the entry is zeroed, so that a descriptor naming
+        it is rejected (DFCCL_STATUS_BAD_TASK), and ``on_released()`` is
+        called.  Returns whether it was released now."""
+        if idx < 0 or idx >= <int>self.max_endpoints or idx in self.free_endpoints or idx in self.draining_endpoints:
+            raise InvalidArgumentError(f"endpoint {idx} is not registered with this context")
         self.diagnostics.pop(idx, None)
+        if not self.closed and self.held_by_daemon(idx) > 0:
+            self.draining_endpoints[idx] = on_released
+            return False
+        self._release_endpoint(idx, on_released)
+        return True
+
+    def reclaim_endpoints(self):
+        """Releases the removed endpoints the daemon has let go of
+        (remove_endpoint); returns how many still drain."""
+        for idx in list(self.draining_endpoints):
+            if self.closed or self.held_by_daemon(idx) == 0:
+                entry = self.draining_endpoints.pop(idx, self)   # another thread may be here too
+                if entry is not self:
+                    self._release_endpoint(idx, entry)
+        return len(self.draining_endpoints)
+
+    @property
+    def draining(self):
+        """The ids of removed endpoints whose collectives the daemon still
+        holds (remove_endpoint)."""
+        return sorted(self.draining_endpoints)
+
+    def endpoint_entry(self, int idx):
+        """(rank, nranks) of endpoint ``idx`` as the daemon reads them from
+        device memory; (0, 0) for a released one."""
+        cdef dfccl_endpoint ep
+        if idx < 0 or idx >= <int>self.max_endpoints:
+            raise InvalidArgumentError(f"endpoint {idx} is outside 0..{self.max_endpoints - 1}")
+        if self.closed:
+            raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
+        self.backend.copy_from_device(<uint64_t><uintptr_t>&ep, self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                      sizeof(dfccl_endpoint))
+        return (ep.rank, ep.nranks)
+
+    def _release_endpoint(self, int idx, on_released):
+        cdef dfccl_endpoint ep
+        if not self.closed:
+            memset(&ep, 0, sizeof(dfccl_endpoint))
+            self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                        <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
         self.free_endpoints.append(idx)
+        if on_released is not None:
+            on_released()
 
     def abort_endpoint(self, int idx, int lost_rank=-1):
         """Every pending and future collective of this endpoint fails with
@@ -1156,6 +1217,8 @@ cdef class Context:
             # The daemon did not leave: keep its memory mapped rather than
             # free it under a running kernel.
             return
+        # The daemon has left: what draining endpoints kept can go now.
+        self.reclaim_endpoints()
         self.backend.synchronize()
         self.backend.free_device(self.device_mem)
         self.backend.free_mapped(self.mapped_host)
