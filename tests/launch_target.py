@@ -62,6 +62,30 @@ def tp_dp(comm: dfccl.Communicator) -> dict:
     return out
 
 
+def fork(comm: dfccl.Communicator) -> dict:
+    """Rank 0 forks a child that exits normally (its exit handlers run) while
+    a collective of rank 0 is pending; the peers' status pages, arenas and
+    store are the parent's and must stay untouched."""
+    r, n = comm.rank, comm.world_size
+    x = on(comm, np.full(1000, r + 1, np.float32))
+    w = comm.all_reduce(x, tag="across the fork")
+    exit_s = None
+    if r == 0:
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)   # a normal exit: the exit handlers run
+        os.waitpid(pid, 0)
+        exit_s = time.monotonic() - t0
+    w.synchronize(timeout=TIMEOUT)
+    assert (arrays.to_numpy(x) == n * (n + 1) / 2).all()
+    time.sleep(0.5)   # a peer that saw rank 0 closed or lost would fail what follows
+    y = on(comm, np.full(77, r + 1, np.float32))
+    comm.all_reduce(y, tag="after").synchronize(timeout=TIMEOUT)
+    assert (arrays.to_numpy(y) == n * (n + 1) / 2).all()
+    return {"rank": r, "child_exit_s": exit_s}
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "fail":
@@ -81,6 +105,8 @@ def main() -> int:
         out = {"rank": comm.rank, "size": n, "device": comm.device, "path": comm.path}
     elif scenario == "tp_dp":
         out = tp_dp(comm)
+    elif scenario == "fork":
+        out = fork(comm)
     elif scenario == "register":
         from registration_target import run_register
         out = run_register(comm)

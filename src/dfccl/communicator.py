@@ -339,6 +339,7 @@ class Communicator:
                                   shareable=shareable)
         self._plans = 0
         self._closed = False
+        self._forked_from = 0   # in a forked child: the pid of the process this communicator belongs to
         # Held by whoever reads this rank's arena or its mappings of the
         # peers' from another thread (the liveness monitor, liveness.py; the
         # diagnostics that explain a failure, diagnostics.py), and by close()
@@ -589,6 +590,8 @@ class Communicator:
 
     def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
         what = _KIND_NAMES[kind]
+        if self._forked_from:
+            self._check_open()
         self._check_tag(tag, what)
         peer = self._check_peer(peer, what)
         try:
@@ -785,6 +788,17 @@ class Communicator:
         if not self._ctx.closed:
             self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
 
+    def _forked(self, parent_pid: int) -> None:
+        """In a forked child (liveness.py): this communicator is the parent's.
+        It counts as closed, and closing it does nothing: its memory, its
+        status and its peers are the parent's."""
+        self._forked_from = parent_pid
+        self._closed = True
+        self._teardown_lock = threading.RLock()   # another thread may have held it at the fork
+        if self._diag is not None:
+            self._diag.lock = self._teardown_lock
+            self._diag.closed = True
+
     def __enter__(self) -> "Communicator":
         return self
 
@@ -797,6 +811,11 @@ class Communicator:
             raise PeerLostError(f"rank {self._rank}: the communicator lost rank {self._lost_rank} "
                                 f"({self._lost_why}); close it", rank=self._rank, origin=self._lost_rank)
         if self._closed:
+            if self._forked_from:
+                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {self._forked_from}, "
+                                  "which forked this process; a forked child cannot use its parent's communicators "
+                                  "(create new ones in the child; on GPUs, start it with the 'spawn' method)",
+                                  rank=self._rank)
             raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
         if self._aborted:
             raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
@@ -824,6 +843,8 @@ class Communicator:
             raise InvalidArgumentError(f"{what + ': ' if what else ''}op: {exc}", rank=self._rank) from None
 
     def _pair(self, send, recv, what, writes_recv: bool = True) -> tuple[Buffer, Buffer]:
+        if self._forked_from:
+            self._check_open()   # before the buffers: in a forked child, CUDA cannot tell what they are
         try:
             s = as_buffer(send, f"{what} send")
             r = s if recv is None else as_buffer(recv, f"{what} recv")

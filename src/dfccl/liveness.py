@@ -228,6 +228,21 @@ def _remove(path: str) -> None:
 _monitor = _Monitor()
 
 
+def _forget_in_child() -> None:
+    # A forked child has no monitor thread and owns none of its parent's
+    # communicators (runtime.py forgets their contexts): each is marked as
+    # the parent's, so that using it says so, and the child's monitor starts
+    # empty (its lock new: another thread may have held it at the fork).
+    parent = os.getppid()
+    for comm in list(_monitor._comms):
+        comm._forked(parent)
+    _monitor.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def register(comm) -> None:
     """Watches ``comm``'s peers and publishes its status (Communicator calls this)."""
     _monitor.register(comm)

@@ -121,6 +121,11 @@ def get_backend(backend: str, device: int, blocks: int | None = None):
             if device < 0:
                 raise InvalidArgumentError(f"device must be >= 0, not {device}")
             if backend == "cuda":
+                if _cuda_forked_from:
+                    raise BackendError(f"this process was forked by process {_cuda_forked_from} after dfccl had "
+                                       "initialised CUDA there, and CUDA cannot be used in such a child: start "
+                                       "workers that use GPUs with multiprocessing's 'spawn' (or 'forkserver') "
+                                       "method")
                 mod = _cuda_module()
                 if device >= cuda_device_count():
                     raise InvalidArgumentError(f"cuda device {device} does not exist ({cuda_device_count()} visible)")
@@ -201,6 +206,38 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+# -- fork -----------------------------------------------------------------------
+# A forked child inherits this module's contexts and backends, but not their
+# threads, their daemons, nor (on GPUs) CUDA or its pinned memory.  Left as
+# they are, the child's exit would close them (ten seconds waiting for a
+# daemon that is not there, CUDA calls that are not allowed, the parent's
+# shared-memory files unlinked) and a collective on one would never
+# complete.  So the child forgets them: they count as closed, their pending
+# Works fail, nothing of theirs is freed, and new communicators get new
+# contexts (liveness.py marks the communicators).
+_inherited: list = []          # the parent's objects, kept so that nothing of theirs is collected here
+_cuda_forked_from = 0          # the parent's pid, if dfccl had initialised CUDA there
+
+
+def _forget_in_child() -> None:
+    global _lock, _cuda_forked_from
+    _lock = threading.RLock()   # another thread may have held it at the fork
+    parent = os.getppid()
+    for ctx, _opts in _contexts.values():
+        ctx.forget_after_fork(parent)
+        _inherited.append(ctx)
+    for (name, _device), be in _backends.items():
+        be.forget_after_fork()
+        _inherited.append(be)
+        if name == "cuda":
+            _cuda_forked_from = parent
+    _contexts.clear()
+    _backends.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def device_synchronize(backend: str, device: int) -> None:

@@ -137,3 +137,14 @@ def _remove(path: str) -> None:
 def _remove_owned() -> None:
     for path in list(_owned):
         _remove(path)
+
+
+def _forget_in_child() -> None:
+    # The parent's pages are not a forked child's to remove.
+    global _lock
+    _lock = threading.Lock()
+    _owned.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

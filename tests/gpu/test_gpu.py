@@ -499,3 +499,37 @@ def test_nccl_through_torch_on_same_scenario(scenario):
         assert verdict.outcome == "hung", verdict
     if scenario == "inconsistent_order_one_group":
         assert verdict.outcome in ("wrong_result", "hung"), verdict
+
+
+def test_forked_child_on_gpu():
+    """A process that forks after dfccl initialised CUDA: the child fails
+    clearly (the parent's communicators and pending collectives are not its
+    own; CUDA is refused with the 'spawn' advice), its exit handlers return
+    at once and make no CUDA call, and the parent's collectives go on."""
+    from dfccl.testing.forking import outcomes, run_in_forked_child
+
+    comms = dfccl.Communicator.for_devices(gpu_devices(2), backend="cuda")
+    try:
+        host = np.random.default_rng().standard_normal(4096).astype(np.float32)
+        x = [arrays.from_numpy("cuda", c.device, host + r) for r, c in enumerate(comms)]
+        pending = comms[0].all_reduce(x[0], tag="across the fork")   # rank 1 joins after the child is gone
+
+        def child():
+            return outcomes({"submit": lambda: comms[0].all_reduce(x[0], tag="in the child"),
+                             "pending": lambda: pending.synchronize(timeout=10),
+                             "new": lambda: dfccl.Communicator.for_devices([0], backend="cuda"),
+                             "close": lambda: [c.close() for c in comms]})
+
+        out = run_in_forked_child(child)
+        assert "error" not in out, out
+        assert out["submit"].startswith("ClosedError") and "forked this process" in out["submit"], out
+        assert out["pending"].startswith("ClosedError") and "forked this process" in out["pending"], out
+        assert out["new"].startswith("BackendError") and "'spawn'" in out["new"], out
+        assert out["close"] is None and out["close_s"] < 1.0 and out["exit_s"] < 2.0, out
+        comms[1].all_reduce(x[1], tag="across the fork").synchronize(timeout=30)
+        pending.synchronize(timeout=30)
+        want = 2 * host + 1
+        for a in x:
+            sc.assert_close(arrays.to_numpy(a), want, "float32", "sum", 2)
+    finally:
+        sc.settle(comms)

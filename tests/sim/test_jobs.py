@@ -172,6 +172,14 @@ def test_split_tp_dp_across_processes():
     assert all(r["path"] == "staged" for r in results)
 
 
+# -- fork ------------------------------------------------------------------------------
+def test_forked_child_exits_without_touching_the_job():
+    rc, out, results = launch(2, "fork", "--backend", "sim")
+    assert rc == 0, out
+    assert len(results) == 2, out
+    assert results[0]["child_exit_s"] < 3.0, results   # it waited 10 s for a daemon it does not have
+
+
 # -- registration ----------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 3])
 def test_registered_buffers_across_processes(n):

@@ -52,6 +52,12 @@ cdef class Backend:
         self.copy_to_device(dst, src_host, nbytes)
         return stream
 
+    def forget_after_fork(self):
+        """In a forked child: this backend is its parent's.  Drops every handle
+        without freeing or unlinking anything (the parent still uses it, and on
+        GPUs a forked child cannot make CUDA calls), so that closing or
+        collecting it in the child does nothing."""
+
     def read_device(self, uint64_t dst_host, uint64_t src, size_t nbytes, double timeout):
         """copy_from_device for explanations (error messages, status):
         gives up with BackendError after ``timeout`` seconds instead of

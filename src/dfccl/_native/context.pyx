@@ -321,6 +321,7 @@ cdef class Context:
     cdef uint32_t watch_token
     cdef readonly object policy
     cdef readonly bint closed
+    cdef readonly int forked_from      # in a forked child: the parent's pid (0: this process's own)
     cdef bint watch_stop
     cdef uint32_t *seen_done           # per slot: gen the watcher saw completed, unretired, last look
     cdef uint8_t *retire_soon          # per slot: retire at first sight (it has done-callbacks)
@@ -633,6 +634,9 @@ cdef class Context:
         cdef dfccl_sqe *e
         cdef Work work
         if self.closed:
+            if self.forked_from:
+                raise ClosedError(f"context {self.backend.name}:{self.backend.device} belongs to process "
+                                  f"{self.forked_from}, which forked this process")
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
         if self.n_free == 0:
             # Completed collectives nobody has retired yet free their slots first.
@@ -751,14 +755,7 @@ cdef class Context:
         try:
             if work._retired or work._slot == NO_SLOT or self.slot_work[work._slot] is not work:
                 return False
-            memset(&work._result, 0, sizeof(dfccl_result))
-            work._result.status = DFCCL_STATUS_ABORTED
-            work._result.detail = -1
-            work._has_result = True
-            work._status = DFCCL_STATUS_ABORTED
-            work._detail = -1
-            work._retired_ns = now
-            work._retired = True
+            work._fail_on_host(now)
             work._abandoned = True
         finally:
             PyThread_release_lock(self.lock)
@@ -986,6 +983,39 @@ cdef class Context:
         if base is not None:
             self.ctrl.base_window_ns = base
         return 0
+
+    def forget_after_fork(self, int parent_pid):
+        """In a forked child: this context is the parent's.  Its daemon, its
+        threads and (on GPUs) its pinned memory do not exist here, so the
+        child must neither use nor free it: it counts as closed, its locks
+        are new (another thread may have held them at the fork), and every
+        Work still pending fails now with ClosedError, touching no memory the
+        child may not have.  Done-callbacks are dropped (the parent runs
+        them)."""
+        cdef Work work
+        cdef uint64_t now = dfccl_now_ns()
+        self.forked_from = parent_pid
+        self.closed = True
+        self.watch_stop = True
+        self.lock = PyThread_allocate_lock()
+        self.launch_lock = PyThread_allocate_lock()
+        self.watch_wake = PyThread_allocate_lock()
+        if self.lock == NULL or self.launch_lock == NULL or self.watch_wake == NULL:
+            raise MemoryError
+        PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
+        self.backend.forget_after_fork()
+        err = ClosedError(f"this collective belongs to process {parent_pid}, which forked this process: a "
+                          "forked child cannot use its parent's collectives or communicators")
+        for i in range(self.n_outstanding):
+            work = <Work>self.slot_work[self.outstanding[i]]
+            if work is None or work._retired:
+                continue
+            work._fail_on_host(now)
+            work._error = err
+            work._callbacks = None
+        self.n_outstanding = 0
+        self.diagnostics = {}
+        self.draining_endpoints = {}
 
     def _retire_due(self):
         """The progress thread: retires what the watcher found due."""

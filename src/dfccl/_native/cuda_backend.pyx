@@ -461,6 +461,16 @@ cdef class CudaBackend(Backend):
             rc = API.cuCtxSynchronize()
         check(rc, "cuCtxSynchronize")
 
+    def forget_after_fork(self):
+        # No CUDA call is valid in a forked child: close() must make none.
+        self._bounce = NULL
+        self.stream = NULL
+        self.setup_stream = NULL
+        self.module = NULL
+        self.cu_ctx = NULL
+        self._imported = {}
+        self._read_lock = threading.Lock()
+
     def close(self):
         if self._bounce != NULL and not self._bounce_pending:
             self.make_current()

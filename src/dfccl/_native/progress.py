@@ -5,6 +5,7 @@ GIL) has found them complete at two of its looks, and runs done-callbacks
 here rather than on the thread that retired the Work.  It sleeps until the
 watcher or a new callback wakes it; it never polls."""
 
+import os
 import threading
 import warnings
 import weakref
@@ -77,3 +78,8 @@ def _call_all(work, callbacks):
 
 
 progress = _ProgressThread()
+
+# A forked child has no progress thread and none of the parent's contexts
+# (runtime.py forgets them): it starts with an empty one.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=progress.__init__)

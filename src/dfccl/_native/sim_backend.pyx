@@ -172,6 +172,12 @@ cdef class SimBackend(Backend):
         for _mm, path, _n in self._shared.values():
             _unlink(path)
 
+    def forget_after_fork(self):
+        # The device's threads do not exist in the child: never join them.
+        self.dev = NULL
+        self._shared = {}
+        self._imported = {}
+
     def __dealloc__(self):
         if self.dev != NULL:
             with nogil:

@@ -37,6 +37,7 @@ cdef class Work:
     cdef bint _device_done(self)
     cdef object _timeout_error(self, timeout)
     cdef void _finish(self, const dfccl_result *res, uint64_t now)
+    cdef void _fail_on_host(self, uint64_t now)
     cdef void _fail_closed(self, uint64_t now)
     cdef object _get_error(self)
     cdef object _make_error(self)

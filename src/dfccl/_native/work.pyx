@@ -237,6 +237,18 @@ cdef class Work:
         self._retired = True
         self._keepalive = None
 
+    cdef void _fail_on_host(self, uint64_t now):
+        """Fails it as aborted without the daemon (abandoned, or inherited by
+        a forked child); what it keeps alive stays."""
+        memset(&self._result, 0, sizeof(dfccl_result))
+        self._result.status = DFCCL_STATUS_ABORTED
+        self._result.detail = -1
+        self._has_result = True
+        self._status = DFCCL_STATUS_ABORTED
+        self._detail = -1
+        self._retired_ns = now
+        self._retired = True
+
     cdef void _fail_closed(self, uint64_t now):
         """The context closed under this pending collective."""
         memset(&self._result, 0, sizeof(dfccl_result))
