@@ -202,6 +202,43 @@ def test_first_launch_while_a_stream_waits(loading):
     assert took < 10.0, took
 
 
+def test_stream_reached_tells_a_held_stream():
+    """A stream-ordered collective whose stream is held (a wait on a host
+    word queued before it) is taken up by the daemon (Context.submissions
+    passes its entry) but not armed: Context.stream_reached says False,
+    read from its armed word; released, it completes."""
+    torch = pytest.importorskip("torch")
+    from cuda.bindings import driver
+
+    comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
+    try:
+        with torch.cuda.device(0):
+            word = torch.zeros(1, dtype=torch.int32).pin_memory()
+            side = torch.cuda.Stream(device=0)
+            xs = [torch.full((256,), float(r + 1), device="cuda:0") for r in range(2)]
+            torch.cuda.synchronize()
+            err, = driver.cuStreamWaitValue32(side.cuda_stream, word.data_ptr(), 1, 0)  # GEQ
+            assert int(err) == 0, err
+            ctx = comms[0]._ctx
+            w0 = comms[0].all_reduce(xs[0], stream=side.cuda_stream)
+            assert w0.stream_ordered
+            deadline = time.monotonic() + 10
+            while ctx.submissions[1] <= w0.position and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ctx.submissions[1] > w0.position, ctx.submissions
+            assert ctx.stream_reached(w0) is False
+            word[0] = 1
+            w1 = comms[1].all_reduce(xs[1])
+            for w in (w0, w1):
+                w.synchronize(timeout=30)
+            torch.cuda.synchronize()
+            assert bool((xs[0] == 3.0).all()) and bool((xs[1] == 3.0).all())
+            assert ctx.stream_reached(w0) is None  # retired: no longer in its slot
+    finally:
+        for c in comms:
+            c.close()
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

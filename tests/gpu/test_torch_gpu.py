@@ -56,6 +56,7 @@ def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_pa
             time.sleep(max(1.0, stacks_after_s - 10))
             try:
                 stacks.write(f"rank {rank} status: {comm.status()}\n")
+                stacks.write(_daemon_side(comm))
                 stacks.flush()
             except Exception:
                 pass  # closed meanwhile: nothing was stuck
@@ -71,6 +72,23 @@ def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_pa
         results.put((rank, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _daemon_side(comm) -> str:
+    """Why this rank's daemon has not started what is pending: whether it
+    runs, whether it has taken each submission up, and whether the stream
+    of a stream-ordered one has armed it.  Host memory only, but for the
+    armed words (bounded reads)."""
+    ctx = comm._ctx
+    published, taken = ctx.submissions
+    lines = [f"  daemon {ctx.daemon_state} (context epoch {ctx.epoch}, launches {ctx.launches}), "
+             f"submissions published {published}, taken {taken}, streams waiting {ctx.stream_waits}"]
+    for w in ctx.pending_works(comm._endpoint.id):
+        lines.append(f"  {w.kind} tag {w.tag!r} instance {w.instance}: entry {w.position} "
+                     f"({'taken' if taken > w.position else 'not taken'}), "
+                     + (f"stream-ordered, armed {ctx.stream_reached(w)}" if w.stream_ordered else "armed at submission")
+                     + f", waiting for {w.waiting_for()}, done {w.done()}")
+    return "\n".join(lines) + "\n"
 
 
 def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:

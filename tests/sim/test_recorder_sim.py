@@ -136,6 +136,25 @@ def test_close_keeps_memory_the_daemon_still_holds():
     assert ep.arena != 0, "the arena was freed under a collective the daemon still held"
 
 
+def test_work_position_and_stream_reached_without_a_stream():
+    """Each submission's entry in the ring (Work.position, compared with
+    Context.submissions) grows; one submitted without a stream is armed at
+    submission, so there is no armed word to read (stream_reached: None)."""
+    comms = dfccl.Communicator.for_devices([DEV + 13, DEV + 14], backend="sim")
+    try:
+        xs = [np.ones(64, np.float32) for _ in range(4)]
+        works = [comms[0].all_reduce(xs[0], tag="chain"), comms[0].all_reduce(xs[1], tag="chain")]
+        assert works[0].position < works[1].position < comms[0]._ctx.submissions[0]
+        assert not works[1].stream_ordered and comms[0]._ctx.stream_reached(works[1]) is None
+        works += [comms[1].all_reduce(xs[2], tag="chain"), comms[1].all_reduce(xs[3], tag="chain")]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert comms[0]._ctx.submissions[1] > works[1].position
+        assert all(bool((x == 2.0).all()) for x in xs)
+    finally:
+        sc.settle(comms)
+
+
 def _wait_released_by_daemon(ctx, idx, timeout=TIMEOUT):
     deadline = time.monotonic() + timeout
     while ctx.held_by_daemon(idx) and time.monotonic() < deadline:

@@ -133,3 +133,45 @@ def test_flight_recorder_off_and_status_after_close():
     sc.settle(comms)
     assert comms[1].status().state == "closed"
     assert "closed" in str(comms[1].status())
+
+
+def test_ctrl_c_stops_a_wait_for_a_collective_that_never_completes():
+    """synchronize() without a timeout on a collective whose peer never
+    comes: Ctrl-C (SIGINT) raises KeyboardInterrupt there within a fraction
+    of a second (the wait runs signal handlers every 20 ms), and the
+    collective stays pending, as after a timeout."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import signal, sys, time
+        import numpy as np
+        import dfccl
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # whatever the parent ignores
+        comms = dfccl.Communicator.for_devices([2990, 2991], backend="sim")
+        w = comms[0].all_reduce(np.ones(8, np.float32), tag="never")   # rank 1 never joins
+        print("waiting", flush=True)
+        try:
+            w.synchronize()
+        except KeyboardInterrupt:
+            print("interrupted", time.monotonic(), "pending" if not w.done() else "done", flush=True)
+            comms[0].abort()
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)   # in the wait's yielding phase
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().split()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert line[0] == "interrupted" and line[2] == "pending", line
+    assert float(line[1]) - sent < 2.0, line

@@ -33,7 +33,7 @@ cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
 
 from dfccl._native.progress import progress as _progress
-from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
+from dfccl.errors import BackendError, ClosedError, InvalidArgumentError, ResourceError
 
 
 # Status codes of dfccl_result (abi.h), for Python.
@@ -696,6 +696,8 @@ cdef class Context:
                 self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
             else:
                 d.flags = d.flags | DFCCL_TASK_ARMED
+            work.position = self.tail
+            work.stream_ordered = task.has_stream
             # Lets the daemon take the entry in the round trip that reads the tail.
             e.seq = self.tail + 1
             e.check = dfccl_sqe_check(<const uint64_t *>d, e.seq)
@@ -731,6 +733,26 @@ cdef class Context:
         of them only when it writes their completion word).  Until this is
         zero the endpoint's memory must stay."""
         return sum(1 for w in self.pending_works(endpoint) if not (<Work>w)._device_done())
+
+    def stream_reached(self, Work work, double timeout=0.5):
+        """For a stream-ordered collective (``work.stream_ordered``) still in
+        its slot: whether its stream has reached it, that is written its armed
+        word (for a collective the daemon has taken up, ``submissions``, but
+        not started: is it held up by its stream?).  None when it is not
+        stream-ordered or no longer in its slot, or when the word could not
+        be read within ``timeout`` seconds (the read can be held up behind a
+        waiting stream, as every device read of an explanation)."""
+        cdef uint32_t value = 0
+        cdef uint32_t slot = work._slot
+        cdef uint32_t gen = work._gen
+        if work._ctx is not self or work._retired or not work.stream_ordered or slot >= self.nslots \
+                or self.gens[slot] != gen:
+            return None
+        try:
+            self.backend.read_device(<uint64_t><uintptr_t>&value, self.armed_dev + 4 * <uint64_t>slot, 4, timeout)
+        except BackendError:
+            return None
+        return value == gen
 
     def pending_works(self, uint32_t endpoint):
         """The Works of ``endpoint`` that have not been retired yet."""

@@ -28,6 +28,8 @@ cdef class Work:
     cdef readonly object tag
     cdef readonly int rank
     cdef readonly int instance
+    cdef readonly uint64_t position   # its entry in the submission ring (Context.submissions)
+    cdef readonly bint stream_ordered # armed by a stream write, not at submission
     cdef uint64_t _submitted_ns
     cdef uint64_t _retired_ns
     cdef object _error

@@ -6,6 +6,8 @@ class Work:
     tag: object
     rank: int
     instance: int
+    position: int
+    stream_ordered: bool
     @staticmethod
     def completed(kind: str, tag: object, rank: int) -> Work: ...
     def _peek_done(self) -> bool: ...

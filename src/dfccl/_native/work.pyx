@@ -7,6 +7,7 @@ what both watch."""
 
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
+from cpython.exc cimport PyErr_CheckSignals
 
 from dfccl._native.abi cimport *
 
@@ -19,8 +20,13 @@ cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "runnin
 # How long Work.synchronize spins on the completion word before it starts to
 # yield the CPU between polls.  It never sleeps: a timed sleep overshoots by
 # tens of microseconds on virtualised hosts, far longer than a collective.
+# SIGNAL_CHECK_NS: how often a long synchronize() takes the GIL to run signal
+# handlers, so that Ctrl-C (KeyboardInterrupt) stops a wait for a collective
+# that never completes.  Only the main thread runs them; elsewhere the check
+# is a no-op.
 cdef enum:
     SPIN_BEFORE_YIELD_NS = 50000
+    SIGNAL_CHECK_NS = 20000000
 
 
 cdef class Work:
@@ -71,10 +77,11 @@ cdef class Work:
 
     def synchronize(self, timeout=None):
         """Blocks (without the GIL) until the collective completes.  Raises its
-        error, or CollectiveTimeoutError after ``timeout`` seconds (the
-        collective then stays pending)."""
+        error, or CollectiveTimeoutError after ``timeout`` seconds, or what a
+        signal handler raises (Ctrl-C: KeyboardInterrupt, within 20 ms); the
+        collective then stays pending."""
         cdef uint64_t deadline = 0
-        cdef uint64_t start, now
+        cdef uint64_t start, now, signals_at
         cdef uint32_t *word
         cdef uint32_t gen
         cdef bint ok = True
@@ -93,6 +100,7 @@ cdef class Work:
             word = self._done
             gen = self._gen
             start = dfccl_now_ns()
+            signals_at = start + SIGNAL_CHECK_NS
             if timeout is not None:
                 deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
             # Already complete: retire without letting other threads in.
@@ -109,6 +117,12 @@ cdef class Work:
                         if deadline != 0 and now >= deadline:
                             ok = dfccl_load_acquire_u32(word) == gen
                             break
+                        if now >= signals_at:
+                            signals_at = now + SIGNAL_CHECK_NS
+                            with gil:
+                                # KeyboardInterrupt (or what a handler raises)
+                                # ends the wait; the collective stays pending.
+                                PyErr_CheckSignals()
             if not ok:
                 raise self._timeout_error(timeout)
             if not self._retired:
