@@ -83,7 +83,10 @@ def _cuda_pointer_device(ptr: int, what: str) -> int:
 
 
 def _from_cuda_array_interface(obj, cai, what: str) -> Buffer:
-    dtype = dtype_from_typestr(cai["typestr"], getattr(getattr(obj, "dtype", None), "name", None))
+    try:
+        dtype = dtype_from_typestr(cai["typestr"], getattr(getattr(obj, "dtype", None), "name", None))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what}: {exc}") from None
     ptr, readonly = cai["data"]
     count = _contiguous_count(cai["shape"], cai.get("strides"), dtype.itemsize, what)
     device = _cuda_pointer_device(ptr, what) if count else -1
@@ -97,7 +100,10 @@ def _is_numpy_scalar(obj) -> bool:
 
 def _from_array_interface(obj, ai, what: str) -> Buffer:
     descr = getattr(getattr(obj, "dtype", None), "name", None)
-    dtype = dtype_from_typestr(ai["typestr"], descr)
+    try:
+        dtype = dtype_from_typestr(ai["typestr"], descr)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what}: {exc}") from None
     data = ai.get("data")
     # The protocol also allows data as a buffer object (or None: the object's
     # own buffer); such a view can be a copy, so only (pointer, read-only) is

@@ -102,7 +102,8 @@ def dtype_from_typestr(typestr: str, descr_name: str | None = None) -> DataType:
     try:
         return _BY_TYPESTR[key]
     except KeyError:
-        raise InvalidArgumentError(f"unsupported array element type {typestr!r}") from None
+        raise InvalidArgumentError(f"unsupported array element type {typestr!r}; supported: "
+                                   f"{', '.join(d.name.lower() for d in DataType)}") from None
 
 
 def dtype_from_dlpack(code: int, bits: int, lanes: int) -> DataType:

@@ -646,6 +646,13 @@ def test_as_buffer_void_cuda_array_interface_uses_dlpack():
         as_buffer(type("NoDLPack", (), {"__cuda_array_interface__": CudaBF16Like.__cuda_array_interface__})())
 
 
+@pytest.mark.parametrize("dtype", [np.complex64, np.bool_, object])
+def test_unsupported_element_type_names_the_argument_and_what_is_supported(dtype):
+    with pytest.raises(InvalidArgumentError, match=r"^all_reduce send: unsupported array element type .*; "
+                                                   r"supported: int8, uint8, .*float32, float64, bfloat16$"):
+        as_buffer(np.zeros(4, dtype), "all_reduce send")
+
+
 def test_buffer_from_pointer_and_view():
     arr = np.zeros(8, np.uint16)
     b = Buffer.from_pointer(arr.ctypes.data, 8, "bfloat16", owner=arr)
