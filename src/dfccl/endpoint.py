@@ -200,6 +200,8 @@ class Endpoint:
         if state is None or not self.arena:
             return
         self._status[0] = state
+        if self.ctx.device_fault:
+            return   # a failed device takes no copy (peers see the status page)
         self.backend.copy_to_device(self.arena, self._status.ctypes.data, 24)
 
     def peer_status(self, rank: int) -> tuple[int, int, int]:
@@ -230,6 +232,8 @@ class Endpoint:
         imported, self._imported = self._imported, []
 
         def release_memory() -> None:
+            if self.ctx.device_fault:
+                return   # the memory of a failed device cannot be freed; it goes with the process
             for ptr in imported:
                 try:
                     self.backend.release_import(ptr)

@@ -570,3 +570,46 @@ def test_forked_child_on_gpu():
             sc.assert_close(arrays.to_numpy(a), want, "float32", "sum", 2)
     finally:
         sc.settle(comms)
+
+
+def test_device_fault_fails_pending_collectives():
+    """Another kernel of the process faults (an illegal address): the CUDA
+    context fails and the daemon with it, so the collective a synchronize()
+    waits for never completes.  The watcher finds the fault (cuStreamQuery
+    on the daemon's stream) within 100 ms: synchronize() raises a
+    BackendError naming it, and close() returns at once.  In a subprocess:
+    the fault ends every kernel of the process."""
+    pytest.importorskip("cupy")
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import time
+        import cupy
+        import dfccl
+        comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
+        x = cupy.ones(64, cupy.float32)
+        w = comms[0].all_reduce(x, tag="waits")   # rank 1 never joins
+        time.sleep(0.2)
+        bad = cupy.RawKernel(r'extern "C" __global__ void bad() { *(volatile int *)16 = 1; }', "bad")
+        bad((1,), (1,), ())
+        t0 = time.monotonic()
+        try:
+            w.synchronize()
+            print("NO ERROR", flush=True)
+        except dfccl.BackendError as exc:
+            print("FAULT", round(time.monotonic() - t0, 3), exc, flush=True)
+        t0 = time.monotonic()
+        for c in comms:
+            c.close()
+        print("CLOSED", round(time.monotonic() - t0, 3), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = r.stdout.splitlines()
+    fault = next((l for l in lines if l.startswith(("FAULT", "NO ERROR"))), None)
+    closed = next((l for l in lines if l.startswith("CLOSED")), None)
+    record("device_fault", fault=fault, closed=closed)
+    assert fault is not None and fault.startswith("FAULT"), r.stdout + r.stderr
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in fault and float(fault.split()[1]) < 5.0, fault
+    assert closed is not None and float(closed.split()[1]) < 5.0, r.stdout + r.stderr

@@ -175,3 +175,43 @@ def test_ctrl_c_stops_a_wait_for_a_collective_that_never_completes():
             proc.wait()
     assert line[0] == "interrupted" and line[2] == "pending", line
     assert float(line[1]) - sent < 2.0, line
+
+
+def test_a_device_fault_fails_everything_pending_and_refuses_more():
+    """A GPU whose context failed (an illegal address in any kernel of the
+    process) runs no kernel again, the daemon included, and never writes
+    the completion words of what it held: without a check, synchronize()
+    would wait forever.  The watcher asks the device every 100 ms
+    (Backend.query_fault; injected here): a waiting synchronize(), a
+    collective nobody waits for and its done-callback all fail with a
+    BackendError naming the fault, new collectives are refused, and close()
+    returns at once, freeing nothing under the failed device."""
+    comms = _comms(2, "direct", DEV + 150)   # its own devices: the injected fault stays on them
+    try:
+        c = comms[0]
+        waited = c.all_reduce(np.ones(64, np.float32), tag="waited")       # rank 1 never joins
+        unwatched = c.all_reduce(np.ones(64, np.float32), tag="unwatched")
+        called = []
+        unwatched.add_done_callback(lambda w: called.append(type(w.exception()).__name__))
+        time.sleep(0.1)
+        c._ctx.backend.inject_fault(700)
+        t0 = time.monotonic()
+        with pytest.raises(dfccl.BackendError, match="failed under the dfccl daemon: simulated device fault 700"):
+            waited.synchronize()                                              # no timeout: it would hang
+        assert time.monotonic() - t0 < 2.0
+        deadline = time.monotonic() + TIMEOUT
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert unwatched.done() and isinstance(unwatched.exception(), dfccl.BackendError)
+        assert called == ["BackendError"]
+        assert c._ctx.device_fault == 700
+        with pytest.raises(dfccl.BackendError, match="restart the process") as info:
+            c.all_reduce(np.ones(4, np.float32), tag="later")
+        assert info.value.driver_code == 700
+        assert c.status().pending == []
+        t0 = time.monotonic()
+        ep = c._endpoint
+        c.close()
+        assert time.monotonic() - t0 < 2.0 and ep.arena != 0   # kept: nothing is freed on a failed device
+    finally:
+        comms[1].close()

@@ -9,5 +9,6 @@ cdef class Backend:
     cdef readonly int block_threads
 
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil
+    cdef int query_fault(self) noexcept nogil
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1
     cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1

@@ -14,6 +14,13 @@ cdef class Backend:
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
         return -1
 
+    cdef int query_fault(self) noexcept nogil:
+        """Nonzero (the device's error code) once the device has failed
+        under the daemon (a fault that ends every kernel of the process, as an
+        illegal address does on a GPU); 0 otherwise.  Called without the GIL,
+        by the context's watcher."""
+        return 0
+
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
         raise NotImplementedError
 
@@ -94,6 +101,10 @@ cdef class Backend:
         """The exception for a failed launch() return code."""
         from dfccl.errors import BackendError
         return BackendError(f"{self.name} backend: daemon launch failed ({code})")
+
+    def fault_name(self, int code):
+        """What a query_fault() code is called."""
+        return f"error {code}"
 
     def synchronize(self):
         """Waits until every queued daemon launch has finished."""

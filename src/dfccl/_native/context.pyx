@@ -275,6 +275,9 @@ cdef enum:
     # time, up to this many doublings: it does not spin the device (or, in the
     # simulator, the CPU) at full duty for collectives that cannot move.
     WATCH_BACKOFF_DOUBLINGS = 4
+    # How often the watcher of a busy context asks the device whether it has
+    # failed (Backend.query_fault: one driver call).
+    FAULT_POLL_NS = 100000000
     # How long the host waits for a quitting daemon to decide whether it
     # stays (it re-reads two host words: microseconds).
     DECIDE_NS = 50000000
@@ -322,6 +325,10 @@ cdef class Context:
     cdef readonly object policy
     cdef readonly bint closed
     cdef readonly int forked_from      # in a forked child: the parent's pid (0: this process's own)
+    cdef readonly int device_fault     # the device's error code once it failed under the daemon (0: none)
+    cdef uint32_t fault_word           # nonzero once device_fault is set: what a waiting synchronize() polls
+    cdef bint fault_handled            # every Work pending at the fault has been failed
+    cdef uint64_t fault_next_ns        # the watcher's next query_fault()
     cdef bint watch_stop
     cdef uint32_t *seen_done           # per slot: gen the watcher saw completed, unretired, last look
     cdef uint8_t *retire_soon          # per slot: retire at first sight (it has done-callbacks)
@@ -591,7 +598,7 @@ cdef class Context:
 
     def _release_endpoint(self, int idx, on_released):
         cdef dfccl_endpoint ep
-        if not self.closed:
+        if not self.closed and not self.device_fault:
             memset(&ep, 0, sizeof(dfccl_endpoint))
             self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
                                         <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
@@ -609,6 +616,8 @@ cdef class Context:
         else:
             dfccl_store_release_u32(&self.ep_abort[idx], DFCCL_EP_ABORTED)
         self._abort_flags_changed()
+        if self.device_fault:
+            return   # nothing runs on a failed device: fail_on_fault failed what was pending
         # Unarmed stream-ordered tasks would never run: arm them so they fail.
         _acquire(self.lock)
         try:
@@ -638,6 +647,8 @@ cdef class Context:
                 raise ClosedError(f"context {self.backend.name}:{self.backend.device} belongs to process "
                                   f"{self.forked_from}, which forked this process")
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
+        if self.device_fault:
+            raise self._fault_error()
         if self.n_free == 0:
             # Completed collectives nobody has retired yet free their slots first.
             self._retire_completed(False)
@@ -674,6 +685,7 @@ cdef class Context:
         work._gen = gen
         work._done = &self.done[slot]
         work._waiting = &self.waiting[slot]
+        work._fault = &self.fault_word
         self.waiting[slot] = 0  # the daemon stores it only while it waits
         try:
             if self.tail >= self.ring_size:
@@ -863,6 +875,8 @@ cdef class Context:
     cdef int _ensure_running(self) except -1:
         """Launches the daemon if it has not been launched or is leaving."""
         cdef int rc = 0
+        if self.device_fault:
+            raise self._fault_error()
         if not self._leaving():
             return 0
         with nogil:
@@ -904,6 +918,8 @@ cdef class Context:
                 dfccl_sleep_ns(WATCH_POLL_NS)
                 if self._look(&unfinished) != 0:
                     signal_progress()  # the progress thread retires them
+                if self._check_fault():
+                    break
                 if self.epoch == 0:
                     continue
                 if not self._exited():
@@ -941,6 +957,65 @@ cdef class Context:
             # Whatever is pending stays so and times out; say why now.
             warnings.warn(f"dfccl: relaunching the daemon on {self.backend.name}:{self.backend.device} failed: "
                           f"{self.backend.launch_error(rc)}", RuntimeWarning)
+
+    cdef bint _check_fault(self) noexcept nogil:
+        """The watcher, every FAULT_POLL_NS while busy: whether the device
+        has failed under the daemon.  A failed device runs no kernel again,
+        so nothing pending will complete: the progress thread (and any
+        synchronize() waiting, which polls fault_word) fails it all now."""
+        cdef uint64_t now = dfccl_now_ns()
+        cdef int code
+        if now < self.fault_next_ns:
+            return False
+        self.fault_next_ns = now + FAULT_POLL_NS
+        code = self.backend.query_fault()
+        if code == 0:
+            return False
+        self.device_fault = code
+        dfccl_store_release_u32(&self.fault_word, 1)
+        signal_progress()
+        return True
+
+    def _fault_error(self):
+        from dfccl.errors import BackendError
+        return BackendError(
+            f"the device {self.backend.name}:{self.backend.device} failed under the dfccl daemon: "
+            f"{self.backend.fault_name(self.device_fault)}.  A kernel of this process faulted (an illegal address "
+            "from a bad pointer, say: a collective's buffer that is not valid device memory, or another library's "
+            "kernel); the device runs nothing more in this process, so every pending collective failed and new ones "
+            "are refused: restart the process", driver_code=self.device_fault)
+
+    def fail_on_fault(self):
+        """Fails every pending Work with the device's error (BackendError),
+        once the watcher has found the device failed; their slots stay taken
+        (nothing will be reused).  Idempotent; a no-op before a fault."""
+        cdef Work work
+        cdef uint64_t now = dfccl_now_ns()
+        cdef list failed = []
+        if not dfccl_load_acquire_u32(&self.fault_word):
+            return
+        err = self._fault_error()
+        _acquire(self.lock)
+        try:
+            if self.fault_handled:
+                return
+            self.fault_handled = True
+            for i in range(self.n_outstanding):
+                work = <Work>self.slot_work[self.outstanding[i]]
+                if work is None or work._retired:
+                    continue
+                if self._completed(self.outstanding[i]):
+                    continue   # finished before the fault: retired as usual
+                work._fail_on_host(now)
+                work._abandoned = True
+                work._error = err
+                failed.append(work)
+        finally:
+            PyThread_release_lock(self.lock)
+        for work in failed:
+            if work._callbacks:
+                callbacks, work._callbacks = work._callbacks, None
+                _progress.run_callbacks(work, callbacks)
 
     cdef inline bint _completed(self, uint32_t s) noexcept nogil:
         """Slot ``s`` holds a collective the daemon has completed."""
@@ -1040,7 +1115,10 @@ cdef class Context:
         self.draining_endpoints = {}
 
     def _retire_due(self):
-        """The progress thread: retires what the watcher found due."""
+        """The progress thread: retires what the watcher found due (and, once
+        the device failed, fails what is pending)."""
+        if self.fault_word and not self.fault_handled:
+            self.fail_on_fault()
         if self.n_outstanding:
             self._retire_completed(True)
 
@@ -1235,8 +1313,10 @@ cdef class Context:
         dfccl_store_release_u64(&self.ctrl.quit_request, 1)
         dfccl_fence_seq_cst()
         deadline = time.monotonic() + timeout
-        exited = True
-        if self.epoch != 0:
+        # A failed device never reports the daemon's exit, and its memory
+        # cannot be freed: do not wait, keep it.
+        exited = not self.device_fault
+        if self.epoch != 0 and exited:
             while True:
                 if self._exited():
                     break

@@ -228,6 +228,21 @@ cdef class CudaBackend(Backend):
             return rc
         return API.cuLaunchKernel(self.daemon_fn, args.nblocks, 1, 1, BLOCK_THREADS, 1, 1, 0, self.stream, params, NULL)
 
+    cdef int query_fault(self) noexcept nogil:
+        # The daemon's stream reports the sticky error of a failed context
+        # (a fault in any kernel of this process ends them all).
+        cdef CUresult rc = API.cuCtxSetCurrent(self.cu_ctx)
+        if rc == DFCCL_CUDA_SUCCESS and self.stream != NULL:
+            rc = API.cuStreamQuery(self.stream)
+        if rc == DFCCL_CUDA_SUCCESS or rc == DFCCL_CUDA_ERROR_NOT_READY:
+            return 0
+        if 900 <= <int>rc <= 910:
+            return 0   # CUDA_ERROR_STREAM_CAPTURE_*: another thread's capture, not a failed device
+        return <int>rc
+
+    def fault_name(self, int code):
+        return _error_name(code)
+
     def launch_error(self, int code):
         return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.device} failed: {_error_name(code)}",
                             driver_code=code)

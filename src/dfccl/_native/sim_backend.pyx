@@ -44,6 +44,7 @@ cdef class SimBackend(Backend):
     """One simulated GPU."""
 
     cdef dfccl_sim_device *dev
+    cdef int fault         # inject_fault(): what query_fault() reports
     cdef dict _shared      # address -> (mmap, path) for memory we created
     cdef dict _imported    # address -> mmap for memory other processes created
 
@@ -60,6 +61,18 @@ cdef class SimBackend(Backend):
 
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
         return dfccl_sim_device_launch(self.dev, args)
+
+    cdef int query_fault(self) noexcept nogil:
+        return self.fault
+
+    def inject_fault(self, int code):
+        """Tests only: the device reports ``code`` from now on, as a GPU
+        does after a fault (the daemon blocks, host threads here, go on; the
+        context treats the device as failed all the same)."""
+        self.fault = code
+
+    def fault_name(self, int code):
+        return f"simulated device fault {code}"
 
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
         raise InvalidArgumentError("stream-ordered submission needs the cuda backend (the simulator has no streams)")

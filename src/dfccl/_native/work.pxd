@@ -11,6 +11,7 @@ cdef class Work:
     cdef object _ctx              # the Context that submitted it (None: refers to nothing)
     cdef uint32_t *_done          # its slot's completion word (host-mapped)
     cdef uint32_t *_waiting       # its slot's live "waiting on" word (host-mapped)
+    cdef uint32_t *_fault         # its context's fault word: nonzero once the device failed
     cdef uint32_t _slot
     cdef uint32_t _gen
     cdef bint _retired

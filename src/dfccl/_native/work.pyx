@@ -73,6 +73,9 @@ cdef class Work:
         if self._device_done():
             self._ctx._retire(self._slot, self)
             return True
+        if self._fault != NULL and dfccl_load_acquire_u32(self._fault) != 0:
+            self._ctx.fail_on_fault()   # the device failed: it never completes
+            return self._retired
         return False
 
     def synchronize(self, timeout=None):
@@ -83,8 +86,10 @@ cdef class Work:
         cdef uint64_t deadline = 0
         cdef uint64_t start, now, signals_at
         cdef uint32_t *word
+        cdef uint32_t *fault
         cdef uint32_t gen
         cdef bint ok = True
+        cdef bint faulted = False
         cdef uint32_t spins = 0
         cdef double seconds
         if not self._retired:
@@ -98,6 +103,7 @@ cdef class Work:
                     raise InvalidArgumentError(f"synchronize: timeout must be >= 0, not {timeout!r}",
                                                rank=self.rank, tag=self.tag)
             word = self._done
+            fault = self._fault
             gen = self._gen
             start = dfccl_now_ns()
             signals_at = start + SIGNAL_CHECK_NS
@@ -117,13 +123,19 @@ cdef class Work:
                         if deadline != 0 and now >= deadline:
                             ok = dfccl_load_acquire_u32(word) == gen
                             break
+                        if fault != NULL and dfccl_load_acquire_u32(fault) != 0:
+                            # The device failed: this never completes.
+                            faulted = dfccl_load_acquire_u32(word) != gen
+                            break
                         if now >= signals_at:
                             signals_at = now + SIGNAL_CHECK_NS
                             with gil:
                                 # KeyboardInterrupt (or what a handler raises)
                                 # ends the wait; the collective stays pending.
                                 PyErr_CheckSignals()
-            if not ok:
+            if faulted:
+                self._ctx.fail_on_fault()
+            elif not ok:
                 raise self._timeout_error(timeout)
             if not self._retired:
                 self._ctx._retire(self._slot, self)
