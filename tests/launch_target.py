@@ -86,6 +86,32 @@ def fork(comm: dfccl.Communicator) -> dict:
     return {"rank": r, "child_exit_s": exit_s}
 
 
+def device_fault(comm: dfccl.Communicator) -> dict:
+    """Rank 0's (simulated) device fails while every other rank waits for
+    it; rank 0's process stays alive meanwhile, so what the others see is
+    the fault itself (its status page), not an exit."""
+    r = comm.rank
+    x = on(comm, np.ones(64, np.float32))
+    out: dict = {"rank": r}
+    if r == 0:
+        w = comm.all_reduce(x, tag="rank 0 alone")   # keeps its watcher looking
+        time.sleep(0.2)
+        comm._ctx.backend.inject_fault(700)
+        try:
+            w.synchronize(timeout=TIMEOUT)
+        except dfccl.BackendError as exc:
+            out["error"] = type(exc).__name__
+        time.sleep(3.0)
+    else:
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(x, tag="waits for rank 0").synchronize(timeout=TIMEOUT)
+        except dfccl.PeerLostError as exc:
+            out["error"], out["message"], out["origin"] = type(exc).__name__, str(exc), exc.origin
+        out["seconds"] = time.monotonic() - t0
+    return out
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "fail":
@@ -107,6 +133,8 @@ def main() -> int:
         out = tp_dp(comm)
     elif scenario == "fork":
         out = fork(comm)
+    elif scenario == "device_fault":
+        out = device_fault(comm)
     elif scenario == "register":
         from registration_target import run_register
         out = run_register(comm)

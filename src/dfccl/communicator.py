@@ -340,6 +340,7 @@ class Communicator:
         self._plans = 0
         self._closed = False
         self._forked_from = 0   # in a forked child: the pid of the process this communicator belongs to
+        self._fault_reported = False   # its device failed and its peers were told (liveness.py)
         # Held by whoever reads this rank's arena or its mappings of the
         # peers' from another thread (the liveness monitor, liveness.py; the
         # diagnostics that explain a failure, diagnostics.py), and by close()
@@ -382,7 +383,7 @@ class Communicator:
         self._ctx.diagnostics[self._endpoint.id] = self._diag
         me = weakref.ref(self)
         self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
-            peer, "a peer reported its process dead")
+            peer, "a peer found it lost (its process died or stopped, or its device failed)")
         liveness.register(self)
 
     # -- properties --------------------------------------------------------------
@@ -736,12 +737,15 @@ class Communicator:
                 self._ctx.abandon(w)
 
     def _peer_lost(self, peer: int, why: str) -> None:
-        """The monitor found ``peer``'s process dead (liveness.py): every
-        pending and later collective fails with PeerLostError."""
+        """The monitor found ``peer``'s process dead or stopped, or its device
+        failed (liveness.py): every pending and later collective fails with
+        PeerLostError."""
         if self._closed or self._lost_rank is not None:
             return
         self._lost_rank = peer
         self._lost_why = why
+        if self._diag is not None:
+            self._diag.lost_why[peer] = why   # what the daemon's PeerLostErrors say
         self._flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
         _log.warning("rank %d: peer rank %d is lost: %s", self._rank, peer, why)
         if not self._aborted and not self._ctx.closed:
@@ -933,6 +937,8 @@ class Communicator:
             state = f"peer rank {self._lost_rank} lost"
         else:
             state = "closed" if self._closed else "aborted" if self._aborted else "open"
+        if not self._closed and self._ctx.device_fault:
+            state = f"device failed ({self._ctx.backend.fault_name(self._ctx.device_fault)})"
         st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
                         path=getattr(self, "_mode", "?"), state=state)
         ep = self._endpoint

@@ -84,6 +84,7 @@ class EndpointDiagnostics:
         self._stride = endpoint.record_stride
         self._buf = np.zeros(14, np.uint64)
         self.on_peer_lost = None   # set by the communicator: called with the lost rank
+        self.lost_why: dict[int, str] = {}   # lost rank -> why, where this host found out
         self.lock = None           # the communicator's teardown lock (reentrant)
         self.closed = False        # set under that lock before the memory goes
 

@@ -11,6 +11,10 @@ Every `INTERVAL` seconds, for every open communicator of this process:
   that many seconds (a stopped or hung process).  A peer that fails either
   is *lost*: the communicator fails every pending and later collective with
   PeerLostError naming it (Communicator._peer_lost);
+- reports a rank whose device has failed under its daemon
+  (Context.device_fault): it is lost to its peers like a process that died,
+  at once for those in this process, through `RANK_FAILED` in its status
+  page for those in others;
 - every `STATUS_INTERVAL` seconds, writes what each communicator is doing to
   the process status file (`python -m dfccl status` reads them).
 
@@ -26,6 +30,8 @@ import tempfile
 import threading
 import time
 import weakref
+
+from dfccl._native.context import RANK_FAILED as _RANK_FAILED
 
 __all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive"]
 
@@ -125,6 +131,8 @@ class _PeerWatch:
                 state, beat, _pid = ep.peer_status(p)
             except Exception:
                 return p, "its status page can no longer be read"
+            if state == _RANK_FAILED:
+                return p, "its device failed under its daemon (that rank raised BackendError)"
             if state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
             if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):
@@ -174,6 +182,7 @@ class _Monitor:
                     alive.append(w)   # never let the monitor die; try again next time
             with self._lock:
                 self._watches = [w for w in self._watches if w not in watches or w in alive]
+            _report_faults(comms)
             if now >= self._next_status:
                 self._next_status = now + STATUS_INTERVAL
                 self._write_status(comms)
@@ -223,6 +232,30 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _report_faults(comms) -> None:
+    """A rank whose device failed (Context.device_fault: every collective of
+    it fails with BackendError) is lost to its peers, like a process that
+    died, instead of leaving them to their timeouts: the ranks of its
+    communicator in this process are told at once, those in other processes
+    read RANK_FAILED in its status page (_PeerWatch._check)."""
+    for c in comms:
+        ctx = c._ctx
+        if not ctx.device_fault or c._fault_reported or c._closed:
+            continue
+        c._fault_reported = True
+        try:
+            c._endpoint.write_status(_RANK_FAILED)
+        except Exception:
+            pass   # its peers still see the process exit
+        why = f"its device {c.backend}:{c.device} failed under its daemon ({ctx.backend.fault_name(ctx.device_fault)})"
+        for other in comms:
+            if other is c or other._comm_key != c._comm_key or other._ctx.device_fault:
+                continue
+            with other._teardown_lock:
+                if not other._closed:
+                    other._peer_lost(c._rank, why)
 
 
 _monitor = _Monitor()

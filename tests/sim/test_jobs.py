@@ -180,6 +180,18 @@ def test_forked_child_exits_without_touching_the_job():
     assert results[0]["child_exit_s"] < 3.0, results   # it waited 10 s for a daemon it does not have
 
 
+def test_a_device_fault_reaches_ranks_in_other_processes():
+    rc, out, results = launch(3, "device_fault", "--backend", "sim")
+    assert rc == 0, out
+    assert results[0]["error"] == "BackendError", results
+    for r in results[1:]:
+        assert r["error"] == "PeerLostError" and r["origin"] == 0 and "rank 0 is lost" in r["message"], r
+        assert r["seconds"] < 3.0, r   # before rank 0's process exits
+    # The first to see rank 0's status page says why; one that learnt it from
+    # that peer's daemon first may say only that a peer found it lost.
+    assert any("its device failed under its daemon" in r["message"] for r in results[1:]), results
+
+
 # -- registration ----------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 3])
 def test_registered_buffers_across_processes(n):

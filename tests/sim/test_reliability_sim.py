@@ -215,3 +215,30 @@ def test_a_device_fault_fails_everything_pending_and_refuses_more():
         assert time.monotonic() - t0 < 2.0 and ep.arena != 0   # kept: nothing is freed on a failed device
     finally:
         comms[1].close()
+
+
+def test_a_device_fault_reaches_the_peers_in_this_process_as_a_lost_rank():
+    """Rank 0's device fails while rank 1 (another device of this process)
+    waits for it: rank 1's collective fails with PeerLostError naming rank 0
+    and the fault, within a fraction of a second, instead of waiting for its
+    timeout; rank 1's later calls say so too."""
+    comms = _comms(2, "direct", DEV + 152)   # its own devices: the injected fault stays on them
+    try:
+        mine = comms[0].all_reduce(np.ones(64, np.float32), tag="rank 0 alone")   # keeps rank 0's watcher busy
+        waiting = comms[1].all_reduce(np.ones(64, np.float32), tag="rank 1 alone")
+        time.sleep(0.1)
+        comms[0]._ctx.backend.inject_fault(700)
+        t0 = time.monotonic()
+        with pytest.raises(dfccl.PeerLostError, match="rank 0 is lost: its device sim:2952 failed under its daemon "
+                                                      r"\(simulated device fault 700\)") as info:
+            waiting.synchronize(timeout=TIMEOUT)
+        assert time.monotonic() - t0 < 3.0
+        assert info.value.origin == 0
+        with pytest.raises(dfccl.BackendError, match="failed under the dfccl daemon"):
+            mine.synchronize(timeout=TIMEOUT)
+        with pytest.raises(dfccl.PeerLostError, match="lost rank 0"):
+            comms[1].all_reduce(np.ones(4, np.float32))
+        assert comms[0].status().state == "device failed (simulated device fault 700)"
+    finally:
+        for c in comms:
+            c.close()

@@ -332,6 +332,7 @@ typedef struct dfccl_rank_status {
 #define DFCCL_RANK_LIVE 0u
 #define DFCCL_RANK_ABORTED 1u   /* abort(): pending collectives failed, no new ones */
 #define DFCCL_RANK_CLOSED 2u    /* close(): no new collectives */
+#define DFCCL_RANK_FAILED 3u    /* its device failed: in its host status page only (the device takes no write) */
 
 /* ---- arena: tag records ------------------------------------------------- */
 /* A tag record is a 128-byte header followed by one dfccl_chan_state per

@@ -301,11 +301,14 @@ cdef class Work:
             if err is not None:
                 return err
         if status == DFCCL_STATUS_PEER_LOST:
+            why = None
             if diag is not None:
                 diag.peer_lost(detail)   # the communicator takes no more collectives
+                why = diag.lost_why.get(detail)
             return PeerLostError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: the process of "
-                f"rank {detail} has died", rank=self.rank, tag=self.tag, origin=detail)
+                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: rank {detail} "
+                + (f"is lost: {why}" if why else "is lost (its process died or stopped, or its device failed)"),
+                rank=self.rank, tag=self.tag, origin=detail)
         if status == DFCCL_STATUS_BAD_TASK:
             return BackendError(
                 f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
