@@ -87,7 +87,7 @@ def extensions():
         Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
         Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
         Extension("dfccl._native.sim_backend",
-                  ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp"],
+                  ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp", "cuda/sim/sim_stream.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",
                   extra_compile_args=CXX_FLAGS + step_profile_flags() + ["-pthread"], extra_link_args=["-pthread"],
                   depends=headers),

@@ -28,6 +28,93 @@ cdef extern from "sim_device.h":
     void dfccl_sim_device_destroy(dfccl_sim_device *dev) nogil
 
 
+cdef extern from "sim_stream.h":
+    ctypedef struct dfccl_sim_stream:
+        pass
+    dfccl_sim_stream *dfccl_sim_stream_create() nogil
+    void dfccl_sim_stream_write32(dfccl_sim_stream *s, uint64_t addr, uint32_t value) nogil
+    void dfccl_sim_stream_wait32(dfccl_sim_stream *s, uint64_t addr, uint32_t value) nogil
+    void dfccl_sim_stream_delay(dfccl_sim_stream *s, uint64_t ns) nogil
+    uint64_t dfccl_sim_stream_pending(dfccl_sim_stream *s) nogil
+    int dfccl_sim_stream_synchronize(dfccl_sim_stream *s, uint64_t timeout_ns) nogil
+    void dfccl_sim_stream_destroy(dfccl_sim_stream *s) nogil
+
+
+cdef class SimBackend(Backend)
+
+
+cdef class SimStream:
+    """A stream of a simulated GPU (SimBackend.create_stream): its operations
+    run in order on a host thread of its own, as a CUDA stream's run on the
+    device.  Pass it (or its ``handle``) as ``stream=`` to a collective or to
+    ``Work.wait``: a stream-ordered collective runs once the stream reaches
+    it, and a wait holds up what is queued after it until the collective
+    completes.  ``delay()`` stands for a kernel that runs for a while.
+    ``runtime.device_synchronize`` does not wait for simulated streams."""
+
+    cdef dfccl_sim_stream *s
+    cdef readonly SimBackend backend
+
+    def __cinit__(self, SimBackend backend):
+        self.backend = backend
+        self.s = dfccl_sim_stream_create()
+        if self.s == NULL:
+            raise BackendError("sim backend: cannot create a stream")
+
+    @property
+    def handle(self):
+        """What ``stream=`` takes (an int, like a CUstream)."""
+        return <uint64_t><uintptr_t>self.s
+
+    cdef dfccl_sim_stream *_open(self) except NULL:
+        if self.s == NULL:
+            raise InvalidArgumentError("this simulated stream is closed")
+        return self.s
+
+    def delay(self, double seconds):
+        """Holds up what is queued after it by ``seconds`` (a long kernel)."""
+        if not seconds >= 0:
+            raise InvalidArgumentError(f"delay: seconds must be >= 0, not {seconds!r}")
+        dfccl_sim_stream_delay(self._open(), <uint64_t>(seconds * 1e9))
+
+    def write32(self, uint64_t addr, uint32_t value):
+        """``*addr = value`` in stream order (cuStreamWriteValue32)."""
+        dfccl_sim_stream_write32(self._open(), addr, value)
+
+    def wait32(self, uint64_t addr, uint32_t value):
+        """What follows waits until ``*addr >= value`` (cuStreamWaitValue32 GEQ)."""
+        dfccl_sim_stream_wait32(self._open(), addr, value)
+
+    def pending(self):
+        """Operations queued that have not finished."""
+        return dfccl_sim_stream_pending(self._open())
+
+    def synchronize(self, timeout=None):
+        """Waits (without the GIL) for what is queued now; False if
+        ``timeout`` seconds passed first."""
+        cdef dfccl_sim_stream *st = self._open()
+        cdef uint64_t ns = 0 if timeout is None else max(1, <uint64_t>(float(timeout) * 1e9))
+        cdef int ok
+        with nogil:
+            ok = dfccl_sim_stream_synchronize(st, ns)
+        return ok != 0
+
+    def close(self):
+        """Drops what has not run, a wait that would never end included.
+        Idempotent."""
+        if self.s != NULL:
+            self.backend._streams.pop(<uint64_t><uintptr_t>self.s, None)
+            with nogil:
+                dfccl_sim_stream_destroy(self.s)
+            self.s = NULL
+
+    def __dealloc__(self):
+        if self.s != NULL:
+            with nogil:
+                dfccl_sim_stream_destroy(self.s)
+            self.s = NULL
+
+
 cdef uint64_t _buffer_address(object mm) except? 0:
     cdef const unsigned char[:] view = memoryview(mm).cast("B")
     return <uint64_t><uintptr_t>&view[0]
@@ -45,6 +132,7 @@ cdef class SimBackend(Backend):
 
     cdef dfccl_sim_device *dev
     cdef int fault         # inject_fault(): what query_fault() reports
+    cdef dict _streams     # handle -> SimStream, the streams of this device
     cdef dict _shared      # address -> (mmap, path) for memory we created
     cdef dict _imported    # address -> mmap for memory other processes created
 
@@ -55,6 +143,7 @@ cdef class SimBackend(Backend):
         self.block_threads = 1
         self._shared = {}
         self._imported = {}
+        self._streams = {}
         self.dev = dfccl_sim_device_create()
         if self.dev == NULL:
             raise BackendError("sim backend: cannot create the simulated device")
@@ -74,11 +163,26 @@ cdef class SimBackend(Backend):
     def fault_name(self, int code):
         return f"simulated device fault {code}"
 
+    def create_stream(self):
+        """A new stream of this simulated GPU (SimStream)."""
+        st = SimStream(self)
+        self._streams[st.handle] = st
+        return st
+
+    cdef SimStream _stream(self, uint64_t stream, str what):
+        st = self._streams.get(stream)
+        if st is None:
+            raise InvalidArgumentError(f"{what} on the simulator needs one of its streams "
+                                       f"(SimBackend.create_stream() of sim:{self.device}), not {stream:#x}")
+        return <SimStream>st
+
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
-        raise InvalidArgumentError("stream-ordered submission needs the cuda backend (the simulator has no streams)")
+        self._stream(stream, "stream-ordered submission").write32(addr, value)
+        return 0
 
     cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
-        raise InvalidArgumentError("stream-ordered waits need the cuda backend (the simulator has no streams)")
+        self._stream(stream, "a stream-ordered wait").wait32(addr, value)
+        return 0
 
     def alloc_mapped(self, size_t nbytes):
         cdef void *p = calloc(1, nbytes if nbytes else 1)
@@ -176,6 +280,8 @@ cdef class SimBackend(Backend):
         return dfccl_sim_device_busy(self.dev) != 0
 
     def close(self):
+        for st in list(self._streams.values()):
+            st.close()   # before the device: a stream may wait for a collective
         if self.dev != NULL:
             with nogil:
                 dfccl_sim_device_destroy(self.dev)
@@ -187,9 +293,13 @@ cdef class SimBackend(Backend):
 
     def forget_after_fork(self):
         # The device's threads do not exist in the child: never join them.
+        cdef SimStream st
         self.dev = NULL
         self._shared = {}
         self._imported = {}
+        for st in self._streams.values():
+            st.s = NULL   # nor the streams' threads
+        self._streams = {}
 
     def __dealloc__(self):
         if self.dev != NULL:

@@ -1,0 +1,158 @@
+"""Stream-ordered collectives on the simulator's streams (SimStream: a host
+thread per stream running its operations in order, as a GPU runs a
+stream's): a collective submitted on a stream runs once the stream reaches
+it, Work.wait(stream) holds up what is queued after it until the collective
+completes, the daemon leaves while what it holds is not armed and comes back
+when it is, and ranks may issue stream-ordered collectives in different
+orders."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import runtime
+from dfccl.testing import scenarios as sc
+
+DEV = 4300          # device ids of this module: 4300..4399
+TIMEOUT = 30.0
+
+
+def _setup(dev: int, n: int = 2):
+    comms = dfccl.Communicator.for_devices(list(range(dev, dev + n)), backend="sim")
+    streams = [runtime.get_backend("sim", dev + r).create_stream() for r in range(n)]
+    return comms, streams
+
+
+def _close(comms, streams):
+    for s in streams:
+        s.close()
+    sc.settle(comms)
+
+
+def test_a_collective_runs_once_its_stream_reaches_it():
+    comms, streams = _setup(DEV)
+    try:
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        streams[0].delay(0.3)                       # a long kernel before the collective
+        t0 = time.monotonic()
+        w0 = comms[0].all_reduce(xs[0], tag="behind a kernel", stream=streams[0])
+        assert w0.stream_ordered and comms[0]._ctx.stream_reached(w0) is False
+        w1 = comms[1].all_reduce(xs[1], tag="behind a kernel")
+        w1.synchronize(timeout=TIMEOUT)
+        assert time.monotonic() - t0 >= 0.25        # it waited for rank 0's stream
+        w0.synchronize(timeout=TIMEOUT)
+        assert (xs[0] == 3).all() and (xs[1] == 3).all()
+        assert comms[0]._ctx.stream_reached(w0) is None   # retired
+    finally:
+        _close(comms, streams)
+
+
+def test_wait_holds_up_the_stream_until_the_collective_completes():
+    comms, streams = _setup(DEV + 2)
+    try:
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        flag = np.zeros(1, np.uint32)
+        w0 = comms[0].all_reduce(xs[0], tag="waited on a stream")
+        w0.wait(streams[0])                          # returns at once: the host never blocks
+        streams[0].write32(flag.ctypes.data, 7)      # what the stream does after the wait
+        time.sleep(0.2)
+        assert flag[0] == 0 and streams[0].pending() == 2 and comms[0]._ctx.stream_waits == 1
+        comms[1].all_reduce(xs[1], tag="waited on a stream").synchronize(timeout=TIMEOUT)
+        assert streams[0].synchronize(timeout=TIMEOUT)
+        assert flag[0] == 7 and (xs[0] == 3).all()
+    finally:
+        _close(comms, streams)
+
+
+def test_daemon_leaves_while_nothing_is_armed_and_comes_back():
+    """Both ranks' collectives sit behind a second of stream work: the
+    daemons leave (they hold only unarmed collectives, and a device
+    synchronisation must be able to return) and are brought back after a
+    backoff; the collectives then complete."""
+    comms, streams = _setup(DEV + 4)
+    try:
+        xs = [np.full(4096, r + 1, np.float32) for r in range(2)]
+        for s in streams:
+            s.delay(1.0)
+        works = [c.all_reduce(x, tag="late", stream=s) for c, x, s in zip(comms, xs, streams)]
+        launches = [c._ctx.launches for c in comms]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert all((x == 3).all() for x in xs)
+        assert all(c._ctx.launches > n for c, n in zip(comms, launches)), (launches, [c._ctx.launches for c in comms])
+    finally:
+        _close(comms, streams)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stream_ordered_collectives_in_rank_divergent_orders(seed):
+    """Four ranks issue the same tagged collectives on their streams in
+    orders of their own, each behind stream work of random length, then
+    make the stream wait for all of them: nothing hangs, every result is
+    right.  (A stream that waited for each collective before reaching the
+    next would order them itself, and rank-divergent orders would then be
+    a real cycle, as under any library.)"""
+    rng = np.random.default_rng(seed)
+    n, k = 4, 6
+    comms, streams = _setup(DEV + 10 + 5 * seed, n)
+    try:
+        sizes = [int(rng.integers(1, 3000)) for _ in range(k)]
+        xs = [[rng.standard_normal(sizes[i]).astype(np.float32) for i in range(k)] for _ in range(n)]
+        want = [sum(xs[r][i] for r in range(n)) for i in range(k)]
+        works = []
+        for r in range(n):
+            mine = []
+            for i in rng.permutation(k):
+                streams[r].delay(float(rng.uniform(0, 0.02)))
+                mine.append(comms[r].all_reduce(xs[r][i], tag=("divergent", int(i)), stream=streams[r]))
+            for w in mine:
+                w.wait(streams[r])
+            works += mine
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for s in streams:
+            assert s.synchronize(timeout=TIMEOUT)
+        for r in range(n):
+            for i in range(k):
+                sc.assert_close(xs[r][i], want[i], "float32", "sum", n, f"rank {r} collective {i}")
+    finally:
+        _close(comms, streams)
+
+
+def test_an_unknown_stream_is_refused():
+    comms, streams = _setup(DEV + 30)
+    try:
+        other = runtime.get_backend("sim", DEV + 31).create_stream()   # rank 1's device, not rank 0's
+        with pytest.raises(dfccl.InvalidArgumentError, match="needs one of its streams"):
+            comms[0].all_reduce(np.ones(4, np.float32), stream=other)
+        with pytest.raises(dfccl.InvalidArgumentError, match="needs one of its streams"):
+            comms[0].all_reduce(np.ones(4, np.float32), stream=12345)
+        other.close()
+        with pytest.raises(dfccl.InvalidArgumentError, match="closed"):
+            other.delay(0.1)
+    finally:
+        _close(comms, streams)
+
+
+def test_abort_releases_a_stream_that_waits_for_the_collective():
+    """A stream waiting for a collective whose peer never comes is not held
+    for ever: abort() fails the collective, the daemon writes its completion
+    word, and what the stream queued after the wait runs."""
+    comms, streams = _setup(DEV + 32)
+    try:
+        flag = np.zeros(1, np.uint32)
+        w = comms[0].all_reduce(np.ones(64, np.float32), tag="alone")   # rank 1 never joins
+        w.wait(streams[0])
+        streams[0].write32(flag.ctypes.data, 1)
+        time.sleep(0.1)
+        assert flag[0] == 0
+        comms[0].abort()
+        assert streams[0].synchronize(timeout=TIMEOUT) and flag[0] == 1
+        with pytest.raises(dfccl.AbortedError):
+            w.synchronize(timeout=TIMEOUT)
+    finally:
+        _close(comms, streams)
