@@ -23,7 +23,9 @@ DFCCL_DEV void take_relayed(TaskRun &run, uint64_t info) {
 // start of its arena.
 DFCCL_DEV bool rank_left(const dfccl_endpoint *ep, uint32_t rank) {
   const dfccl_rank_status *s = ptr<const dfccl_rank_status>(ep->peer_arena[rank]);
-  return load_relaxed(&s->state) != DFCCL_RANK_LIVE;
+  // Acquire: what the rank wrote into our record before it left is seen
+  // after its leave (abort_pending reads the abort mark again).
+  return load_acquire(&s->state) != DFCCL_RANK_LIVE;
 }
 
 // Whether `rank` left before taking part in this instance on this channel:
@@ -74,6 +76,14 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
   const dfccl_endpoint *ep = run.ep;
   for (uint32_t p = peer < ep->nranks ? peer : 0; p < ep->nranks; ++p) {
     if (p != ep->rank && left_before_taking_part(run, p)) {
+      // A rank that gave the instance up before publishing it (a mismatch
+      // it saw in our record, say) marked our record before it completed
+      // and left; the mark may have landed after the read above.  Read it
+      // again now that the leave is seen: it says why.
+      if (load_acquire(&run.mine->abort_token) == run.token) {
+        take_relayed(run, load_acquire(&run.mine->abort_info));
+        return true;
+      }
       take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | p);
       return true;
     }

@@ -182,7 +182,10 @@ class _Monitor:
                     alive.append(w)   # never let the monitor die; try again next time
             with self._lock:
                 self._watches = [w for w in self._watches if w not in watches or w in alive]
-            _report_faults(comms)
+            try:
+                _report_faults(comms)
+            except Exception:
+                pass   # never let the monitor die; try again next time
             if now >= self._next_status:
                 self._next_status = now + STATUS_INTERVAL
                 self._write_status(comms)

@@ -242,3 +242,29 @@ def test_a_device_fault_reaches_the_peers_in_this_process_as_a_lost_rank():
     finally:
         for c in comms:
             c.close()
+
+
+def test_a_device_fault_found_at_the_next_launch():
+    """A device that failed while nothing was pending (its daemon had left)
+    is found when the next collective launches the daemon: the submission
+    raises the device's BackendError, not a bare launch failure, and the
+    context refuses collectives from then on."""
+    comms = _comms(2, "direct", DEV + 154)   # its own devices: the injected fault stays on them
+    try:
+        zs = [np.ones(8, np.float32) for _ in range(2)]
+        for w in [c.all_reduce(z, tag="before") for c, z in zip(comms, zs)]:
+            w.synchronize(timeout=TIMEOUT)
+        ctx = comms[0]._ctx
+        deadline = time.monotonic() + TIMEOUT
+        while ctx.daemon_state[1] != "exited" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ctx.daemon_state[1] == "exited"   # idle: the daemon has left
+        ctx.backend.inject_fault(700)
+        with pytest.raises(dfccl.BackendError, match="failed under the dfccl daemon: simulated device fault 700"):
+            comms[0].all_reduce(np.ones(8, np.float32), tag="after")
+        assert ctx.device_fault == 700
+        with pytest.raises(dfccl.BackendError, match="restart the process"):
+            comms[0].all_reduce(np.ones(8, np.float32), tag="later")
+    finally:
+        for c in comms:
+            c.close()

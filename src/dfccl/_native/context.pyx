@@ -886,6 +886,9 @@ cdef class Context:
                 rc = self._launch_locked()
             PyThread_release_lock(self.launch_lock)
         if rc != 0:
+            # A launch on a failed device fails with its error: say that.
+            if self._record_fault(self.backend.query_fault()):
+                raise self._fault_error()
             raise self.backend.launch_error(rc)
         return 0
 
@@ -905,7 +908,7 @@ cdef class Context:
         never runs.  And a thread waiting for a collective never finds the
         GIL taken by a poll."""
         cdef uint64_t now
-        cdef int rc = 0
+        cdef int rc = 0, code = 0
         cdef bint unfinished
         with nogil:
             while not self.watch_stop:
@@ -953,11 +956,15 @@ cdef class Context:
                         rc = self._launch_locked()
                     PyThread_release_lock(self.launch_lock)
                     if rc != 0:
+                        # The daemon cannot come back (a failed device, say):
+                        # what is pending would never complete, so it fails
+                        # as on a failed device (fail_on_fault).
+                        code = self.backend.query_fault()
+                        self._record_fault(code if code != 0 else rc)
                         break
         if rc != 0:
-            # Whatever is pending stays so and times out; say why now.
             warnings.warn(f"dfccl: relaunching the daemon on {self.backend.name}:{self.backend.device} failed: "
-                          f"{self.backend.launch_error(rc)}", RuntimeWarning)
+                          f"{self.backend.launch_error(rc)}; its pending collectives fail", RuntimeWarning)
 
     cdef bint _check_fault(self) noexcept nogil:
         """The watcher, every FAULT_POLL_NS while busy: whether the device
@@ -969,7 +976,12 @@ cdef class Context:
         if now < self.fault_next_ns:
             return False
         self.fault_next_ns = now + FAULT_POLL_NS
-        code = self.backend.query_fault()
+        return self._record_fault(self.backend.query_fault())
+
+    cdef bint _record_fault(self, int code) noexcept nogil:
+        """The device reported ``code`` (nonzero: it has failed): every
+        pending Work is to fail (fail_on_fault, on the progress thread or a
+        waiting synchronize()), and nothing more is submitted."""
         if code == 0:
             return False
         self.device_fault = code

@@ -149,6 +149,8 @@ cdef class SimBackend(Backend):
             raise BackendError("sim backend: cannot create the simulated device")
 
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
+        if self.fault:
+            return self.fault   # a failed device launches nothing
         return dfccl_sim_device_launch(self.dev, args)
 
     cdef int query_fault(self) noexcept nogil:
