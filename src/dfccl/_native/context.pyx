@@ -972,7 +972,6 @@ cdef class Context:
         so nothing pending will complete: the progress thread (and any
         synchronize() waiting, which polls fault_word) fails it all now."""
         cdef uint64_t now = dfccl_now_ns()
-        cdef int code
         if now < self.fault_next_ns:
             return False
         self.fault_next_ns = now + FAULT_POLL_NS
@@ -990,7 +989,6 @@ cdef class Context:
         return True
 
     def _fault_error(self):
-        from dfccl.errors import BackendError
         return BackendError(
             f"the device {self.backend.name}:{self.backend.device} failed under the dfccl daemon: "
             f"{self.backend.fault_name(self.device_fault)}.  A kernel of this process faulted (an illegal address "
@@ -998,13 +996,32 @@ cdef class Context:
             "kernel); the device runs nothing more in this process, so every pending collective failed and new ones "
             "are refused: restart the process", driver_code=self.device_fault)
 
+    cdef list _fail_unretired(self, object err, bint completed_too):
+        """Fails on the host, with ``err``, every outstanding Work not
+        retired yet (and, unless ``completed_too``, not completed by the
+        daemon either: those retire as usual); returns them.  Reads no device
+        word when ``completed_too``.  The caller holds the lock if others may
+        run."""
+        cdef Work work
+        cdef uint64_t now = dfccl_now_ns()
+        cdef list failed = []
+        for i in range(self.n_outstanding):
+            work = <Work>self.slot_work[self.outstanding[i]]
+            if work is None or work._retired:
+                continue
+            if not completed_too and self._completed(self.outstanding[i]):
+                continue
+            work._fail_on_host(now)
+            work._error = err
+            failed.append(work)
+        return failed
+
     def fail_on_fault(self):
         """Fails every pending Work with the device's error (BackendError),
         once the watcher has found the device failed; their slots stay taken
         (nothing will be reused).  Idempotent; a no-op before a fault."""
         cdef Work work
-        cdef uint64_t now = dfccl_now_ns()
-        cdef list failed = []
+        cdef list failed
         if not dfccl_load_acquire_u32(&self.fault_word):
             return
         err = self._fault_error()
@@ -1013,16 +1030,9 @@ cdef class Context:
             if self.fault_handled:
                 return
             self.fault_handled = True
-            for i in range(self.n_outstanding):
-                work = <Work>self.slot_work[self.outstanding[i]]
-                if work is None or work._retired:
-                    continue
-                if self._completed(self.outstanding[i]):
-                    continue   # finished before the fault: retired as usual
-                work._fail_on_host(now)
-                work._abandoned = True
-                work._error = err
-                failed.append(work)
+            failed = self._fail_unretired(err, False)
+            for work in failed:
+                work._abandoned = True   # the slot is the daemon's until it lets go
         finally:
             PyThread_release_lock(self.lock)
         for work in failed:
@@ -1101,9 +1111,8 @@ cdef class Context:
         are new (another thread may have held them at the fork), and every
         Work still pending fails now with ClosedError, touching no memory the
         child may not have.  Done-callbacks are dropped (the parent runs
-        them)."""
+        them).  The backend is runtime.py's to forget."""
         cdef Work work
-        cdef uint64_t now = dfccl_now_ns()
         self.forked_from = parent_pid
         self.closed = True
         self.watch_stop = True
@@ -1113,15 +1122,11 @@ cdef class Context:
         if self.lock == NULL or self.launch_lock == NULL or self.watch_wake == NULL:
             raise MemoryError
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
-        self.backend.forget_after_fork()
         err = ClosedError(f"this collective belongs to process {parent_pid}, which forked this process: a "
                           "forked child cannot use its parent's collectives or communicators")
-        for i in range(self.n_outstanding):
-            work = <Work>self.slot_work[self.outstanding[i]]
-            if work is None or work._retired:
-                continue
-            work._fail_on_host(now)
-            work._error = err
+        # The child has one thread: no lock.  Completion words may not be
+        # mapped here (pinned memory is not inherited): none is read.
+        for work in self._fail_unretired(err, True):
             work._callbacks = None
         self.n_outstanding = 0
         self.diagnostics = {}

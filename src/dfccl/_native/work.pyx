@@ -264,8 +264,8 @@ cdef class Work:
         self._keepalive = None
 
     cdef void _fail_on_host(self, uint64_t now):
-        """Fails it as aborted without the daemon (abandoned, or inherited by
-        a forked child); what it keeps alive stays."""
+        """Fails it as aborted on the host, without the daemon (abandoned, a
+        failed device, a forked child's); what it keeps alive stays."""
         memset(&self._result, 0, sizeof(dfccl_result))
         self._result.status = DFCCL_STATUS_ABORTED
         self._result.detail = -1
@@ -277,10 +277,8 @@ cdef class Work:
 
     cdef void _fail_closed(self, uint64_t now):
         """The context closed under this pending collective."""
-        memset(&self._result, 0, sizeof(dfccl_result))
-        self._result.status = DFCCL_STATUS_ABORTED
-        self._result.detail = -1
-        self._finish(&self._result, now)
+        self._fail_on_host(now)
+        self._keepalive = None
 
     cdef object _get_error(self):
         if self._error is None and self._retired and self._status != DFCCL_STATUS_OK:
