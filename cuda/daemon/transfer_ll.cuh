@@ -102,22 +102,9 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
 // credit wait therefore waits only for peers' daemons to run, never on
 // another credit (the deadlock-freedom argument in docs/design-decisions.md,
 // "LL").
-//
-// DFCCL_LL_CREDIT_ONE_TRIP=1 (an experiment, benchmarks/NOTES.md 16): the
-// first receiver's acknowledgement is loaded with the header's words, before
-// the branches that may not need it, so that with two ranks the check is one
-// round trip instead of two (the acknowledgement's address depends on none of
-// them; an acquire orders only what comes after it).
-#ifndef DFCCL_LL_CREDIT_ONE_TRIP
-#define DFCCL_LL_CREDIT_ONE_TRIP 0
-#endif
 DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own) {
   const uint64_t key = load_gpu(&own->ll_key);
   const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
-#if DFCCL_LL_CREDIT_ONE_TRIP
-  const uint32_t first = (run.ep->rank + 1) % run.ep->nranks;
-  const uint64_t first_ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, first));
-#endif
   if (key == 0) return true;
   const bool same_tag = key == run.d->tag_key;
   const uint64_t last = same_tag ? ((run.d->instance & 1u) ? i1 : i0) : (i0 > i1 ? i0 : i1);
@@ -126,11 +113,7 @@ DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own)
   const uint64_t want = ll_ack_word(key, last);
   for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
     const uint32_t receiver = (run.ep->rank + 1 + i) % run.ep->nranks;
-#if DFCCL_LL_CREDIT_ONE_TRIP
-    const uint64_t ack = i == 0 ? first_ack : load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
-#else
     const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
-#endif
     const bool ok = same_tag ? (ack & 0xffffffff00000000ull) == tag_bits && (ack & 0xffffffffull) >= (last & 0xffffffffull)
                              : ack == want;
     if (!ok) return false;
