@@ -156,6 +156,13 @@ DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) {
 DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
   return atomicCAS(p, expect, v);
 }
+// Replaces `expect` by `v` at system scope; returns the old value, which a
+// caller that ignores it never waits for.
+DFCCL_DEV uint64_t cas_relaxed(uint64_t *p, uint64_t expect, uint64_t v) {
+  uint64_t old;
+  asm volatile("atom.relaxed.sys.global.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "l"(p), "l"(expect), "l"(v) : "memory");
+  return old;
+}
 // Raises a word of global memory (the daemon state) to v without waiting for
 // the old value.  atomicMax on a generic pointer compiled to an atomic that
 // also reports whether the address was shared memory, and a branch on that.
@@ -233,6 +240,10 @@ DFCCL_DEV void red_add_relaxed(uint64_t *p, uint64_t v) { __atomic_fetch_add(p, 
 DFCCL_DEV uint32_t atomic_add_local(uint32_t *p, uint32_t v) { return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL); }
 DFCCL_DEV uint32_t atomic_cas_local(uint32_t *p, uint32_t expect, uint32_t v) {
   __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  return expect;
+}
+DFCCL_DEV uint64_t cas_relaxed(uint64_t *p, uint64_t expect, uint64_t v) {
+  __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
   return expect;
 }
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {

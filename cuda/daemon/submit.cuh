@@ -23,10 +23,9 @@ namespace dfccl {
 // wrote for an old tag (or a stale copy of them) name an instance that is
 // over; the previous context is checked by token, since its slot may have
 // been reused since, and by state.
-DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan) {
+DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan, uint64_t rec) {
   const dfccl_daemon_args *a = env.args;
-  const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
-  dfccl_chan_state *mine = record_chan(record_at(ep, ep->rank, d->bucket), chan);
+  dfccl_chan_state *mine = record_chan(rec, chan);
   const uint64_t last_token = load_own(&mine->chain_token);
   const uint64_t last_slot = load_own(&mine->chain_slot);
   mine->chain_token = instance_token(d->tag_key, d->instance);
@@ -37,6 +36,23 @@ DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *
   if (instance_token(prev->desc.tag_key, prev->desc.instance) != last_token) return false;
   prev->successor = d->slot + 1;
   return true;
+}
+
+// The leader, at pull time, for the first channel of a task the host marked
+// DFCCL_TASK_KEY_BUCKET (no instance in its bucket has retired yet, so the
+// bucket may never have held a tag): a bucket whose key is 0 takes this
+// tag's key now, not only at the first publish.  Peers find a record by
+// probing from the tag's home bucket and stop at a key of 0 (block_env.cuh,
+// probe_record); a bucket the host has claimed for a tag that has not
+// published yet (its stream has not reached it, say) must not end the probe
+// for a later tag the host placed past it, else that tag's peers could not
+// meet it until the first one runs: a wait on an unrelated collective, a
+// deadlock when that one waits for this one.  A bucket that holds another
+// tag's key keeps it until the publish (the LL handover reads it).  A
+// compare-and-swap whose result is not waited for, and only for a bucket's
+// first instances, so the steady state pays nothing.
+DFCCL_DEV void claim_fresh_bucket(uint64_t rec, uint64_t tag_key) {
+  (void)cas_relaxed(&ptr<dfccl_record_header>(rec)->key, 0ull, tag_key);
 }
 
 // The leader, at pull time: whether a descriptor can be run at all.  Every
@@ -97,7 +113,10 @@ DFCCL_DEV void take_entry(const BlockEnv &env, const pack16 *words, uint64_t pul
     return;
   }
   if (chan >= d->nchannels) return;
-  const bool chained = chain_behind_pending(env, d, chan);
+  const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
+  const uint64_t rec = record_at(ep, ep->rank, d->bucket);
+  if (chan == 0 && (d->flags & DFCCL_TASK_KEY_BUCKET)) claim_fresh_bucket(rec, d->tag_key);
+  const bool chained = chain_behind_pending(env, d, chan, rec);
   dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
   ctx->desc = *d;
   ctx->channel = chan;

@@ -239,6 +239,8 @@ class Endpoint:
                     self.backend.release_import(ptr)
                 except Exception:
                     pass  # the mapping goes with the process
+            if free_memory:
+                self.tags.drop_failed()   # failed collectives' buffers: no peer reaches them now
             if free_memory and self.arena:
                 self.backend.free_device(self.arena)
                 self.arena = 0

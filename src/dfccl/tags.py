@@ -74,6 +74,16 @@ class TagTable:
     def __init__(self, capacity: int, staging=None):
         self.capacity = capacity
         self._owner: list[int] = [0] * capacity  # key bound to each bucket; 0 = free
+        # Whether an instance placed in each bucket has retired: until then
+        # the daemon's copy of the bucket may still read as never used, and a
+        # submission to it asks the daemon to write the key (keyed()).
+        self._keyed: list[bool] = [False] * capacity
+        # What failed instances kept alive (their buffers): a failed rank does
+        # not wait for its peers, and a peer that had met it may still read
+        # its buffers in place until it sees the failure; like a failed
+        # instance's bucket, they stay until no peer can touch them
+        # (Endpoint.release, drop_failed).
+        self._failed_owners: list[object] = []
         self._tags: dict[int, _TagState] = {}
         self._idle: dict[int, None] = {}  # persistent tags bound but with nothing pending, oldest first
         self._staging = staging
@@ -135,21 +145,42 @@ class TagTable:
         with staging: ((slot + 1) << 32) | gen, for later instances' ``after``."""
         self._tags[key].last_slot_gen = slot_gen
 
+    def keep_failed(self, owners: object) -> None:
+        """Keeps what a failed instance kept alive (its buffers) until
+        drop_failed()."""
+        if owners is not None:
+            self._failed_owners.append(owners)
+
+    def drop_failed(self) -> None:
+        """Lets failed instances' buffers go: no peer can reach them any more."""
+        self._failed_owners = []
+
+    def keyed(self, bucket: int) -> bool:
+        """Whether the daemon has surely written a key into ``bucket``: an
+        instance placed there has retired (the daemon pulled it).  Until then
+        a submission asks the daemon to key it (DFCCL_TASK_KEY_BUCKET), so
+        that peers probing past it do not stop there (design decision 31)."""
+        return self._keyed[bucket]
+
     def cancel(self, key: int) -> None:
         """Undoes the last acquire() of ``key`` (its submission failed before
         reaching the daemon): the instance number is given back."""
         st = self._tags[key]
         st.submitted -= 1
-        self.release(key, failed=False)
+        self.release(key, failed=False, ran=False)
 
-    def release(self, key: int, failed: bool, instance_staging: tuple[int, int] | None = None) -> None:
-        """One instance of ``key`` completed (or failed).  ``instance_staging``
-        (offset, bytes): staging that instance had alone
-        (alloc_instance_staging), given back unless it failed (a peer that
-        has not seen the failure may still read or mark it)."""
+    def release(self, key: int, failed: bool, instance_staging: tuple[int, int] | None = None,
+                ran: bool = True) -> None:
+        """One instance of ``key`` completed (or failed; ``ran``: it reached
+        the daemon).  ``instance_staging`` (offset, bytes): staging that
+        instance had alone (alloc_instance_staging), given back unless it
+        failed (a peer that has not seen the failure may still read or mark
+        it)."""
         if instance_staging is not None and not failed:
             self._staging.free(*instance_staging)
         st = self._tags[key]
+        if ran:
+            self._keyed[st.bucket] = True
         st.pending -= 1
         if failed:
             # Its bucket and staging stay bound for good: a peer that has not

@@ -379,6 +379,43 @@ def test_several_ranks_per_gpu(nranks, path, rng):
             c.close()
 
 
+def test_threads_driving_communicators_that_share_devices(rng):
+    """Two communicators on the same GPUs share each device's context; a
+    thread drives each as fast as it can (submissions from both threads
+    reach one ring; a waiter must see its collective complete although the
+    other thread retired it first)."""
+    devs = gpu_devices(2)
+    pairs = {name: dfccl.Communicator.for_devices(devs, backend="cuda") for name in ("a", "b")}
+    seeds = {name: int(rng.integers(1 << 31)) for name in pairs}
+    errors, rounds = [], 500
+
+    def drive(name):
+        comms, local = pairs[name], np.random.default_rng(seeds[name])
+        try:
+            for i in range(rounds):
+                host = [local.integers(-1000, 1000, 256).astype(np.int32) for _ in range(2)]
+                bufs = [arrays.from_numpy("cuda", devs[r], host[r]) for r in range(2)]
+                works = [comms[r].all_reduce(bufs[r]) for r in range(2)]
+                for w in works:
+                    w.synchronize(timeout=60)
+                for r in range(2):
+                    if not np.array_equal(arrays.to_numpy(bufs[r]), host[0] + host[1]):
+                        errors.append(f"{name}, round {i}, rank {r}: wrong sum")
+                        return
+        except Exception as exc:  # reported below, with the thread's name
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    t0 = time.monotonic()
+    try:
+        sc.run_concurrently([lambda n=name: drive(n) for name in pairs], timeout=240)
+    finally:
+        for comms in pairs.values():
+            for c in comms:
+                c.close()
+    assert not errors, errors
+    record("threads_sharing_devices", rounds=rounds, seconds=time.monotonic() - t0)
+
+
 # -- deadlock scenarios ----------------------------------------------------------------
 @pytest.mark.parametrize("path", ["direct", "ring"])
 def test_inconsistent_order(comms2, path, rng):

@@ -345,15 +345,15 @@ def test_unwaited_collectives_are_retired_by_the_watcher(make):
     """Nobody synchronizes these: the context's watcher retires them (slots
     and tag records given back), and a callback added later still runs."""
     comms = make(2, "direct", base=DEV + 14)
-    ctx = comms[0]._ctx
+    ctxs = [c._ctx for c in comms]   # a rank may finish after its peer: watch both
     xs = [[np.full(8, r + 1.0, np.float32) for _ in range(40)] for r in range(2)]
     works = [[c.all_reduce(x, tag=("unwaited", i)) for i, x in enumerate(xs[r])] for r, c in enumerate(comms)]
     called = threading.Event()
     works[0][-1].add_done_callback(lambda w: called.set())
     deadline = time.monotonic() + TIMEOUT
-    while ctx.outstanding_count and time.monotonic() < deadline:
+    while any(ctx.outstanding_count for ctx in ctxs) and time.monotonic() < deadline:
         time.sleep(1e-3)
-    assert ctx.outstanding_count == 0, "completed collectives were left unretired"
+    assert [ctx.outstanding_count for ctx in ctxs] == [0, 0], "completed collectives were left unretired"
     assert all(w.done() and w.exception() is None for ws in works for w in ws)
     assert called.wait(TIMEOUT)
     assert all(np.all(x == 3.0) for r in range(2) for x in xs[r])
@@ -1093,3 +1093,40 @@ def test_timeout_does_not_name_a_stale_rank():
         assert info.value.waiting_on in (None, 1), f"names rank {info.value.waiting_on}: {info.value}"
     finally:
         sc.settle(comms)
+
+
+def test_threads_driving_communicators_that_share_devices():
+    """Two communicators on the same two devices share each device's
+    context (its submission ring and completion slots); a thread drives
+    each, submitting and waiting as fast as it can.  Submissions from the
+    two threads must not interleave inside the ring, and a thread waiting
+    for a collective must see it complete although the other thread
+    retired it and reused its slot (a wait that looked for the slot's
+    generation alone missed it and hung)."""
+    devs = [DEV + 130, DEV + 131]
+    pairs = {"a": dfccl.Communicator.for_devices(devs, backend="sim"),
+             "b": dfccl.Communicator.for_devices(devs, backend="sim")}
+    assert pairs["a"][0]._ctx is pairs["b"][0]._ctx
+    errors, rounds = [], 2000
+
+    def drive(name):
+        comms = pairs[name]
+        try:
+            for i in range(rounds):
+                xs = [np.full(8, r + 1 + i, np.float32) for r in range(2)]
+                works = [comms[r].all_reduce(xs[r]) for r in range(2)]
+                for w in works:
+                    w.synchronize(timeout=TIMEOUT)
+                if not all((x == 2 * i + 3).all() for x in xs):
+                    errors.append(f"{name}, round {i}: {xs[0][0]}, {xs[1][0]}, not {2 * i + 3}")
+                    return
+        except Exception as exc:  # reported below, with the thread's name
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    try:
+        sc.run_concurrently([lambda n=name: drive(n) for name in pairs], timeout=4 * TIMEOUT)
+    finally:
+        for comms in pairs.values():
+            for c in comms:
+                c.close()
+    assert not errors, errors

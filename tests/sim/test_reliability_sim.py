@@ -268,3 +268,84 @@ def test_a_device_fault_found_at_the_next_launch():
     finally:
         for c in comms:
             c.close()
+
+
+def test_a_failed_collective_keeps_its_buffers_until_no_peer_can_read_them():
+    """A rank that fails a collective does not wait for its peers, and on
+    the direct path a peer that has met it reads its buffers in place until
+    it sees the failure: so the failed collective's buffers stay alive (as
+    its tag record does) until the communicator's memory goes, not just
+    until it retires.  A collective that completed lets go at once."""
+    import gc
+    import weakref
+
+    comms = _comms(2, "direct", DEV + 160)
+    try:
+        done_buf = np.ones(256, np.float32)
+        peer = np.ones(256, np.float32)
+        ws = [comms[0].all_reduce(done_buf, tag="completes"), comms[1].all_reduce(peer, tag="completes")]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        done_ref = weakref.ref(done_buf)
+        failed_buf = np.ones(256, np.float32)
+        failed_ref = weakref.ref(failed_buf)
+        w = comms[0].all_reduce(failed_buf, tag="rank 1 never comes")
+        time.sleep(0.05)
+        comms[0].abort()
+        with pytest.raises(dfccl.AbortedError):
+            w.synchronize(timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while comms[0]._ctx.held_by_daemon(comms[0]._endpoint.id) and time.monotonic() < deadline:
+            time.sleep(1e-3)   # until the daemon let go of it and it retired
+        del ws, w, done_buf, failed_buf
+        gc.collect()
+        assert done_ref() is None, "a completed collective's buffer is let go at once"
+        assert failed_ref() is not None, "a failed collective's buffer must outlive its retirement"
+    finally:
+        sc.settle(comms)
+    gc.collect()
+    assert failed_ref() is None, "once every rank closed, nothing keeps it"
+
+
+_ABORT_WHILE_PEER_READS = r"""
+import gc, random, sys, time
+import numpy as np
+import dfccl
+random.seed(int(sys.argv[1]))
+for it in range(20):
+    comms = dfccl.Communicator.for_devices([100 + 2 * it, 101 + 2 * it], backend="sim",
+                                           options=dfccl.CommOptions(path="direct"))
+    # 32 MiB each: malloc maps them, and free unmaps them at once.
+    a, b = np.ones(8 << 20, np.float32), np.ones(8 << 20, np.float32)
+    works = [comms[0].all_reduce(a, tag="t"), comms[1].all_reduce(b, tag="t")]
+    del a                                    # only rank 0's Work keeps it now
+    time.sleep(random.uniform(0, 0.004))     # rank 1 is reading it in place, or about to
+    comms[0].abort()
+    for w in works:
+        try:
+            w.synchronize(timeout=30)
+        except dfccl.DfcclError:
+            pass
+    del works
+    gc.collect()
+    comms[1].abort()
+    for c in comms:
+        c.close()
+print("COMPLETED")
+"""
+
+
+def test_abort_while_a_peer_reads_the_buffers_in_place():
+    """Rank 0 aborts an all-reduce that rank 1's daemon reads in place
+    (direct path), and nothing but rank 0's Work keeps rank 0's input.  The
+    failed collective retires at once, without waiting for rank 1; had its
+    buffer gone with it, rank 1's read would land in unmapped memory (a
+    segmentation fault here, an illegal address on a GPU: seen as a rare
+    crash under abort with heavy traffic).  In a subprocess, so that a crash
+    fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ABORT_WHILE_PEER_READS, str(int(time.time()))],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "COMPLETED" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-4000:])

@@ -156,3 +156,54 @@ def test_abort_releases_a_stream_that_waits_for_the_collective():
             w.synchronize(timeout=TIMEOUT)
     finally:
         _close(comms, streams)
+
+
+def _tags_sharing_a_home_bucket(comm, count: int, avoid: int = 2):
+    """``count`` tags whose records start probing at the same bucket of
+    ``comm``'s table, and one more whose home is none of the next ``avoid``
+    buckets after it (the keys hash the communicator, so they differ per run)."""
+    from dfccl.tags import home_bucket, tag_key
+
+    cap = comm._endpoint.capacity
+    homes: dict[int, list[str]] = {}
+    for i in range(100_000):
+        homes.setdefault(home_bucket(tag_key(comm._comm_key, f"t{i}"), cap), []).append(f"t{i}")
+        shared = next((h for h, tags in homes.items() if len(tags) >= count), None)
+        if shared is not None:
+            break
+    near = {(shared + k) % cap for k in range(count + avoid)}
+    other = next(t for h, tags in homes.items() if h not in near for t in tags)
+    return homes[shared][:count], other
+
+
+def test_a_tag_placed_past_one_not_yet_published_is_found():
+    """Two tags share a home bucket.  On rank 0 the first one (A) claims it
+    but sits behind a stream that waits for a third collective (X), so it
+    does not publish; the second (B) goes to the next bucket.  Rank 1 does
+    B first and waits for it on the host, then X and A.  Peers probing for
+    B must not stop at A's bucket as if it were empty (the probe's end),
+    else B waits for A, A for X, X for rank 1, rank 1 for B: a hang that
+    only a hash collision of the two tags shows."""
+    comms, streams = _setup(DEV + 40)
+    try:
+        (tag_a, tag_b), tag_x = _tags_sharing_a_home_bucket(comms[0], 2)
+        xs = {t: [np.full(64, (r + 1) * k, np.float32) for r in range(2)] for k, t in enumerate((tag_a, tag_b, tag_x), 1)}
+        wx0 = comms[0].all_reduce(xs[tag_x][0], tag=tag_x)
+        wx0.wait(streams[0])                                   # rank 0's stream waits for X ...
+        wa0 = comms[0].all_reduce(xs[tag_a][0], tag=tag_a, stream=streams[0])   # ... before A
+        wb0 = comms[0].all_reduce(xs[tag_b][0], tag=tag_b)
+        # The setting this is about: on rank 0, B's record is one bucket past A's.
+        from dfccl.tags import tag_key
+        table = comms[0]._endpoint.tags
+        bucket = {t: table._tags[tag_key(comms[0]._comm_key, t)].bucket for t in (tag_a, tag_b)}
+        assert bucket[tag_b] == (bucket[tag_a] + 1) % comms[0]._endpoint.capacity, bucket
+        comms[1].all_reduce(xs[tag_b][1], tag=tag_b).synchronize(timeout=10.0)
+        wb0.synchronize(timeout=TIMEOUT)
+        comms[1].all_reduce(xs[tag_x][1], tag=tag_x).synchronize(timeout=TIMEOUT)
+        comms[1].all_reduce(xs[tag_a][1], tag=tag_a).synchronize(timeout=TIMEOUT)
+        wx0.synchronize(timeout=TIMEOUT)
+        wa0.synchronize(timeout=TIMEOUT)
+        for k, t in enumerate((tag_a, tag_b, tag_x), 1):
+            assert (xs[t][0] == 3 * k).all() and (xs[t][1] == 3 * k).all(), t
+    finally:
+        _close(comms, streams)

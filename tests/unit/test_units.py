@@ -164,6 +164,27 @@ def test_tag_table_instances():
     assert b5 == b1 and t.used == 1
 
 
+def test_tag_table_keyed_once_an_instance_in_the_bucket_retired():
+    """Until an instance placed in a bucket retires, the daemon's copy of
+    the bucket may read as never used: submissions to it ask the daemon to
+    write the key (DFCCL_TASK_KEY_BUCKET).  A cancelled submission never
+    reached the daemon and keys nothing; a failed one did."""
+    t = TagTable(8)
+    a, b = 11, 12
+    ba, _ = t.acquire(a, False)
+    assert not t.keyed(ba)
+    t.cancel(a)
+    assert not t.keyed(ba), "a cancelled submission never reached the daemon"
+    ba, _ = t.acquire(a, False)
+    t.acquire(a, False)
+    t.release(a, False)
+    assert t.keyed(ba), "an instance there retired: the daemon pulled it"
+    bb, _ = t.acquire(b, False)
+    assert not t.keyed(bb) and bb != ba
+    t.release(b, True)
+    assert t.keyed(bb), "a failed instance reached the daemon too"
+
+
 def test_tag_table_cancel_gives_the_instance_back():
     t = TagTable(8)
     key = 5

@@ -102,6 +102,9 @@ enum dfccl_status {
 #define DFCCL_TASK_LL 16u           /* eager low-latency protocol (cuda/daemon/transfer_ll.cuh): every
                                        rank stores its contribution into every peer's receive area
                                        in flagged 16-byte lines; one channel, path DIRECT */
+#define DFCCL_TASK_KEY_BUCKET 32u   /* the bucket may never have held a tag here: the daemon writes the
+                                       tag's key into it when it pulls the task (submit.cuh,
+                                       claim_fresh_bucket); set until an instance in it retired */
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it

@@ -106,6 +106,10 @@ def first_block(key, uint32_t endpoint, uint32_t nblocks):
 # The progress thread's wake-up: a binary semaphore that C code without the
 # GIL (a context's watcher) can release.  Taken at import: "nothing to do".
 cdef PyThread_type_lock _progress_sem = PyThread_allocate_lock()
+# What collectives pending when their context closed under a daemon that
+# would not leave kept alive: that daemon may still touch them, and its
+# memory is kept mapped too (Context.close), for the life of the process.
+cdef list _kept_for_running_daemons = []
 cdef uint32_t _progress_token = 0
 PyThread_acquire_lock(_progress_sem, WAIT_LOCK)
 
@@ -321,6 +325,7 @@ cdef class Context:
     cdef dict draining_endpoints      # id -> on_released: removed, the daemon still holds collectives of it
     cdef PyThread_type_lock lock
     cdef PyThread_type_lock launch_lock
+    cdef PyThread_type_lock submit_lock
     cdef PyThread_type_lock watch_wake
     cdef uint32_t watch_token
     cdef readonly object policy
@@ -352,6 +357,7 @@ cdef class Context:
     def __cinit__(self):
         self.lock = PyThread_allocate_lock()
         self.launch_lock = PyThread_allocate_lock()
+        self.submit_lock = PyThread_allocate_lock()
         # A binary semaphore: taken here, released by _wake_watch.
         self.watch_wake = PyThread_allocate_lock()
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
@@ -510,6 +516,10 @@ cdef class Context:
         free(self.pol_waits)
         if self.lock != NULL:
             PyThread_free_lock(self.lock)
+        if self.launch_lock != NULL:
+            PyThread_free_lock(self.launch_lock)
+        if self.submit_lock != NULL:
+            PyThread_free_lock(self.submit_lock)
 
     # -- endpoints -----------------------------------------------------------
     def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
@@ -638,10 +648,6 @@ cdef class Context:
         peers.  ``raw_fields`` (tests only) overwrites fields of the
         descriptor as the daemon receives it, after every host check: the
         way to show that the daemon rejects a corrupt one."""
-        cdef uint32_t slot, gen, bucket
-        cdef uint64_t instance, staging, after
-        cdef dfccl_task_desc *d
-        cdef dfccl_sqe *e
         cdef Work work
         if self.closed:
             if self.forked_from:
@@ -650,6 +656,33 @@ cdef class Context:
             raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
         if self.device_fault:
             raise self._fault_error()
+        if task.desc.nchannels < 1 or task.desc.nchannels > self.nblocks:
+            raise ValueError(f"nchannels {task.desc.nchannels} outside 1..{self.nblocks}")
+        # One submission at a time per context: communicators on one device
+        # share its ring, and threads may drive them concurrently (a tag's
+        # instance, a slot and a ring entry are taken and published as one).
+        _acquire(self.submit_lock)
+        try:
+            work = self._submit_locked(task, raw_fields)
+        finally:
+            PyThread_release_lock(self.submit_lock)
+        # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
+        dfccl_fence_seq_cst()
+        self._ensure_running()
+        # The watcher polls while work is outstanding; it needs a wake-up only
+        # when it may have gone to sleep (nothing was pending).
+        if self.n_outstanding == 1:
+            self._wake_watch()
+        return work
+
+    cdef Work _submit_locked(self, TaskDescriptor task, dict raw_fields):
+        """submit() under the submit lock: the tag's instance, a slot and the
+        ring entry, published to the daemon."""
+        cdef uint32_t slot, gen, bucket
+        cdef uint64_t instance, staging, after
+        cdef dfccl_task_desc *d
+        cdef dfccl_sqe *e
+        cdef Work work
         if self.n_free == 0:
             # Completed collectives nobody has retired yet free their slots first.
             self._retire_completed(False)
@@ -657,8 +690,6 @@ cdef class Context:
             raise ResourceError(
                 f"{self.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
                 "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
-        if task.desc.nchannels < 1 or task.desc.nchannels > self.nblocks:
-            raise ValueError(f"nchannels {task.desc.nchannels} outside 1..{self.nblocks}")
         bucket, instance, staging, after = task.tags.acquire_staged(
             task.key, task.transient, task.staging_bytes, task.staging_layout() if task.staging_bytes else None)
         work = Work.__new__(Work)
@@ -697,6 +728,8 @@ cdef class Context:
             d.instance = instance
             d.fifo_offset = staging
             d.bucket = bucket
+            if not task.tags.keyed(bucket):
+                d.flags = d.flags | DFCCL_TASK_KEY_BUCKET
             d.slot = slot
             d.gen = gen
             d.after = after
@@ -730,13 +763,6 @@ cdef class Context:
         PyThread_release_lock(self.lock)
         self.tail += 1
         dfccl_store_release_u64(&self.ctrl.sq_tail, self.tail)
-        # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
-        dfccl_fence_seq_cst()
-        self._ensure_running()
-        # The watcher polls while work is outstanding; it needs a wake-up only
-        # when it may have gone to sleep (nothing was pending).
-        if self.n_outstanding == 1:
-            self._wake_watch()
         return work
 
     def held_by_daemon(self, uint32_t endpoint):
@@ -1118,8 +1144,9 @@ cdef class Context:
         self.watch_stop = True
         self.lock = PyThread_allocate_lock()
         self.launch_lock = PyThread_allocate_lock()
+        self.submit_lock = PyThread_allocate_lock()
         self.watch_wake = PyThread_allocate_lock()
-        if self.lock == NULL or self.launch_lock == NULL or self.watch_wake == NULL:
+        if self.lock == NULL or self.launch_lock == NULL or self.submit_lock == NULL or self.watch_wake == NULL:
             raise MemoryError
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
         err = ClosedError(f"this collective belongs to process {parent_pid}, which forked this process: a "
@@ -1242,11 +1269,12 @@ cdef class Context:
 
     cdef int _after_retire(self, Work work) except -1:
         """Outside the lock: the tag's bookkeeping, the policy, callbacks."""
+        held, work._keepalive = work._keepalive, None
         if work._abandoned:
             # Failed earlier (abandon); the daemon has let go of it only now.
-            work._keepalive = None
             if work._tags is not None:
                 work._tags.release(work._key, True, work._instance_staging)
+                work._tags.keep_failed(held)
                 work._tags = None
             return 0
         # A mismatch is explained from every rank's record when first asked
@@ -1255,6 +1283,8 @@ cdef class Context:
             work._error = work._make_error()
         if work._tags is not None:
             work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging)
+            if work._status != DFCCL_STATUS_OK:
+                work._tags.keep_failed(held)
             work._tags = None
         if self.pol_adaptive:
             self._observe(work)
@@ -1357,6 +1387,9 @@ cdef class Context:
                 elif exited and dfccl_load_acquire_u32(&self.done[slot]) == work._gen:
                     work._finish(&self.results[slot], dfccl_now_ns())
                 else:
+                    if not exited:
+                        # A daemon that did not leave may still touch its buffers.
+                        _kept_for_running_daemons.append(work._keepalive)
                     work._fail_closed(dfccl_now_ns())
                 retired.append(work)
         finally:

@@ -29,6 +29,15 @@ cdef enum:
     SIGNAL_CHECK_NS = 20000000
 
 
+cdef inline bint _reached(uint32_t *word, uint32_t gen) noexcept nogil:
+    """Whether a slot's completion word shows ``gen`` or a later generation.
+    A slot is reused only after its Work retired, so a later one means this
+    one completed and another thread retired it (and the slot then went to
+    a newer collective, which may have completed too): a wait that looked
+    for ``gen`` alone would miss it for ever."""
+    return <int32_t>(dfccl_load_acquire_u32(word) - gen) >= 0
+
+
 cdef class Work:
     """A submitted collective.  ``synchronize()`` waits on the host,
     ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
@@ -58,7 +67,7 @@ cdef class Work:
         return 0
 
     cdef bint _device_done(self):
-        return dfccl_load_acquire_u32(self._done) == self._gen
+        return _reached(self._done, self._gen)
 
     def _peek_done(self):
         """Whether the daemon has written the completion word, without
@@ -110,9 +119,9 @@ cdef class Work:
             if timeout is not None:
                 deadline = start + <uint64_t>(min(seconds, 1e9) * 1e9)
             # Already complete: retire without letting other threads in.
-            if dfccl_load_acquire_u32(word) != gen:
+            if not _reached(word, gen):
                 with nogil:
-                    while dfccl_load_acquire_u32(word) != gen:
+                    while not _reached(word, gen):
                         spins += 1
                         if (spins & 15) != 0:
                             dfccl_cpu_relax()
@@ -121,11 +130,11 @@ cdef class Work:
                         if now - start >= SPIN_BEFORE_YIELD_NS:
                             dfccl_yield()
                         if deadline != 0 and now >= deadline:
-                            ok = dfccl_load_acquire_u32(word) == gen
+                            ok = _reached(word, gen)
                             break
                         if fault != NULL and dfccl_load_acquire_u32(fault) != 0:
                             # The device failed: this never completes.
-                            faulted = dfccl_load_acquire_u32(word) != gen
+                            faulted = not _reached(word, gen)
                             break
                         if now >= signals_at:
                             signals_at = now + SIGNAL_CHECK_NS
@@ -261,7 +270,10 @@ cdef class Work:
         self._detail = res.detail
         self._retired_ns = now
         self._retired = True
-        self._keepalive = None
+        if res.status == DFCCL_STATUS_OK:
+            # Every peer finished with its buffers before it completed.  A
+            # failed one's go to its tag table (Context._after_retire).
+            self._keepalive = None
 
     cdef void _fail_on_host(self, uint64_t now):
         """Fails it as aborted on the host, without the daemon (abandoned, a
@@ -276,7 +288,8 @@ cdef class Work:
         self._retired = True
 
     cdef void _fail_closed(self, uint64_t now):
-        """The context closed under this pending collective."""
+        """The context closed under this pending collective, its daemon gone
+        (Context.close keeps the buffers of one it could not stop)."""
         self._fail_on_host(now)
         self._keepalive = None
 

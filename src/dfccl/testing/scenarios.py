@@ -12,6 +12,7 @@ everything, checks every output element, and reports preemption counters.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import numpy as np
 from dfccl.testing import arrays
 from dfccl.errors import DfcclError
 
-__all__ = ["Spec", "Report", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
+__all__ = ["Spec", "Report", "run_concurrently", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
            "prepare", "submit", "verify", "settle_after_abort", "run", "KINDS", "OPS", "DTYPES"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -213,6 +214,26 @@ def verify(inst: _Instance) -> None:
                 continue
             want = reduce_reference(inst.inputs, s.op)
         assert_close(got, want, s.dtype, s.op, n, f"{s.kind} {s.tag!r} {s.dtype} {s.op} count={s.count} rank {r}")
+
+
+def run_concurrently(targets, *, timeout: float, switch_interval: float = 1e-5) -> None:
+    """Runs each callable on a thread of its own, with the interpreter
+    switching threads every ``switch_interval`` seconds (so inside submit
+    and wait too); returns when all have returned, AssertionError naming
+    how many still run after ``timeout`` seconds."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    try:
+        threads = [threading.Thread(target=t, daemon=True) for t in targets]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        running = sum(t.is_alive() for t in threads)
+        assert running == 0, f"{running} of {len(threads)} threads still run after {timeout} s"
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def settle(comms, timeout: float = 10.0) -> None:
