@@ -56,24 +56,30 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 STARTUP_LOG_INTERVAL = 5.0
 
 
-def shared_gpu_lazy_loading(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
-    """Why this rank should load CUDA modules eagerly, or None: some peer
-    in another process shares its GPU (MPS) while lazy module loading is on.
-    Then a kernel's first launch in one process, between collectives, can
-    stop both ranks (docs/torch.md, "Known problems"; seen on one H200 with
-    two processes under MPS)."""
+def shared_gpu_warning(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
+    """What this rank should be warned of when some peer in another process
+    shares its GPU (MPS), or None.  The processes then share the GPU's
+    hardware queues: a stream of one process that waits for a collective
+    can hold up the other process's stream writes that arm its part, and
+    with several side streams waiting at once (FSDP2) every queue of both
+    can be held (docs/torch.md, "Known problems"; NCCL refuses two ranks on
+    one GPU).  With lazy module loading, a kernel's first launch between
+    collectives can also stop both ranks."""
     me = peers[rank]
     if me.get("backend") != "cuda" or not me.get("bus_id"):
-        return None
-    if environ.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER":
         return None
     sharing = [p for p, info in enumerate(peers) if p != rank and info.get("bus_id") == me["bus_id"]
                and (info.get("pid") != me.get("pid") or info.get("host") != me.get("host"))]
     if not sharing:
         return None
-    return (f"dfccl: rank {rank} shares GPU {me['bus_id']} with ranks {sharing} of other processes while CUDA loads "
-            "modules lazily; a kernel's first launch between collectives can then stop the ranks.  Set "
-            "CUDA_MODULE_LOADING=EAGER before CUDA starts (docs/torch.md, \"Known problems\").")
+    why = (f"dfccl: rank {rank} shares GPU {me['bus_id']} with ranks {sharing} of other processes: the processes "
+           "share the GPU's hardware queues, so a stream waiting for a collective in one can hold up what arms "
+           "the other's part; with several streams waiting at once both can stop (one process per GPU, or one "
+           "process for the ranks of a GPU, avoids it; docs/torch.md, \"Known problems\").")
+    if environ.get("CUDA_MODULE_LOADING", "").strip().upper() != "EAGER":
+        why += ("  CUDA also loads modules lazily here: a kernel's first launch between collectives can stop the "
+                "ranks; set CUDA_MODULE_LOADING=EAGER before CUDA starts.")
+    return why
 
 
 def _check_int(name: str, value, minimum: int | None = None) -> int:
@@ -360,7 +366,7 @@ class Communicator:
     def _finish_init(self, peers):
         self._channels = min([self._channels] + [p["blocks"] for p in peers])
         mode = self._endpoint.connect(peers, self._comm_key)
-        why = shared_gpu_lazy_loading(peers, self._rank)
+        why = shared_gpu_warning(peers, self._rank)
         if why is not None:
             warnings.warn(why, RuntimeWarning, stacklevel=3)
         if self._options.path == "direct" and mode == "ring":
