@@ -131,18 +131,30 @@ DFCCL_DEV uint64_t record_at(const dfccl_endpoint *ep, uint32_t rank, uint32_t b
 }
 
 // Finds rank's record of `key` by linear probing from the home bucket, the
-// same sequence the owner's host used to place it.  0: not there (yet).
-DFCCL_DEV uint64_t probe_record(const dfccl_endpoint *ep, uint32_t rank, uint64_t key) {
+// same sequence the owner's host used to place it, to the first bucket that
+// never held a tag (key 0).  A tag's key can be in two buckets: one the tag
+// held before, idle, was given to another tag keeps the old key until its
+// new owner publishes there, while the tag's live record is further on.  So
+// a record of the tag that names an instance older than `instance` on
+// channel `chan` is passed over for a later one that names `instance` or a
+// later one; without one, the first record of the tag is returned (the live
+// one before its owner published, or the old one).  0: none there (yet).
+DFCCL_DEV uint64_t probe_record(const dfccl_endpoint *ep, uint32_t rank, uint64_t key, uint32_t chan,
+                                uint64_t instance) {
   const uint32_t cap = ep->table_capacity;
   uint32_t b = home_bucket(key, cap);
+  uint64_t first = 0;
   for (uint32_t i = 0; i < cap; ++i) {
     uint64_t rec = record_at(ep, rank, b);
     uint64_t k = load_acquire(&ptr<dfccl_record_header>(rec)->key);
-    if (k == key) return rec;
-    if (k == 0) return 0;
+    if (k == 0) break;
+    if (k == key) {
+      if (load_relaxed(&record_chan(rec, chan)->instance) >= instance) return rec;
+      if (first == 0) first = rec;
+    }
     b = (b + 1 == cap) ? 0 : b + 1;
   }
-  return 0;
+  return first;
 }
 
 // A slot's result with nothing counted yet.

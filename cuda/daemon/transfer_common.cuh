@@ -48,7 +48,7 @@ DFCCL_DEV void move_data(BlockEnv &env, const TaskRun &run, uint32_t nsrcs, uint
 // The peer's record address in the per-task cache, or found again by probing.
 DFCCL_DEV uint64_t peer_record(const TaskRun &run, uint32_t index, uint32_t rank) {
   if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0) return run.ctx->peer_rec[index];
-  return probe_record(run.ep, rank, run.d->tag_key);
+  return probe_record(run.ep, rank, run.d->tag_key, run.chan, run.d->instance);
 }
 
 // Step 0 of every collective: make this rank's instance visible on this
@@ -98,7 +98,7 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
   int r = block_wait(env, run, peer, [&]() -> int {
     ++polls;
     if (rec == 0 || (polls & 63u) == 0) {
-      rec = probe_record(run.ep, peer, run.d->tag_key);
+      rec = probe_record(run.ep, peer, run.d->tag_key, c, run.d->instance);
       if (rec == 0) return 0;
     }
     dfccl_chan_state *pc = record_chan(rec, c);

@@ -201,7 +201,7 @@ DFCCL_DEV uint64_t ll_peer_record(TaskRun &run, uint32_t peer, uint32_t index, b
   uint64_t rec = run.ctx->peer_rec[index];
   if (rec == 0 && load_own(&own->cache_key) == run.d->tag_key) rec = load_own(&own->peer_rec[peer]);
   if (rec == 0 || reprobe) {
-    const uint64_t found = probe_record(run.ep, peer, run.d->tag_key);
+    const uint64_t found = probe_record(run.ep, peer, run.d->tag_key, run.chan, run.d->instance);
     if (found != 0) rec = found;
   }
   if (rec != 0 && rec != run.ctx->peer_rec[index]) {

@@ -37,7 +37,7 @@ DFCCL_DEV bool rank_left(const dfccl_endpoint *ep, uint32_t rank) {
 // normal path.
 DFCCL_DEV bool left_before_taking_part(const TaskRun &run, uint32_t rank) {
   if (!rank_left(run.ep, rank)) return false;
-  const uint64_t rec = probe_record(run.ep, rank, run.d->tag_key);
+  const uint64_t rec = probe_record(run.ep, rank, run.d->tag_key, run.chan, run.d->instance);
   if (rec == 0) return true;
   const dfccl_chan_state *pc = record_chan(rec, run.chan);
   return load_acquire(&pc->ready) == 0 || load_relaxed(&pc->instance) < run.d->instance;

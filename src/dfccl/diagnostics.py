@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.context import ARENA_STATUS_BYTES, RANK_LIVE, RECORD_HEADER_BYTES, instance_token
+from dfccl._native.context import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_HEADER_BYTES,
+                                   instance_token)
 from dfccl.errors import ClosedError, MismatchError
 from dfccl.tags import home_bucket
 from dfccl.types import DataType, ReduceOp
@@ -113,25 +114,31 @@ class EndpointDiagnostics:
         self._backend.read_device(self._buf.ctypes.data, addr, 8 * words, READ_TIMEOUT_S)
         return [int(v) for v in self._buf[:words]]
 
-    def find_record(self, rank: int, key: int) -> int:
+    def find_record(self, rank: int, key: int, instance: int = 0) -> int:
         """Address (as mapped here) of ``rank``'s record of ``key``, or 0:
-        the probe sequence of the daemon's probe_record."""
+        the daemon's probe_record, which passes over a record of the tag
+        naming an older instance (on channel 0) for a later one naming
+        ``instance`` or later (a bucket the tag held before keeps its key
+        until its new owner publishes)."""
         table = self._arenas[rank] + ARENA_STATUS_BYTES
         b = home_bucket(key, self._capacity)
+        first = 0
         for _ in range(self._capacity):
             rec = table + b * self._stride
             k = self._read(rec, 1)[0]
-            if k == key:
-                return rec
             if k == 0:
-                return 0
+                break
+            if k == key:
+                if self._read(rec + RECORD_HEADER_BYTES + CHAN_INSTANCE_OFFSET, 1)[0] >= instance:
+                    return rec
+                first = first or rec
             b = 0 if b + 1 == self._capacity else b + 1
-        return 0
+        return first
 
     def published(self, rank: int, key: int, instance: int) -> dict | None:
         """What ``rank`` published on channel 0 for this instance (decoded
         signature), or None if it has not published it (yet)."""
-        rec = self.find_record(rank, key)
+        rec = self.find_record(rank, key, instance)
         if rec == 0:
             return None
         ready, signature, count, _s, _r, _f, _c, slice_bytes = self._read(rec + RECORD_HEADER_BYTES, 8)
@@ -160,7 +167,7 @@ class EndpointDiagnostics:
             if p == self._ep.rank:
                 joined.append(p)
                 continue
-            rec = self.find_record(p, key)
+            rec = self.find_record(p, key, instance)
             ready = self._read(rec + RECORD_HEADER_BYTES, 1)[0] if rec else 0
             (joined if ready in tokens else missing).append(p)
         return joined, missing

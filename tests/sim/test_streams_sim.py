@@ -207,3 +207,37 @@ def test_a_tag_placed_past_one_not_yet_published_is_found():
             assert (xs[t][0] == 3 * k).all() and (xs[t][1] == 3 * k).all(), t
     finally:
         _close(comms, streams)
+
+
+def test_a_tag_that_moved_buckets_is_found_past_its_old_one():
+    """Tag T ran once and went idle in its bucket; on rank 0 a tag U with
+    the same home bucket takes that bucket over but sits behind a stream
+    that waits for a third collective X, so it has not published there,
+    and the bucket still carries T's key and T's old instance.  T's next
+    instance goes one bucket further on.  Rank 1 must find that live record
+    past the old one (a probe that stopped at the first record of T waited
+    for U, U for X, X for rank 1, rank 1 for T: a hang)."""
+    comms, streams = _setup(DEV + 42)
+    try:
+        (tag_t, tag_u), tag_x = _tags_sharing_a_home_bucket(comms[0], 2)
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        for w in [comms[r].all_reduce(xs[r], tag=tag_t) for r in range(2)]:
+            w.synchronize(timeout=TIMEOUT)
+        wx0 = comms[0].all_reduce(np.ones(64, np.float32), tag=tag_x)
+        wx0.wait(streams[0])
+        wu0 = comms[0].all_reduce(np.ones(64, np.float32), tag=tag_u, stream=streams[0])
+        t_again = [np.full(64, 10.0 * (r + 1), np.float32) for r in range(2)]
+        wt0 = comms[0].all_reduce(t_again[0], tag=tag_t)
+        from dfccl.tags import tag_key
+        table = comms[0]._endpoint.tags
+        bucket = {t: table._tags[tag_key(comms[0]._comm_key, t)].bucket for t in (tag_t, tag_u)}
+        assert bucket[tag_t] == (bucket[tag_u] + 1) % comms[0]._endpoint.capacity, bucket   # T moved on
+        comms[1].all_reduce(t_again[1], tag=tag_t).synchronize(timeout=10.0)
+        wt0.synchronize(timeout=TIMEOUT)
+        comms[1].all_reduce(np.ones(64, np.float32), tag=tag_x).synchronize(timeout=TIMEOUT)
+        comms[1].all_reduce(np.ones(64, np.float32), tag=tag_u).synchronize(timeout=TIMEOUT)
+        wx0.synchronize(timeout=TIMEOUT)
+        wu0.synchronize(timeout=TIMEOUT)
+        assert (t_again[0] == 30).all() and (t_again[1] == 30).all()
+    finally:
+        _close(comms, streams)

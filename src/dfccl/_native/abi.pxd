@@ -108,7 +108,8 @@ cdef extern from "dfccl/abi.h":
         dfccl_step_profile steps[32]
 
     ctypedef struct dfccl_chan_state:
-        pass
+        uint64_t ready
+        uint64_t instance
 
     ctypedef struct dfccl_rank_status:
         uint64_t state

@@ -33,6 +33,7 @@ TASK_LL: int
 MAX_CHANNELS: int
 MAX_RANKS: int
 RECORD_HEADER_BYTES: int
+CHAN_INSTANCE_OFFSET: int
 CHAN_STATE_BYTES: int
 
 # The daemon's hashes (cuda/include/dfccl/hash.h), on the low 64 bits of their arguments.

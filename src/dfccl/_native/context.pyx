@@ -70,6 +70,16 @@ TASK_LL = DFCCL_TASK_LL
 MAX_CHANNELS = DFCCL_MAX_CHANNELS
 MAX_RANKS = DFCCL_MAX_RANKS
 RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
+
+
+cdef size_t _chan_instance_offset():
+    cdef dfccl_chan_state cs
+    return <size_t>(<char *>&cs.instance - <char *>&cs)
+
+
+# Where a channel state names the instance it published (host diagnostics
+# probe as the daemon does).
+CHAN_INSTANCE_OFFSET = _chan_instance_offset()
 CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
 
 
