@@ -96,16 +96,17 @@ class TagTable:
 
     def acquire(self, key: int, transient: bool) -> tuple[int, int]:
         """Registers the next instance of ``key``.  Returns (bucket, instance)."""
-        bucket, instance, _, _ = self.acquire_staged(key, transient, 0)
+        bucket, instance, _, _, _ = self.acquire_staged(key, transient, 0)
         return bucket, instance
 
     def acquire_staged(self, key: int, transient: bool, staging_bytes: int,
-                       layout: object = None) -> tuple[int, int, int, int]:
+                       layout: object = None) -> tuple[int, int, int, int, bool]:
         """Like acquire(), and reserves ``staging_bytes`` of staging for the
         tag, shared with its other instances.  ``layout`` says how the
         instance's channels use it.  Returns (bucket, instance, staging offset
-        or 0, after): ``after`` names an earlier instance (the descriptor's
-        ``after``) that must be over on every channel before this one starts.
+        or 0, after, keyed): ``after`` names an earlier instance (the
+        descriptor's ``after``) that must be over on every channel before this
+        one starts; ``keyed``, keyed(bucket).
 
         Instances of a tag run one after the other on each channel, not across
         channels: channel 0 of instance k + 1 may run while channel 1 of
@@ -138,18 +139,12 @@ class TagTable:
             self.used += 1
         st.submitted += 1
         st.pending += 1
-        return st.bucket, st.submitted, offset, after
+        return st.bucket, st.submitted, offset, after, self._keyed[st.bucket]
 
     def note_slot(self, key: int, slot_gen: int) -> None:
         """The completion slot and generation of the instance just acquired
         with staging: ((slot + 1) << 32) | gen, for later instances' ``after``."""
         self._tags[key].last_slot_gen = slot_gen
-
-    def keep_failed(self, owners: object) -> None:
-        """Keeps what a failed instance kept alive (its buffers) until
-        drop_failed()."""
-        if owners is not None:
-            self._failed_owners.append(owners)
 
     def drop_failed(self) -> None:
         """Lets failed instances' buffers go: no peer can reach them any more."""
@@ -170,14 +165,17 @@ class TagTable:
         self.release(key, failed=False, ran=False)
 
     def release(self, key: int, failed: bool, instance_staging: tuple[int, int] | None = None,
-                ran: bool = True) -> None:
+                ran: bool = True, owners: object = None) -> None:
         """One instance of ``key`` completed (or failed; ``ran``: it reached
         the daemon).  ``instance_staging`` (offset, bytes): staging that
         instance had alone (alloc_instance_staging), given back unless it
         failed (a peer that has not seen the failure may still read or mark
-        it)."""
+        it).  ``owners``: what the instance kept alive (its buffers), kept
+        until drop_failed() if it failed, for the same reason."""
         if instance_staging is not None and not failed:
             self._staging.free(*instance_staging)
+        if failed and owners is not None:
+            self._failed_owners.append(owners)
         st = self._tags[key]
         if ran:
             self._keyed[st.bucket] = True

@@ -700,7 +700,7 @@ cdef class Context:
             raise ResourceError(
                 f"{self.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
                 "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
-        bucket, instance, staging, after = task.tags.acquire_staged(
+        bucket, instance, staging, after, keyed = task.tags.acquire_staged(
             task.key, task.transient, task.staging_bytes, task.staging_layout() if task.staging_bytes else None)
         work = Work.__new__(Work)
         work._ctx = self
@@ -738,7 +738,7 @@ cdef class Context:
             d.instance = instance
             d.fifo_offset = staging
             d.bucket = bucket
-            if not task.tags.keyed(bucket):
+            if not keyed:
                 d.flags = d.flags | DFCCL_TASK_KEY_BUCKET
             d.slot = slot
             d.gen = gen
@@ -1283,8 +1283,7 @@ cdef class Context:
         if work._abandoned:
             # Failed earlier (abandon); the daemon has let go of it only now.
             if work._tags is not None:
-                work._tags.release(work._key, True, work._instance_staging)
-                work._tags.keep_failed(held)
+                work._tags.release(work._key, True, work._instance_staging, owners=held)
                 work._tags = None
             return 0
         # A mismatch is explained from every rank's record when first asked
@@ -1292,9 +1291,7 @@ cdef class Context:
         if work._status != DFCCL_STATUS_MISMATCH:
             work._error = work._make_error()
         if work._tags is not None:
-            work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging)
-            if work._status != DFCCL_STATUS_OK:
-                work._tags.keep_failed(held)
+            work._tags.release(work._key, work._status != DFCCL_STATUS_OK, work._instance_staging, owners=held)
             work._tags = None
         if self.pol_adaptive:
             self._observe(work)

@@ -22,8 +22,8 @@ import numpy as np
 from dfccl.testing import arrays
 from dfccl.errors import DfcclError
 
-__all__ = ["Spec", "Report", "run_concurrently", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
-           "prepare", "submit", "verify", "settle_after_abort", "run", "KINDS", "OPS", "DTYPES"]
+__all__ = ["Spec", "Report", "random_input", "reduce_reference", "tolerance", "assert_close", "random_specs",
+           "prepare", "submit", "verify", "run_concurrently", "settle_after_abort", "run", "KINDS", "OPS", "DTYPES"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 OPS = ("sum", "prod", "min", "max", "avg")
