@@ -115,6 +115,8 @@ def latency(comms: list, plans: list, iters: int, warmup: int) -> dict[str, Any]
         stats.append(works[0].stats)
     # Rank 0's daemon, the blocks that ran collectives, per collective.
     busy = profile_delta(before, comms[0]._ctx.daemon_profile(), per=iters)
+    sms = comms[0]._ctx.daemon_sms()
+    busy["sms"] = [sms[b] for b in busy["blocks"]]
     medians = {f"{k}_us": statistics.median(s[f"{k}_ns"] for s in stats) / 1e3 for k in STATS_US}
     return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6, **medians,
             "preemptions": sum(s["preemptions"] for s in stats) / len(stats), "busy_blocks": busy}
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{d['running_us']:8.1f} {d['wall_us']:7.1f} {d['host_us']:7.1f} {d['max_wait_us']:7.1f} "
                       f"{d['preemptions']:7.2f} {wrong:6d}", flush=True)
                 b = d["busy_blocks"]
-                print(f"{'':>8} rank 0 daemon, blocks {b['blocks']}, per collective: {b['passes']:.1f} passes, "
+                where = f" on SMs {b['sms']}" if any(s is not None for s in b["sms"]) else ""
+                print(f"{'':>8} rank 0 daemon, blocks {b['blocks']}{where}, per collective: {b['passes']:.1f} passes, "
                       f"{b['runs']:.2f} runs; "
                       f"us: pull {b['pull_us']:.1f} pick {b['pick_us']:.1f} restore {b['restore_us']:.1f} "
                       f"run {b['run_us']:.1f} save {b['save_us']:.1f} idle {b['idle_us']:.1f}", flush=True)

@@ -1,10 +1,10 @@
-"""dfccl's own API with CuPy arrays: two GPUs driven from one process, their
+"""dfccl's own API with CuPy arrays: two ranks driven from one process, their
 collectives issued in opposite orders (NCCL would hang), on CuPy streams.
 
     python examples/cupy_allreduce.py
 
-Without CuPy or two GPUs it runs the same code on two simulated GPUs with
-numpy arrays.
+The ranks use GPUs 0 and 1, or both GPU 0 on a machine with one.  Without
+CuPy or a GPU it runs the same code on two simulated GPUs with numpy arrays.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ def main() -> None:
         gpus = cp.cuda.runtime.getDeviceCount() if dfccl.default_backend() == "cuda" else 0
     except Exception:  # no CuPy, or no driver
         cp, gpus = None, 0
-    use_gpu = cp is not None and gpus >= 2
+    use_gpu = cp is not None and gpus >= 1
     backend = "cuda" if use_gpu else "sim"
-    comms = dfccl.Communicator.for_devices([0, 1], backend=backend)
+    devices = [0, 1] if gpus >= 2 or not use_gpu else [0, 0]
+    comms = dfccl.Communicator.for_devices(devices, backend=backend)
 
     n = 1 << 20
     arrays, streams = [], []
     for rank in range(2):
         if use_gpu:
-            with cp.cuda.Device(rank):
+            with cp.cuda.Device(devices[rank]):
                 streams.append(cp.cuda.Stream(non_blocking=True))
                 arrays.append((cp.full(n, rank + 1, dtype=cp.float32), cp.arange(8, dtype=cp.int64) * (rank + 1)))
         else:
@@ -57,7 +58,7 @@ def main() -> None:
         g = cp.asnumpy(grads) if use_gpu else grads
         s = cp.asnumpy(stats) if use_gpu else stats
         assert (g == 1.5).all() and (s == np.arange(8) * 2).all(), "wrong result"
-    print(f"{backend}: both orders completed; grads averaged to {float(g[0])}, stats max {s.tolist()}")
+    print(f"{backend} {devices}: both orders completed; grads averaged to {float(g[0])}, stats max {s.tolist()}")
     print("stats of rank 0's first collective:", works[0].stats)
     for c in comms:
         c.close()

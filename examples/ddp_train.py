@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/ddp_train.py --backend dfccl
     torchrun --nproc-per-node 2 examples/ddp_train.py --backend nccl
 
-Prints the step time and the loss.  Without GPUs it runs on CPU tensors:
+Prints the step time and the loss of every step (rank 0); the same seed gives
+the same loss curve over any backend.  Without GPUs it runs on CPU tensors:
 ``--backend nccl`` becomes gloo and dfccl runs on its simulator.  ``--hook``
 registers dfccl's tagged all-reduce hook (buckets complete in any order).
 """
@@ -11,12 +12,12 @@ registers dfccl's tagged all-reduce hook (buckets complete in any order).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_setup import BACKENDS, init
 
 
 class TinyTransformer(torch.nn.Module):
@@ -33,36 +34,21 @@ class TinyTransformer(torch.nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["nccl", "dfccl"], default="dfccl")
+    parser.add_argument("--backend", choices=BACKENDS, default="dfccl")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hook", action="store_true", help="dfccl only: tagged all-reduce DDP hook")
     args = parser.parse_args()
 
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    backend = args.backend
-    if backend == "dfccl":
-        import dfccl.torch  # registers backend "dfccl"
-
-        if not cuda:
-            os.environ.setdefault("DFCCL_TORCH_BACKEND", "sim")
-    elif not cuda:
-        backend = "gloo"
-    dist.init_process_group(backend=backend)
+    if args.hook and args.backend != "dfccl":
+        raise SystemExit("--hook needs --backend dfccl")
+    rank, device, backend = init(args.backend)
+    cuda = device.type == "cuda"
 
     torch.manual_seed(0)
-    model = DDP(TinyTransformer().to(device), device_ids=[local_rank] if cuda else None)
+    model = DDP(TinyTransformer().to(device), device_ids=[device.index] if cuda else None)
     if args.hook:
-        if args.backend != "dfccl":
-            raise SystemExit("--hook needs --backend dfccl")
         from dfccl.torch import TaggedAllreduceState, tagged_allreduce_hook
 
         model.register_comm_hook(TaggedAllreduceState(), tagged_allreduce_hook)
@@ -83,7 +69,7 @@ def main() -> None:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if rank == 0:
-            print(f"[{backend}] step {step:3d}  {elapsed * 1e3:8.2f} ms  loss {loss.item():.4f}", flush=True)
+            print(f"[{backend}] step {step:3d}  {elapsed * 1e3:8.2f} ms  loss {loss.item():.6f}", flush=True)
     dist.destroy_process_group()
 
 

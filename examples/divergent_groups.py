@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch_setup import init
 
 
 def main() -> None:
@@ -29,20 +30,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds before a hang is reported")
     args = parser.parse_args()
 
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    if args.backend == "nccl" and not cuda:
+    if args.backend == "nccl" and not torch.cuda.is_available():
         raise SystemExit("--backend nccl needs GPUs; run --backend dfccl for the simulator")
-    if args.backend == "dfccl":
-        import dfccl.torch  # noqa: F401  (registers backend "dfccl")
-
-        if not cuda:
-            os.environ.setdefault("DFCCL_TORCH_BACKEND", "sim")
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend=args.backend)
+    rank, device, _ = init(args.backend)
+    cuda = device.type == "cuda"
     world = dist.get_world_size()
     ranks = list(range(world))
     group_a, group_b = dist.new_group(ranks), dist.new_group(ranks)

@@ -11,11 +11,11 @@ stream current at the call.  Without GPUs: gloo vs dfccl's simulator.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch_setup import BACKENDS, init
 
 
 def build(dim: int, layers: int) -> torch.nn.Module:
@@ -26,7 +26,7 @@ def build(dim: int, layers: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["nccl", "dfccl"], default="dfccl")
+    parser.add_argument("--backend", choices=BACKENDS, default="dfccl")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -37,21 +37,8 @@ def main() -> None:
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
 
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    backend = args.backend
-    if backend == "dfccl":
-        import dfccl.torch  # noqa: F401  (registers backend "dfccl")
-
-        if not cuda:
-            os.environ.setdefault("DFCCL_TORCH_BACKEND", "sim")
-    elif not cuda:
-        backend = "gloo"
-    dist.init_process_group(backend=backend)
+    rank, device, backend = init(args.backend)
+    cuda = device.type == "cuda"
 
     torch.manual_seed(0)
     model = build(args.dim, args.layers).to(device)
@@ -71,7 +58,7 @@ def main() -> None:
             torch.cuda.synchronize()
         if rank == 0:
             print(f"[{backend}] step {step:3d}  {(time.perf_counter() - start) * 1e3:8.2f} ms  "
-                  f"loss {loss.item():.5f}", flush=True)
+                  f"loss {loss.item():.6e}", flush=True)
     dist.destroy_process_group()
 
 

@@ -15,11 +15,11 @@ direction (``--eager``), an order that needs matching by (peer, tag).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
+from torch_setup import BACKENDS, init
 
 
 def build_stages(dim: int, seed: int) -> list[torch.nn.Sequential]:
@@ -91,7 +91,7 @@ def pipeline_step(stage: torch.nn.Module, rank: int, step: int, args, device: to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["nccl", "dfccl"], default="dfccl")
+    parser.add_argument("--backend", choices=BACKENDS, default="dfccl")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--batch", type=int, default=16)
@@ -103,23 +103,10 @@ def main() -> None:
                              "(default: on for dfccl)")
     args = parser.parse_args()
 
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    backend = args.backend
-    if backend == "dfccl":
-        import dfccl.torch  # noqa: F401  (registers backend "dfccl")
-
-        if not cuda:
-            os.environ.setdefault("DFCCL_TORCH_BACKEND", "sim")
-    elif not cuda:
-        backend = "gloo"
     if args.eager is None:
         args.eager = args.backend == "dfccl"
-    dist.init_process_group(backend=backend)
+    rank, device, backend = init(args.backend)
+    cuda = device.type == "cuda"
     if dist.get_world_size() != 2:
         raise SystemExit("this example runs two pipeline stages: torchrun --nproc-per-node 2")
 

@@ -81,6 +81,17 @@ DFCCL_DEV uint64_t now_ns() {
 }
 #endif
 
+// 1 + the SM this thread runs on; 0 in the simulator, which has none.
+#if DFCCL_GPU
+DFCCL_DEV uint32_t sm_number() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v + 1u;
+}
+#else
+DFCCL_DEV uint32_t sm_number() { return 0; }
+#endif
+
 // Called in every spin iteration.  On the GPU a poll is already a memory
 // round trip (a flag in a peer's memory costs ~2 us over NVLink), so the
 // leader polls back to back, as NCCL does; __nanosleep was measured to stretch

@@ -134,16 +134,31 @@ DFCCL_DEV void run_move(const BlockShared *sm) {
   reduce_copy(m.dtype, m.op, a);
 }
 
-// Control warp: the leader has filled sm->move / srcs / dsts.  On return the
-// movers' writes are visible to the control warp; a flag that publishes them
-// still needs the leader's fence_system().
-DFCCL_DEV void execute_move(BlockShared *sm) {
+// Control warp: the leader has filled sm->move / srcs / dsts.  start_move
+// sets the movers going; the control warp may do work of its own that touches
+// neither the move's sources nor its destinations, then wait_move.  On its
+// return the movers' writes are visible to the control warp; a flag that
+// publishes them still needs the leader's fence_system().  (The simulator's
+// one thread moves inside start_move.)
+DFCCL_DEV void start_move(BlockShared *sm) {
 #if DFCCL_GPU
   named_barrier(kBarMoveStart);
-  named_barrier(kBarMoveDone);
 #else
   run_move(sm);
 #endif
+}
+
+DFCCL_DEV void wait_move(BlockShared *sm) {
+#if DFCCL_GPU
+  named_barrier(kBarMoveDone);
+#else
+  (void)sm;
+#endif
+}
+
+DFCCL_DEV void execute_move(BlockShared *sm) {
+  start_move(sm);
+  wait_move(sm);
 }
 
 #if DFCCL_GPU

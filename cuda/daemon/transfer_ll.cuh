@@ -5,11 +5,15 @@
 // never waits for the receiver; the only wait on data is a poll of its own
 // memory until every peer's lines for this instance are there:
 //
-//   PUSH     credit from every peer (local words), then publish this rank's
-//            record (for probing, and for peers on other paths) and store
-//            the lines into every peer's area, in one go
+//   PUSH     credit from every peer (local words), then store the lines
+//            into every peer's area, in one go
 //   RECV     per peer: find its bucket (cached), poll the local area
 //   FINISH   unpack, reduce in rank order (or gather), acknowledge
+//
+// This rank's record (for probing, and for peers on other paths) is
+// published once per instance, where it costs least (ll_publish): before the
+// first wait of RECV, or, when every peer's lines are already there, while
+// the movers run FINISH.
 //
 // There is no final wait: the sender's buffer is free once its stores are
 // issued, and a completed rank is done with its peers.
@@ -192,6 +196,24 @@ DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t status, uint32_t origin) {
   }
 }
 
+// ---- publishing -----------------------------------------------------------------
+// This rank's record for this instance (publish_instance), once.  Peers never
+// need it to take this rank's lines: only to find this rank's bucket (a first
+// instance, a tag that moved buckets), or to meet it from another path (a
+// mismatch).  So it need not precede the lines, only some wait: RECV
+// publishes before its first wait (every preempted run, and every run that
+// fails there, has published), and a run that finds every peer's lines at
+// once publishes during FINISH's move, which it overlaps.  Never after the
+// completion word: that lets the host give the bucket to another tag, whose
+// record this would overwrite.  pos[2]: published (it survives preemption).
+DFCCL_DEV void ll_publish(const BlockEnv &env, TaskRun &run) {
+  if (run.pos[2] != 0) return;
+  uint64_t t = step_start();
+  publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
+  step_mark(env, &dfccl_step_profile::ll_publish_ns, t);
+  run.pos[2] = 1;
+}
+
 // ---- RECV ----------------------------------------------------------------------
 // The leader: the record of `peer` for this tag: cached in this context, else
 // in this rank's record header (where the tag met it last), else found by
@@ -219,7 +241,8 @@ DFCCL_DEV uint32_t bucket_of(const dfccl_endpoint *ep, uint32_t peer, uint64_t r
   return (uint32_t)((rec - ep->peer_table[peer]) / ep->record_stride);
 }
 
-// Waits until every line of `peer` for this instance is in this rank's area.
+// Waits until every line of `peer` for this instance is in this rank's area,
+// publishing this rank's record after the first poll that does not find them.
 // Every lane of the control warp checks its share of the lines on each poll;
 // the leader keeps the deadline, checks aborts like block_wait, and every
 // kLLReprobePolls polls looks the peer's record up afresh (the peer's tag may
@@ -257,6 +280,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
       }
     }
     if (warp_all(arrived)) break;
+    ll_publish(env, run);  // before any wait, and before giving up: peers may be probing for it
     if (warp_any(aborted)) {  // the sender gave this instance up (ll_poison)
       if (is_leader()) {
         const LLLine l = ll_load(area + 16);
@@ -360,7 +384,12 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
   }
   control_sync();
   uint64_t t = step_start();
-  execute_move(env.sm);
+  // The leader publishes while the movers move, if RECV did not have to
+  // (the record is neither a source nor a destination of the move).
+  start_move(env.sm);
+  ll_publish(env, run);
+  control_sync();
+  wait_move(env.sm);
   step_mark(env, &dfccl_step_profile::ll_move_ns, t);
   // Every peer's lines are consumed: acknowledge (posted stores, nobody
   // waits for them unless it reuses the area).
@@ -396,13 +425,9 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
         step_mark(env, &dfccl_step_profile::ll_credit_ns, t);
         if (w != WAIT_OK) return stop_run(w);
-        // The lines first: they are what the peers wait for.  Publishing
-        // (one system-scope release) follows, off their critical path; a peer
-        // needs the record only to find this rank's bucket the first time, or
-        // when it is on another path (a mismatch).
+        // The lines: what the peers wait for.  The record is published
+        // later, where a wait or the move hides it (ll_publish).
         for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
-        step_mark(env, &dfccl_step_profile::ll_push_ns, t);
-        publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
         if (is_leader()) {
@@ -413,8 +438,9 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
           }
           own->ll_inst[run.d->instance & 1u] = run.d->instance;
         }
-        step_mark(env, &dfccl_step_profile::ll_publish_ns, t);
+        step_mark(env, &dfccl_step_profile::ll_push_ns, t);
         run.pos[1] = 0;
+        run.pos[2] = 0;
         run.step = L_RECV;
         run.progressed = true;
         break;

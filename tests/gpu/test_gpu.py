@@ -255,7 +255,9 @@ def test_smoke_single_rank(rng):
         np.testing.assert_array_equal(recv.download(), x)
         ctx = runtime.get_context("cuda", 0)
         assert ctx.launches >= 1
-        record("smoke", launches=ctx.launches, blocks=ctx.nblocks)
+        sms = ctx.daemon_sms()   # every block launched, each on a real SM
+        assert len(sms) == ctx.nblocks and all(s is not None and 0 <= s < ctx.backend.sm_count for s in sms), sms
+        record("smoke", launches=ctx.launches, blocks=ctx.nblocks, sms=sms)
     finally:
         c.close()
 

@@ -327,6 +327,18 @@ def test_submissions_taken_by_the_daemon(make):
     assert taken == after, "a completed collective was copied to the device"
 
 
+def test_daemon_profile_counts_runs_and_the_simulator_has_no_sms(make):
+    comms = make(2, "direct", base=DEV + 132)
+    ctx = comms[0]._ctx
+    before = sum(b["runs"] for b in ctx.daemon_profile())
+    all_reduce_ok(comms, tag="profiled")
+    deadline = time.monotonic() + TIMEOUT   # a busy block stores its counters every few passes
+    while sum(b["runs"] for b in ctx.daemon_profile()) <= before and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert sum(b["runs"] for b in ctx.daemon_profile()) > before
+    assert ctx.daemon_sms() == [None] * ctx.nblocks
+
+
 def test_base_window_adapts_to_observed_waits(make):
     """Every retirement feeds the policy; once per period the context hands
     the observations to policy.adapt() and publishes the new base window."""

@@ -1,7 +1,7 @@
 """The scripts of benchmarks/ that measure what ``dfccl bench`` does not, run
 on the simulator: bench_latency.py (dfccl's latency breakdown and the
-queue-depth sweep) and host_timeline.py (a collective waited for, step by
-step on the host)."""
+queue-depth sweep), host_timeline.py (a collective waited for, step by
+step on the host) and bench_ddp.py (the DDP example against gloo)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_latency_breakdown_on_the_simulator(tmp_path):
         # Some block of rank 0's daemon ran every collective at least once.
         b = d["busy_blocks"]
         assert b["blocks"] and b["runs"] >= 1 and b["passes"] >= 1 and b["run_us"] > 0
+        assert b["sms"] == [None] * len(b["blocks"])   # the simulator has no SMs
         # The step profile's fields are there (zero unless the daemon was
         # built with DFCCL_STEP_PROFILE=1); the move is part of FINISH.
         for key in ("ll_credit_us", "ll_push_us", "ll_publish_us", "ll_recv_us", "ll_finish_us", "ll_move_us",
@@ -110,3 +111,15 @@ def test_host_timeline_on_the_simulator():
         assert step in lines, proc.stdout
     total = float(lines["total"].split(":")[1].split()[0])
     assert total > 0
+
+
+def test_ddp_benchmark_on_cpu(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ddp.py"), "--steps", "4", "--warmup", "1",
+                           "--rounds", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = glob.glob(os.path.join(tmp_path, "ddp-*-0gpu-2proc.json"))
+    doc = json.load(open(path))
+    assert doc["reference"] == "gloo" and doc["ratio_dfccl_to_reference"] > 0
+    assert len(doc["losses"]["dfccl"]) == 4 and doc["max_rel_loss_diff"] < 1e-6

@@ -428,3 +428,31 @@ def test_abort_after_the_push_reaches_a_later_peer():
     finally:
         for c in comms:
             c.close()
+
+
+@pytest.mark.parametrize("late", [0, 2])
+def test_every_completed_instance_has_published_its_record(trio, late):
+    """A rank publishes its record before RECV's first wait, or, when every
+    peer's lines are already there (the last rank to arrive), during
+    FINISH's move; either way before its completion word.  After each
+    instance, every rank's record names it (peers probing for a first
+    instance, or for a tag that moved buckets, need it)."""
+    x = np.arange(4, dtype=np.float32)
+    for i in range(6):
+        outs = [np.zeros(4, np.float32) for _ in trio]
+        works = [None] * len(trio)
+        for r, c in enumerate(trio):
+            if r == late:
+                continue
+            works[r] = c.all_reduce(x + r, outs[r], tag=("published", late))
+        time.sleep(0.01)   # the others poll (and have published); `late` finds their lines
+        works[late] = trio[late].all_reduce(x + late, outs[late], tag=("published", late))
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for out in outs:
+            np.testing.assert_array_equal(out, 3 * x + 3)
+        w = works[late]
+        assert _is_ll(trio[late], KIND_ALL_REDUCE, 4, "float32")
+        for r, c in enumerate(trio):
+            for p in range(len(trio)):
+                assert c._diag.published(p, w.key, w.instance) is not None, (i, r, p)

@@ -247,11 +247,11 @@ typedef struct dfccl_block_profile {
 typedef struct dfccl_step_profile {
   uint64_t ll_runs;       /* LL instances finished */
   uint64_t ll_credit_ns;  /* LL PUSH: waiting for credit */
-  uint64_t ll_push_ns;    /* LL PUSH: stores into the peers' areas (publishing not counted) */
+  uint64_t ll_push_ns;    /* LL PUSH: stores into the peers' areas, the record's LL words */
   uint64_t ll_recv_ns;    /* LL RECV: polling this rank's areas for the peers' lines */
   uint64_t ll_finish_ns;  /* LL FINISH: unpacking, reducing, acknowledging (ll_move_ns included) */
   uint64_t complete_ns;   /* any task: completing a channel (result, completion word) */
-  uint64_t ll_publish_ns; /* LL PUSH: publishing the record, updating its LL words */
+  uint64_t ll_publish_ns; /* LL: publishing the record (before RECV's wait, or inside ll_move_ns) */
   uint64_t ll_move_ns;    /* of LL FINISH: the movers' reduce or gather, barrier to barrier */
 } dfccl_step_profile;  /* 64 bytes */
 
@@ -274,6 +274,8 @@ typedef struct dfccl_daemon_state {
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
   dfccl_block_profile profile[DFCCL_MAX_CHANNELS];
   dfccl_step_profile steps[DFCCL_MAX_CHANNELS];
+  uint32_t block_sm[DFCCL_MAX_CHANNELS];   /* per block: 1 + the SM it ran on at its last launch
+                                              (0: not launched, or the simulator) */
 } dfccl_daemon_state;
 
 /* One rank of one communicator hosted on this context. */

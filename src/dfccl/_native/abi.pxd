@@ -106,6 +106,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t bad_tasks
         dfccl_block_profile profile[32]
         dfccl_step_profile steps[32]
+        uint32_t block_sm[32]
 
     ctypedef struct dfccl_chan_state:
         uint64_t ready

@@ -839,15 +839,24 @@ cdef class Context:
     @property
     def bad_tasks(self):
         """How many descriptors the daemon rejected (DFCCL_STATUS_BAD_TASK)."""
+        cdef dfccl_daemon_state *st = self._copy_daemon_state()
+        try:
+            return st.bad_tasks
+        finally:
+            free(st)
+
+    cdef dfccl_daemon_state *_copy_daemon_state(self) except NULL:
+        """A host copy of the daemon's state in device memory; the caller frees it."""
         cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
         if st == NULL:
             raise MemoryError
         try:
             self.backend.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.args.state,
                                           sizeof(dfccl_daemon_state))
-            return st.bad_tasks
-        finally:
+        except BaseException:
             free(st)
+            raise
+        return st
 
     cdef int _wait_ring_entry(self, uint64_t position) except -1:
         """Returns once the daemon's host link has copied the ring entry at
@@ -1330,14 +1339,10 @@ cdef class Context:
         (dfccl_step_profile: LL runs and the time in each of their steps,
         completing).  Read from device memory while the daemon runs, so the
         figures of a busy block may be a pass apart from one another."""
-        cdef dfccl_daemon_state *st = <dfccl_daemon_state *>calloc(1, sizeof(dfccl_daemon_state))
+        cdef dfccl_daemon_state *st = self._copy_daemon_state()
         cdef dfccl_block_profile *p
         cdef dfccl_step_profile *q
-        if st == NULL:
-            raise MemoryError
         try:
-            self.backend.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.args.state,
-                                          sizeof(dfccl_daemon_state))
             out = []
             for b in range(self.nblocks):
                 p = &st.profile[b]
@@ -1349,6 +1354,18 @@ cdef class Context:
                             "ll_finish_ns": q.ll_finish_ns, "complete_ns": q.complete_ns,
                             "ll_publish_ns": q.ll_publish_ns, "ll_move_ns": q.ll_move_ns})
             return out
+        finally:
+            free(st)
+
+    def daemon_sms(self):
+        """The SM each daemon block ran on at its last launch (``%smid``), one
+        entry per block; None for a block not launched yet, and on the
+        simulator.  Blocks that talk through memory on nearby SMs see shorter
+        round trips, so this is where to look when timings differ between
+        runs."""
+        cdef dfccl_daemon_state *st = self._copy_daemon_state()
+        try:
+            return [st.block_sm[b] - 1 if st.block_sm[b] != 0 else None for b in range(self.nblocks)]
         finally:
             free(st)
 
