@@ -94,7 +94,11 @@ DFCCL_DEV uint64_t daemon_state_word(uint32_t epoch, uint32_t state) {
 }
 
 // The leader.  Block 0 decides when the whole daemon leaves: on the host's
-// request, or when no block has made progress for idle_quit_ns.  Before it
+// request, when no block has made progress for idle_quit_ns (work waits:
+// peers absent, streams not there yet), or, sooner, for empty_quit_ns with
+// every block's list empty (nothing to do: a resident daemon would only
+// hold its SMs, make device-wide synchronisations and cuMemFree wait, and
+// delay other kernels' first launches).  Before it
 // commits to an idle quit it announces QUITTING and re-reads the submission
 // tail and the count of collectives that streams wait for; the host writes
 // those and then reads the state (the two halves of Dekker's protocol).  Its
@@ -125,6 +129,33 @@ DFCCL_DEV QuitWords quit_words(const BlockEnv &env) {
   return q;
 }
 
+// Block 0's leader: every block has pulled what block 0 has, and has
+// nothing in its list (each leader stores its length when it changes and
+// its ring position when it pulls).  The loads go out eight blocks at a
+// time, not one round trip per block.  An entry that block 0 has not pulled
+// yet is caught by the handshake that follows (it re-reads the tail).
+DFCCL_DEV bool nothing_left(const BlockEnv &env) {
+  const dfccl_daemon_args *a = env.args;
+  const dfccl_daemon_state *st = a->state;
+  if (env.sm->active_len != 0) return false;
+  const uint64_t head = load_gpu(&st->sq_head[0]);
+  uint64_t differ = 0;
+  // Eight blocks' words in flight at a time (registers are the daemon's scarcest resource).
+  for (uint32_t b0 = 1; b0 < a->nblocks; b0 += 8) {
+    uint32_t len[8];
+    uint64_t pos[8];
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) {
+      const bool in = b0 + i < a->nblocks;
+      len[i] = in ? load_gpu(&st->active_len[b0 + i]) : 0;
+      pos[i] = in ? load_gpu(&st->sq_head[b0 + i]) : head;
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) differ |= (uint64_t)len[i] | (pos[i] ^ head);
+  }
+  return differ == 0;
+}
+
 DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t now, const QuitWords &q, bool pulled) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
@@ -135,7 +166,9 @@ DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t n
   if (!quit) {
     if (pulled) return false;
     const uint64_t last = load_gpu(&st->last_progress_ns);
-    if (now < last || now - last < p.idle_quit_ns) return false;
+    if (now < last) return false;
+    const uint64_t quiet = now - last;
+    if (quiet < p.idle_quit_ns && (quiet < a->empty_quit_ns || !nothing_left(env))) return false;
     store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_QUITTING));
     fence_seq_cst();
     // From host memory, not the link's copy: this read is the daemon's half
@@ -238,6 +271,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
       } else {
         for (uint32_t i = pick; i + 1 < sm->active_len; ++i) active[i] = active[i + 1];
         sm->active_len -= 1;
+        store_gpu(&a->state->active_len[env.block], sm->active_len);  // for block 0's empty quit
       }
       sm->cursor = pick;
     }
@@ -373,7 +407,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   if (is_leader()) {
     flush_profile(&st->profile[block], prof);
     flush_steps(&st->steps[block], steps);
-    st->active_len[block] = sm->active_len;
+    store_gpu(&st->active_len[block], sm->active_len);
     st->cursor[block] = sm->cursor;
     fence_system();
     const uint64_t left = atomic_add(&st->blocks_exited, 1) + 1;

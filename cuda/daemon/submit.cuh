@@ -169,6 +169,7 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
   if (head == tail) return 0;
   const uint64_t t0 = now_ns();
   const bool was_empty = active_len == 0;
+  const uint32_t len_before = active_len;
   // The first two entries in flight together (in a loop that loaded the next
   // entry ahead, ptxas moved the current one out of the registers the next
   // one was loaded into, and so waited for it first); later ones of a burst
@@ -191,6 +192,7 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
   const uint32_t pulled = (uint32_t)(tail - head);
   head = tail;
   store_gpu(&st->sq_head[env.block], head);
+  if (active_len != len_before) store_gpu(&st->active_len[env.block], active_len);  // for block 0's empty quit
   return pulled;
 }
 

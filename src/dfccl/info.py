@@ -147,6 +147,7 @@ def _defaults(backend: str) -> dict:
             "base_window_us": pol.base_window_ns / 1000, "window_range_us": (pol.min_base_ns / 1000,
                                                                               pol.max_base_ns / 1000),
             "max_window_us": pol.max_window_ns / 1000, "idle_quit_us": pol.idle_quit_ns / 1000,
+            "empty_quit_us": pol.empty_quit_ns / 1000,
             "max_outstanding": ContextOptions().max_outstanding, "staging_mib": comm.staging_bytes / (1 << 20),
             "one_shot_kib": comm.one_shot_bytes / 1024, "bytes_per_channel_kib": comm.bytes_per_channel / 1024,
             "ll_max_bytes_2_ranks": default_ll_max_bytes(2 * ContextOptions().max_outstanding, 2,
@@ -214,7 +215,8 @@ def print_info(out: TextIO = sys.stdout) -> dict:
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")
         p(f"  preemption window: base {d['base_window_us']:g} us (adapts within {d['window_range_us'][0]:g}.."
-          f"{d['window_range_us'][1]:g} us), at most {d['max_window_us']:g} us; idle quit {d['idle_quit_us']:g} us")
+          f"{d['window_range_us'][1]:g} us), at most {d['max_window_us']:g} us; idle quit {d['idle_quit_us']:g} us "
+          f"({d['empty_quit_us']:g} us with nothing left to run)")
         p(f"  ring staging {d['staging_mib']:g} MiB per rank; one-shot all_reduce up to {d['one_shot_kib']:g} KiB; "
           f"one channel per {d['bytes_per_channel_kib']:g} KiB")
         p(f"  LL protocol up to {d['ll_max_bytes_2_ranks']} bytes per rank with 2 ranks (LL region "

@@ -61,6 +61,13 @@ class ContextOptions:
     base_window_ns / max_window_ns / idle_quit_ns / relaunch_backoff_ns: the
         scheduler's time bounds; None picks the backend's defaults.  The base
         window adapts at run time (policy.py) unless adaptive is False.
+    empty_quit_ns: how long the daemon stays once nothing is left for it to
+        run (idle_quit_ns applies while collectives wait: peers absent,
+        streams not there yet).  None: 50 us on a GPU, 2 ms in the simulator.
+        A resident daemon holds its SMs and makes device-wide
+        synchronisations wait (docs/architecture.md, "Idle quit and
+        relaunch"); longer saves the relaunch (25-29 us on an H200) of a
+        collective that follows a longer gap.
     link_ahead: submission-ring entries the daemon reads from host memory in
         the same round trip as the submission tail, before it knows they are
         there (0..3; docs/architecture.md, "The host link").  More saves a
@@ -76,13 +83,14 @@ class ContextOptions:
     base_window_ns: int | None = None
     max_window_ns: int | None = None
     idle_quit_ns: int | None = None
+    empty_quit_ns: int | None = None
     relaunch_backoff_ns: int | None = None
     max_endpoints: int = 256
     link_ahead: int | None = None
 
     def __post_init__(self):
         _check_ints(self, ("blocks", "max_outstanding", "base_window_ns", "max_window_ns", "idle_quit_ns",
-                           "relaunch_backoff_ns", "max_endpoints", "link_ahead"))
+                           "empty_quit_ns", "relaunch_backoff_ns", "max_endpoints", "link_ahead"))
         if self.link_ahead is not None and not 0 <= self.link_ahead <= LINK_AHEAD_MAX:
             raise InvalidArgumentError(f"ContextOptions.link_ahead must be in 0..{LINK_AHEAD_MAX}, not {self.link_ahead}")
         for name in ("preemption", "adaptive"):
@@ -95,7 +103,7 @@ class ContextOptions:
             raise InvalidArgumentError(f"ContextOptions.blocks must be in 1..32, not {self.blocks}")
         if self.max_endpoints < 1:
             raise InvalidArgumentError(f"ContextOptions.max_endpoints must be >= 1, not {self.max_endpoints}")
-        for name in ("base_window_ns", "max_window_ns", "idle_quit_ns", "relaunch_backoff_ns"):
+        for name in ("base_window_ns", "max_window_ns", "idle_quit_ns", "empty_quit_ns", "relaunch_backoff_ns"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InvalidArgumentError(f"ContextOptions.{name} must be >= 0, not {getattr(self, name)}")
 

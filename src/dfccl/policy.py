@@ -33,10 +33,12 @@ class WindowPolicy:
     min_completions = 8
 
     def __init__(self, *, base_window_ns: int, max_window_ns: int, idle_quit_ns: int, relaunch_backoff_ns: int,
-                 min_base_ns: int, max_base_ns: int, adaptive: bool = True, period_ns: int = 20 * MS):
+                 min_base_ns: int, max_base_ns: int, adaptive: bool = True, period_ns: int = 20 * MS,
+                 empty_quit_ns: int | None = None):
         self.base_window_ns = base_window_ns
         self.max_window_ns = max_window_ns
         self.idle_quit_ns = idle_quit_ns
+        self.empty_quit_ns = idle_quit_ns if empty_quit_ns is None else min(empty_quit_ns, idle_quit_ns)
         self.relaunch_backoff_ns = relaunch_backoff_ns
         self.min_base_ns = min_base_ns
         self.max_base_ns = max_base_ns
@@ -68,9 +70,20 @@ class WindowPolicy:
 
 INFINITE_NS = 1 << 62
 
+#: With nothing left to run, a GPU daemon leaves after this long: a daemon
+#: kept resident holds its SMs' register files from other kernels, and a
+#: device-wide synchronisation (torch.cuda.synchronize), cuMemFree or a
+#: kernel's first launch waits until it leaves.  A relaunch costs the next
+#: collective 25-29 us on an H200 (benchmarks/NOTES.md, section 19); 50 us
+#: keeps a loop of collectives waited for one at a time (the next submitted
+#: within microseconds) on one launch.
+EMPTY_QUIT_GPU_NS = 50 * US
+
 
 def default_policy(backend: str, options) -> WindowPolicy:
-    """Defaults per backend.  GPU: a peer flag round trip is ~2.5 us
+    """Defaults per backend.  Idle quit: while work waits (peers absent,
+    streams not there yet) the daemon stays idle_quit_ns; with nothing left
+    to run, empty_quit_ns.  GPU: a peer flag round trip is ~2.5 us
     (measured on 2 x H200: docs/gpu.md), so a 20 us base tolerates jitter without holding
     the SMs long for an absent peer.  Simulator: host threads share few cores
     and are descheduled for milliseconds, so its windows are longer."""
@@ -78,12 +91,13 @@ def default_policy(backend: str, options) -> WindowPolicy:
     if not options.preemption:
         return WindowPolicy(base_window_ns=INFINITE_NS, max_window_ns=INFINITE_NS, idle_quit_ns=INFINITE_NS,
                             relaunch_backoff_ns=100 * US, min_base_ns=INFINITE_NS, max_base_ns=INFINITE_NS,
-                            adaptive=False)
+                            adaptive=False, empty_quit_ns=options.empty_quit_ns)
     base = options.base_window_ns or (20 * US if gpu else 200 * US)
     return WindowPolicy(
         base_window_ns=base,
         max_window_ns=options.max_window_ns or (2 * MS if gpu else 50 * MS),
         idle_quit_ns=options.idle_quit_ns or (5 * MS if gpu else 20 * MS),
+        empty_quit_ns=options.empty_quit_ns or (EMPTY_QUIT_GPU_NS if gpu else 2 * MS),
         relaunch_backoff_ns=options.relaunch_backoff_ns or (200 * US if gpu else 1 * MS),
         min_base_ns=min(base, 5 * US if gpu else 50 * US),
         max_base_ns=max(base, 1 * MS if gpu else 20 * MS),

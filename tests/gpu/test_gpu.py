@@ -456,6 +456,54 @@ def test_device_synchronize_while_collective_waits(comms2, path, rng):
     record("device_sync", path=path, seconds=rep.seconds, sync_seconds=sync_times)
 
 
+_SYNC_AFTER_LAST = r"""
+import sys, time, numpy as np, dfccl
+from dfccl import runtime
+from dfccl.testing import arrays
+n = runtime.cuda_device_count()
+empty = int(sys.argv[1])
+opts = dfccl.ContextOptions(idle_quit_ns=30 * 10**9, empty_quit_ns=empty or None)
+comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda", context_options=opts)
+rng = np.random.default_rng()
+hosts = [rng.standard_normal(1 << 18).astype(np.float32) for _ in comms]
+bufs = [arrays.from_numpy("cuda", c.device, h) for c, h in zip(comms, hosts)]
+for w in [c.all_reduce(b) for c, b in zip(comms, bufs)]:
+    w.synchronize(timeout=30)
+t0 = time.perf_counter()
+runtime.device_synchronize("cuda", comms[0].device)
+sync = time.perf_counter() - t0
+got = arrays.to_numpy(bufs[0])
+assert np.allclose(got, hosts[0] + hosts[1], rtol=1e-5, atol=1e-5)
+t0 = time.perf_counter()
+for c in comms:
+    c.close()
+runtime.shutdown()
+print("RESULT", sync, time.perf_counter() - t0)
+"""
+
+
+@pytest.mark.parametrize("empty_quit", ["default", "2s"])
+def test_device_synchronize_after_the_last_collective(empty_quit):
+    """A device-wide synchronisation right after the last collective
+    completed (torch.cuda.synchronize() at the end of a training step)
+    returns once the daemon, with nothing left to run, leaves: after
+    empty_quit_ns (50 us by default), however long the idle quit (30 s
+    here).  The control keeps the daemon 2 s: the synchronisation waits for
+    it, which is what a step paid with the 5 ms idle quit alone.  In a
+    fresh process: context options are fixed per process and device."""
+    import subprocess
+    import sys
+    arg = "0" if empty_quit == "default" else str(2 * 10**9)
+    out = subprocess.run([sys.executable, "-c", _SYNC_AFTER_LAST, arg], capture_output=True, text=True, timeout=120)
+    assert "RESULT" in out.stdout, out.stdout + out.stderr
+    sync, close = map(float, out.stdout.split("RESULT")[1].split())
+    record("sync_after_last", empty_quit=empty_quit, sync_seconds=sync, close_seconds=close)
+    if empty_quit == "default":
+        assert sync < 0.5 and close < 5, (sync, close)
+    else:
+        assert sync > 1.0, f"the synchronisation did not wait for the resident daemon ({sync:.3f} s)"
+
+
 def test_long_compute_kernels_while_pending(comms2, rng):
     """Long compute kernels occupy both GPUs while collectives are pending in
     rank-divergent order; everything completes and the compute is right."""

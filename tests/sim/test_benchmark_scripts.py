@@ -123,3 +123,31 @@ def test_ddp_benchmark_on_cpu(tmp_path):
     doc = json.load(open(path))
     assert doc["reference"] == "gloo" and doc["ratio_dfccl_to_reference"] > 0
     assert len(doc["losses"]["dfccl"]) == 4 and doc["max_rel_loss_diff"] < 1e-6
+
+
+def test_ddp_step_probe_on_cpu(tmp_path):
+    """The probe's dfccl run (the simulator) gives gloo's loss and counts the
+    process group's calls and the daemon's launches."""
+    pytest.importorskip("torch")
+    out = tmp_path / "probe.jsonl"
+    for config in ("gloo", "dfccl,blocks=2,empty_us=1000"):
+        proc = subprocess.run([sys.executable, str(BENCHMARKS / "ddp_step_probe.py"), config, "--steps", "4",
+                               "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    gloo, dfccl_run = [json.loads(line) for line in out.read_text().splitlines()]
+    assert dfccl_run["loss_last"] == gloo["loss_last"]
+    assert 1 <= dfccl_run["pg_calls_per_step"]["allreduce"] <= 2, dfccl_run
+    assert dfccl_run["pg_call_host_us"]["allreduce"] > 0 and dfccl_run["daemon_launches"] >= 1
+
+
+def test_relaunch_gap_probe_on_the_simulator():
+    """A gap longer than the empty quit (2 ms in the simulator) relaunches
+    the daemon at every collective; back to back it stays."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "relaunch_gap_probe.py"), "--backend", "sim",
+                           "--iters", "10", "--warmup", "2", "--gaps-us", "0,8000"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = {float(line.split()[1]): int(line.split()[-1]) for line in proc.stdout.splitlines()
+                if line.startswith("gap")}
+    assert launches[8000.0] >= 10 and launches[0.0] < 6, proc.stdout

@@ -470,3 +470,48 @@ def test_daemon_stays_while_a_stream_waits():
         assert (xs[0] == 6).all() and (xs[1] == 6).all()
     finally:
         close_all(comms)
+
+
+def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> float:
+    """Seconds until the daemon of ``ctx`` publishes ``state``."""
+    start = time.monotonic()
+    while ctx.daemon_state[1] != state:
+        assert time.monotonic() - start < timeout, ctx.daemon_state
+        time.sleep(1e-3)
+    return time.monotonic() - start
+
+
+def test_daemon_leaves_soon_with_nothing_left_and_stays_while_work_waits():
+    """With every block's list empty the daemon leaves after empty_quit_ns
+    (a resident daemon holds its SMs, and a device-wide synchronisation
+    waits for it); while a collective waits for an absent peer it stays for
+    idle_quit_ns, also when that collective is on a block other than block
+    0, the one that decides.  Here the idle quit is a minute: only the
+    empty quit can make it leave."""
+    base = sc.fresh_sim_devices(2)[0]
+    opts = dfccl.ContextOptions(blocks=4, idle_quit_ns=60 * 10**9, empty_quit_ns=2_000_000,
+                                relaunch_backoff_ns=60 * 10**9)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    try:
+        ctx = comms[0]._ctx
+        xs = [np.full(64, r + 1, np.float32) for r in range(2)]
+        for w in [c.all_reduce(x, tag="first") for c, x in zip(comms, xs)]:
+            w.synchronize(timeout=10)
+        assert _wait_for_state(ctx, "exited") < 5, "nothing left, yet the daemon stayed"
+        assert (xs[0] == 3).all()
+        # A collective of rank 0 alone, on block 3: the daemon stays for it.
+        tag = next(t for t in (f"w{i}" for i in range(1000))
+                   if first_block(tag_key(comms[0]._comm_key, t), comms[0]._endpoint.id, 4) == 3)
+        w0 = comms[0].all_reduce(xs[0], tag=tag)
+        _wait_for_state(ctx, "running")
+        launches = ctx.launches
+        time.sleep(0.3)                                  # 150 empty quits
+        assert ctx.daemon_state[1] == "running" and ctx.launches == launches, ctx.daemon_state
+        assert not w0._peek_done()
+        w1 = comms[1].all_reduce(xs[1], tag=tag)
+        for w in (w0, w1):
+            w.synchronize(timeout=10)
+        assert (xs[0] == 6).all() and (xs[1] == 6).all()
+        assert _wait_for_state(ctx, "exited") < 5
+    finally:
+        close_all(comms)

@@ -721,3 +721,21 @@ def test_window_policy_adapts_towards_twice_the_p90_wait():
     fixed = WindowPolicy(base_window_ns=200_000, max_window_ns=10**9, idle_quit_ns=10**9, relaunch_backoff_ns=1,
                          min_base_ns=50_000, max_base_ns=1_000_000, adaptive=False)
     assert fixed.adapt(100, 0, [1000] * 100) is None and fixed.base_window_ns == 200_000
+
+
+def test_empty_quit_defaults_and_bounds():
+    """The empty quit: 50 us on a GPU, 2 ms in the simulator, never longer
+    than the idle quit, negative refused; preemption off keeps the daemon
+    (both infinite unless asked)."""
+    from dfccl.options import ContextOptions
+    from dfccl.policy import EMPTY_QUIT_GPU_NS, INFINITE_NS, default_policy
+
+    gpu, sim = default_policy("cuda", ContextOptions()), default_policy("sim", ContextOptions())
+    assert gpu.empty_quit_ns == EMPTY_QUIT_GPU_NS == 50_000 and gpu.idle_quit_ns == 5_000_000
+    assert sim.empty_quit_ns == 2_000_000 and sim.idle_quit_ns == 20_000_000
+    assert default_policy("cuda", ContextOptions(empty_quit_ns=10**6)).empty_quit_ns == 10**6
+    capped = default_policy("cuda", ContextOptions(idle_quit_ns=30_000, empty_quit_ns=10**6))
+    assert capped.empty_quit_ns == 30_000, "an empty daemon does not stay longer than an idle one"
+    assert default_policy("cuda", ContextOptions(preemption=False)).empty_quit_ns == INFINITE_NS
+    with pytest.raises(InvalidArgumentError, match="empty_quit_ns"):
+        ContextOptions(empty_quit_ns=-1)

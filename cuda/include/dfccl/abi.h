@@ -270,7 +270,8 @@ typedef struct dfccl_daemon_state {
   uint64_t bad_tasks;        /* descriptors rejected with DFCCL_STATUS_BAD_TASK */
   uint64_t pad[4];
   uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
-  uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block */
+  uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block, stored by its leader whenever it changes
+                                              (block 0 reads them all before an empty quit) */
   uint32_t cursor[DFCCL_MAX_CHANNELS];     /* per block round-robin position */
   dfccl_block_profile profile[DFCCL_MAX_CHANNELS];
   dfccl_step_profile steps[DFCCL_MAX_CHANNELS];
@@ -318,6 +319,9 @@ typedef struct dfccl_daemon_args {
   uint32_t max_endpoints;
   uint32_t link_ahead;             /* ring entries the host link reads with the control words,
                                       before the tail (0..DFCCL_LINK_AHEAD_MAX) */
+  uint32_t args_pad;
+  uint64_t empty_quit_ns;          /* with every block's list empty, quit after this long
+                                      without progress (idle_quit_ns applies while work waits) */
 } dfccl_daemon_args;
 
 #define DFCCL_LINK_AHEAD_MAX 3u

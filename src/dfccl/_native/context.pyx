@@ -458,6 +458,7 @@ cdef class Context:
         self.args.nblocks = blocks
         self.args.max_endpoints = abort_words
         self.args.link_ahead = link_ahead
+        self.args.empty_quit_ns = policy.empty_quit_ns
         self.args.epoch = 0
 
         self.ctrl.base_window_ns = policy.base_window_ns

@@ -1,0 +1,65 @@
+"""What a relaunch of the daemon costs the next collective: one 8-byte
+all_reduce waited for (two ranks on one device, one process), with a host
+gap spun between iterations.  A gap longer than the empty quit
+(ContextOptions.empty_quit_ns, 50 us on a GPU) lets the daemon leave, so the
+next collective relaunches it; the launches column counts them.
+
+    python benchmarks/relaunch_gap_probe.py [--gaps-us 0,20,100,1000] [--iters 300] [--backend cuda|sim]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import dfccl
+from dfccl import runtime
+from dfccl.testing import arrays
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gaps-us", default="0,20,100,1000")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
+    args = p.parse_args()
+    backend = args.backend or ("cuda" if runtime.cuda_device_count() > 0 else "sim")
+    comms = dfccl.Communicator.for_devices([0, 0], backend=backend)
+    ctx = comms[0]._ctx
+    rng = np.random.default_rng()
+    bufs = [arrays.from_numpy(backend, 0, rng.standard_normal(2).astype(np.float32)) for _ in comms]
+    print(f"{backend}: one 8 B all_reduce waited for, two ranks on device 0, {args.iters} iterations per gap")
+    try:
+        for gap_us in [float(g) for g in args.gaps_us.split(",")]:
+            times = []
+            launches = ctx.launches
+            for i in range(args.iters + args.warmup):
+                start = time.perf_counter()
+                works = [c.all_reduce(b, tag="gap") for c, b in zip(comms, bufs)]
+                for w in works:
+                    w.synchronize(timeout=30)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - start)
+                spin(gap_us * 1e-6)
+            times.sort()
+            print(f"gap {gap_us:7.0f} us: median {statistics.median(times) * 1e6:7.1f} us  "
+                  f"p90 {times[int(0.9 * (len(times) - 1))] * 1e6:7.1f} us  launches {ctx.launches - launches}",
+                  flush=True)
+    finally:
+        for c in comms:
+            c.close()
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main()
