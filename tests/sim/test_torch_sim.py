@@ -182,3 +182,39 @@ def test_timeouts_are_typed_and_recoverable():
 
 def test_unsupported_operations_are_refused():
     run_ranks(_unsupported, 2)
+
+
+_CONTEXT_OPTIONS_FIRST = r"""
+import socket
+import torch.distributed as dist
+import dfccl, dfccl.torch
+from dfccl import runtime
+opts = dfccl.ContextOptions(empty_quit_ns=123_000, idle_quit_ns=30_000_000)
+ctx = runtime.get_context("sim", 0, opts)            # before the process group
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("dfccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+comm = dist.group.WORLD.communicator()
+assert comm._ctx is ctx and runtime.get_context("sim", 0, opts) is ctx
+try:
+    runtime.get_context("sim", 0, dfccl.ContextOptions())
+except dfccl.InvalidArgumentError as exc:
+    assert "already runs with" in str(exc)
+else:
+    raise AssertionError("other options were taken silently")
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+def test_context_options_set_before_the_process_group_are_its_daemons():
+    """docs/torch.md, "Daemon options": runtime.get_context(kind, device,
+    options) before init_process_group sets the daemon options (the quits,
+    the blocks) of the process group's communicators."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CONTEXT_OPTIONS_FIRST], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", DFCCL_TORCH_BACKEND="sim"))
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
