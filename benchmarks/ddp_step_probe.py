@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import socket
 import statistics
 import sys
 import time
@@ -28,12 +27,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from ddp_train import TinyTransformer  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse(config: str):
@@ -80,7 +73,7 @@ def main() -> None:
             setattr(dt.ProcessGroupDfccl, meth, wrapped)
     if backend == "nccl" and not cuda:
         raise SystemExit("nccl needs a GPU")
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     print(f"[{args.config}] init {time.perf_counter() - t0:.2f} s", flush=True)
     torch.manual_seed(0)
     model = DDP(TinyTransformer().to(device), device_ids=[0] if cuda else None)

@@ -316,6 +316,15 @@ def test_sixty_four_ranks_random_orders(path, rng):
         close_all(comms)
 
 
+def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> float:
+    """Seconds until the daemon of ``ctx`` publishes ``state``."""
+    start = time.monotonic()
+    while ctx.daemon_state[1] != state:
+        assert time.monotonic() - start < timeout, ctx.daemon_state
+        time.sleep(1e-3)
+    return time.monotonic() - start
+
+
 def _tags_on_distinct_blocks(comm, nblocks: int, count: int) -> list[str]:
     """Tags whose instances start on different daemon blocks (channel 0 runs
     on dfccl_first_block(key, endpoint, nblocks))."""
@@ -415,10 +424,7 @@ def test_daemon_comes_back_while_a_thread_holds_the_gil(rng):
     try:
         xs = [np.full(64, r + 1, np.float32) for r in range(2)]
         w0 = comms[0].all_reduce(xs[0], tag="late")
-        deadline = time.monotonic() + 10
-        while comms[0]._ctx.daemon_state[1] != "exited":     # it waited for rank 1, then left
-            assert time.monotonic() < deadline, comms[0]._ctx.daemon_state
-            time.sleep(1e-3)
+        _wait_for_state(comms[0]._ctx, "exited")            # it waited for rank 1, then left
         w1 = comms[1].all_reduce(xs[1], tag="late")
         ctypes.PyDLL(None).usleep(1_500_000)                 # holds the GIL for 1.5 s
         assert w0.done() and w1.done(), "rank 0's daemon did not come back while the GIL was held"
@@ -470,15 +476,6 @@ def test_daemon_stays_while_a_stream_waits():
         assert (xs[0] == 6).all() and (xs[1] == 6).all()
     finally:
         close_all(comms)
-
-
-def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> float:
-    """Seconds until the daemon of ``ctx`` publishes ``state``."""
-    start = time.monotonic()
-    while ctx.daemon_state[1] != state:
-        assert time.monotonic() - start < timeout, ctx.daemon_state
-        time.sleep(1e-3)
-    return time.monotonic() - start
 
 
 def test_daemon_leaves_soon_with_nothing_left_and_stays_while_work_waits():

@@ -185,16 +185,12 @@ def test_unsupported_operations_are_refused():
 
 
 _CONTEXT_OPTIONS_FIRST = r"""
-import socket
 import torch.distributed as dist
 import dfccl, dfccl.torch
 from dfccl import runtime
 opts = dfccl.ContextOptions(empty_quit_ns=123_000, idle_quit_ns=30_000_000)
 ctx = runtime.get_context("sim", 0, opts)            # before the process group
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-dist.init_process_group("dfccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.init_process_group("dfccl", store=dist.HashStore(), rank=0, world_size=1)
 comm = dist.group.WORLD.communicator()
 assert comm._ctx is ctx and runtime.get_context("sim", 0, opts) is ctx
 try:
