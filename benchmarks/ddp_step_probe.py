@@ -8,7 +8,7 @@ times, interleaved: step medians move by a millisecond from one process to
 the next (benchmarks/NOTES.md, section 19).
 
     python benchmarks/ddp_step_probe.py nccl|gloo|dfccl[,blocks=N][,idle_ms=M][,empty_us=U]
-        [--steps 80] [--warmup 20] [--profile] [--out FILE]
+        [--steps 80] [--warmup 20] [--profile] [--breakdown] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time dfccl's pieces of an all-reduce (wall and thread CPU time)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     faulthandler.dump_traceback_later(300, exit=True)   # a hang prints where it stopped
@@ -51,6 +53,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     calls: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}   # the same calls' thread CPU time
     ctx = None
     if backend == "dfccl":
         import dfccl
@@ -61,16 +64,28 @@ def main() -> None:
                               idle_quit_ns=int(kv["idle_ms"] * 1e6) if "idle_ms" in kv else None,
                               empty_quit_ns=int(kv["empty_us"] * 1e3) if "empty_us" in kv else None)
         ctx = dfccl.runtime.get_context("cuda" if cuda else "sim", 0, opts)
-        for meth in ("allreduce", "allgather", "broadcast", "_allgather_base", "_reduce_scatter_base"):
-            orig = getattr(dt.ProcessGroupDfccl, meth)
+        timed = [(dt.ProcessGroupDfccl, meth, meth)
+                 for meth in ("allreduce", "allgather", "broadcast", "_allgather_base", "_reduce_scatter_base")]
+        if args.breakdown:
+            from dfccl.communicator import Communicator
+            from dfccl.tags import TagTable
 
-            def wrapped(self, *a, __orig=orig, __name=meth, **k):
-                s = time.perf_counter()
+            timed += [(Communicator, "_all_reduce_at", "communicator all_reduce_at"),
+                      (Communicator, "_submit_task", "context submit_at"),
+                      (TagTable, "acquire_staged", "tag table acquire"),
+                      (dt.DfcclWork, "__init__", "DfcclWork()"),
+                      (dt.DfcclWork, "get_future", "get_future")]
+        for owner, meth, label in timed:
+            orig = getattr(owner, meth)
+
+            def wrapped(*a, __orig=orig, __name=label, **k):
+                s, c = time.perf_counter(), time.thread_time()
                 try:
-                    return __orig(self, *a, **k)
+                    return __orig(*a, **k)
                 finally:
                     calls.setdefault(__name, []).append(time.perf_counter() - s)
-            setattr(dt.ProcessGroupDfccl, meth, wrapped)
+                    cpu.setdefault(__name, []).append(time.thread_time() - c)
+            setattr(owner, meth, wrapped)
     if backend == "nccl" and not cuda:
         raise SystemExit("nccl needs a GPU")
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -81,6 +96,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234)
     nparams = sum(p.numel() for p in model.parameters())
     calls.clear()
+    cpu.clear()
 
     def batch():
         return torch.randint(0, 512, (8, 65), generator=gen).to(device)
@@ -103,6 +119,7 @@ def main() -> None:
         losses.append(loss.item())
     n_calls = {k: len(v) / args.steps for k, v in calls.items()}
     call_us = {k: statistics.median(v) * 1e6 for k, v in calls.items() if v}
+    call_cpu_us = {k: statistics.median(v) * 1e6 for k, v in cpu.items() if v}
     # Phases: GPU time between events and host enqueue time, no sync inside a step.
     ph = {"fwd_gpu": [], "bwd_gpu": [], "opt_gpu": [], "fwd_host": [], "bwd_host": [], "opt_host": []}
     for step in range(30 if cuda else 0):
@@ -128,7 +145,7 @@ def main() -> None:
     phases = {k: round(statistics.median(v), 3) for k, v in ph.items() if v}
     res = {"config": args.config, "params": nparams, "step_ms_median": statistics.median(steps[args.warmup:]),
            "step_ms_min": min(steps[args.warmup:]), "phases_ms": phases, "pg_calls_per_step": n_calls,
-           "pg_call_host_us": call_us, "loss_last": losses[-1]}
+           "pg_call_host_us": call_us, "pg_call_cpu_us": call_cpu_us, "loss_last": losses[-1]}
     if ctx is not None:
         res["daemon_launches"] = ctx.launches
         res["daemon_sms"] = ctx.daemon_sms()

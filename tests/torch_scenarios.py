@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["_all_reduce_ops", "_all_to_all", "_async_and_futures", "_ddp_default", "_ddp_hook", "_divergent_groups",
+__all__ = ["_all_reduce_fast_path", "_all_reduce_ops", "_all_to_all", "_async_and_futures", "_ddp_default", "_ddp_hook", "_divergent_groups",
            "_fsdp2", "_functional", "_gather_scatter", "_point_to_point", "_timeouts_entry", "_unsupported"]
 
 
@@ -30,6 +30,71 @@ def _reference(world_size: int, n: int, dtype, op: str):
 
 
 # -- scenarios (run in every rank) -----------------------------------------------------
+
+def _all_reduce_fast_path(rank, ws):
+    """pg.allreduce of one contiguous tensor (DDP's bucket call) skips the
+    general path once the group has run on the tensor's device and seen the
+    dtype: fresh tensors of several sizes, dtypes and ops, waited for through
+    wait() and through futures, all right; a non-contiguous tensor and
+    PREMUL_SUM still take the general path."""
+    import dfccl.torch as dt
+
+    pg = dist.group.WORLD
+    assert isinstance(pg, dt.ProcessGroupDfccl)
+    dtypes = (torch.float32, torch.bfloat16, torch.int64)
+    for dtype in dtypes:
+        dist.all_reduce(torch.ones(3, dtype=dtype))
+    general = []
+    orig = pg._all_reduce
+
+    def spy(tensors, *a, **k):
+        general.append(tensors[0].shape)
+        return orig(tensors, *a, **k)
+
+    pg._all_reduce = spy
+    try:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.AVG}
+        for it in range(24):
+            dtype = dtypes[it % 3]
+            n = (1, 37, 4096, 37)[it % 4]
+            name = list(ops)[it % 4]
+            if name == "avg" and not dtype.is_floating_point:
+                name = "sum"
+            # Every rank's input, drawn from seeds all ranks know: the reference.
+            xs = [torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(1000 * it + r), device="cpu")
+                  .to(torch.float64)
+                  for r in range(ws)]
+            ref = _reduce_all(xs, name)
+            t = xs[rank].to(dtype).to(torch.get_default_device())
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = ops[name]
+            work = pg.allreduce([t], opts)
+            if it % 2:
+                work.get_future().wait()
+            else:
+                work.wait()
+            torch.testing.assert_close(t.cpu().to(torch.float64), ref.to(dtype).to(torch.float64),
+                                       msg=f"call {it}: {name} {dtype} n={n}")
+        assert general == [], f"plain calls took the general path: {general}"
+        t = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank).t()
+        dist.all_reduce(t)
+        torch.testing.assert_close(t, sum((torch.arange(12, dtype=torch.float32).reshape(3, 4) + r).t()
+                                         for r in range(ws)))
+        assert len(general) == 1
+        if dt.premul_sum_supported():
+            t = torch.full((8,), float(rank + 1))
+            dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+            torch.testing.assert_close(t, torch.full((8,), 0.5 * sum(range(1, ws + 1))))
+            assert len(general) == 2
+    finally:
+        del pg._all_reduce
+
+
+def _reduce_all(xs, name):
+    x = torch.stack(xs)
+    return {"sum": x.sum(0), "max": x.max(0).values, "min": x.min(0).values, "avg": x.mean(0)}[name]
+
 
 def _all_reduce_ops(rank, ws):
     import dfccl.torch as dt
@@ -434,3 +499,10 @@ def _all_to_all(rank, ws):
         assert isinstance(work.exception(), dfccl.MismatchError)
         with pytest.raises(dfccl.MismatchError):
             work.wait()
+        # Neither rank closes before both have seen the failure: a rank that
+        # closes first withdraws its record, and its peer, which has not read
+        # it yet, then reports PeerAbortedError instead (a race the test lost
+        # now and then).
+        done = torch.ones(1)
+        dist.all_reduce(done)
+        assert done.item() == ws

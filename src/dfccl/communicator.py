@@ -136,6 +136,10 @@ def _check_options(backend, options, context_options) -> None:
 # users pass, and must be rejected as a root or op).
 _UNUSED = object()
 
+# Shapes of plain calls whose descriptors a communicator keeps (_plain_task);
+# past this many it starts again (a program with ever new sizes).
+_PLAIN_TASKS_KEPT = 256
+
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
                KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
                KIND_ALL_TO_ALL: "all_to_all"}
@@ -362,6 +366,7 @@ class Communicator:
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
+        self._plain_tasks: dict[tuple, TaskDescriptor] = {}   # _plain_task's, by shape
 
     def _finish_init(self, peers):
         self._channels = min([self._channels] + [p["blocks"] for p in peers])
@@ -895,8 +900,10 @@ class Communicator:
                                        rank=self._rank)
 
     def _task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-              geometry: Geometry | None = None, key=None) -> TaskDescriptor:
-        """The descriptor of one collective (validated buffers in hand)."""
+              geometry: Geometry | None = None, key=None, owned: bool = True) -> TaskDescriptor:
+        """The descriptor of one collective (validated buffers in hand);
+        ``owned=False`` keeps no reference to the buffers' owners (a
+        descriptor kept for later calls on other buffers)."""
         if geometry is None:
             geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options,
                                      staged=self._staged)
@@ -911,7 +918,7 @@ class Communicator:
             root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
             slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
             staging_bytes=staging, stream=None if stream is None else stream_handle(stream),
-            owners=(s.owner, r.owner), send_reg=send_reg)
+            owners=(s.owner, r.owner) if owned else None, send_reg=send_reg)
 
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
                 geometry: Geometry | None = None, key=None) -> Work:
@@ -920,12 +927,54 @@ class Communicator:
         if count == 0:
             return Work.completed(name, tag, self._rank)
         _check_overlap(kind, s, r, count, self._rank, self._size, name)
+        if tag is None and key is None:
+            task = self._plain_task(kind, s, r, count, op, root)
+            if task is not None:
+                return self._submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
+                                                (s.owner, r.owner)))
         task = self._task(kind, s, r, count, op, root, tag, stream, geometry, key)
         return self._submit_task(task)
 
-    def _submit_task(self, task: TaskDescriptor) -> Work:
+    def _plain_task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int
+                    ) -> TaskDescriptor | None:
+        """The descriptor of an untagged collective of this shape, built on
+        its first call and submitted at each later call's buffers
+        (``_submit_task(task, at)``, ``Context.submit_at``): a plain call then
+        costs a dict lookup where it built a descriptor.  None where the buffers decide more than the
+        addresses (registered memory)."""
+        if self._registry is not None and self._registry.handles:
+            return None
+        shape = (kind, count, s.dtype, op, root)
+        task = self._plain_tasks.get(shape)
+        if task is None:
+            if len(self._plain_tasks) >= _PLAIN_TASKS_KEPT:
+                self._plain_tasks.clear()
+            task = self._plain_tasks[shape] = self._task(kind, s, r, count, op, root, None, None, owned=False)
+        return task
+
+    def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
+                       owner: object) -> Work:
+        """In-place all-reduce of ``count`` elements at ``ptr``, memory the
+        caller has checked is this communicator's kind and device (the torch
+        backend's path for one contiguous tensor: no Buffer, no argument
+        parsing)."""
+        if self._closed or self._aborted or self._lost_rank is not None:
+            self._check_open()
+        if count == 0:
+            return Work.completed("all_reduce", None, self._rank)
+        shape = (KIND_ALL_REDUCE, count, dtype, op, 0)
+        task = self._plain_tasks.get(shape)
+        if task is None or (self._registry is not None and self._registry.handles):
+            b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
+                       -1 if self._backend == "sim" else self._device, False, owner)
+            return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, None, stream)
+        return self._submit_task(task, (ptr, ptr, stream, (owner, owner)))
+
+    def _submit_task(self, task: TaskDescriptor, at: tuple | None = None) -> Work:
+        """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
+        stream handle or None, owners) the same descriptor at those buffers."""
         try:
-            work = self._ctx.submit(task)
+            work = self._ctx.submit(task) if at is None else self._ctx.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self._rank

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import dfccl
 from dfccl.buffers import Buffer
 from dfccl.errors import (CollectiveTimeoutError, DfcclError, ErrorCode, InvalidArgumentError)
-from dfccl.types import as_data_type
+from dfccl.types import ReduceOp, as_data_type, as_reduce_op
 
 __all__ = [
     "BACKEND_NAME",
@@ -90,6 +90,14 @@ _OPS = {
     dist.ReduceOp.RedOpType.MAX: "max",
     dist.ReduceOp.RedOpType.AVG: "avg",
 }
+
+
+# The same, as dfccl's ReduceOp, for the ops that need no premultiplication.
+_PLAIN_OPS: dict[Any, ReduceOp] = {kind: as_reduce_op(name) for kind, name in _OPS.items()}
+
+# Whether torch's current CUDA stream is capturing a graph, without the
+# Python wrapper's lazy-initialisation check (a CUDA tensor is in hand).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def premul_sum_supported() -> bool:
@@ -198,6 +206,17 @@ _completer = _Completer()
 
 # -- work ------------------------------------------------------------------------
 
+_CUDA_DEVICES: dict[int, list[torch.device]] = {}
+
+
+def _cuda_devices(index: int) -> list[torch.device]:
+    """[torch.device("cuda", index)], built once per device (a CUDA future's devices)."""
+    devices = _CUDA_DEVICES.get(index)
+    if devices is None:
+        devices = _CUDA_DEVICES[index] = [torch.device("cuda", index)]
+    return devices
+
+
 class DfcclWork(dist._Work):
     """The torch Work of one torch collective (one or more dfccl collectives).
 
@@ -249,16 +268,20 @@ class DfcclWork(dist._Work):
         if not self._cuda or self._host_blocking or seconds is not None:
             self._synchronize(seconds if seconds is not None else self._timeout)
         if self._cuda:
-            # The stream is released when a collective fails too; a failure
-            # already seen is raised here rather than left to a later call.
-            exc = self.exception()
-            if exc is not None:
-                raise exc
-            stream = _current_stream_handle(self._device)
-            for w in self._works:
-                w.wait(stream)
+            self._stream_wait()
         self._run_finish()
         return True
+
+    def _stream_wait(self) -> None:
+        """Makes the current stream wait for the collective."""
+        # The stream is released when a collective fails too; a failure
+        # already seen is raised here rather than left to a later call.
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+        stream = _current_stream_handle(self._device)
+        for w in self._works:
+            w.wait(stream)
 
     def synchronize(self) -> None:
         """Blocks the host until the collective completes, raising its error
@@ -296,12 +319,16 @@ class DfcclWork(dist._Work):
             if self._cuda:
                 # Stream-ordered: the future's value is ready once the current
                 # stream (which waits for the collective) reaches this point.
-                fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
+                fut = torch.futures.Future(devices=_cuda_devices(self._device))
             else:
                 fut = torch.futures.Future()
             self._future = fut
         if self._cuda:
-            self.wait()
+            if self._host_blocking:
+                self.wait()
+            else:
+                self._stream_wait()
+                self._run_finish()
             fut.set_result(self._value())
             return fut
         remaining = [len(self._works)]
@@ -381,7 +408,11 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             else _DEFAULT_TIMEOUT
         self._group_name = ""
         self._group_desc = ""
+        self._timeout_s = self._timeout.total_seconds()
         self._comms: dict[str, dfccl.Communicator] = {}
+        # torch device -> (communicator, is CUDA, CUDA index): where tensors on
+        # that device go, once a collective there found it (allreduce's fast path).
+        self._placed: dict[torch.device, tuple] = {}
         self._comm_lock = threading.Lock()
         self._closed = False
         self._uid = self._exchange_uid()
@@ -453,9 +484,16 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
     def _comm_for(self, t: torch.Tensor) -> dfccl.Communicator:
         if t.is_cuda:
-            return self._communicator("cuda", t.device.index)
-        if t.device.type == "cpu":
-            return self._communicator("sim", self._default_device("sim"))
+            comm = self._communicator("cuda", t.device.index)
+        elif t.device.type == "cpu":
+            comm = self._communicator("sim", self._default_device("sim"))
+        else:
+            comm = None
+        if comm is not None:
+            with self._comm_lock:
+                if not self._closed:
+                    self._placed[t.device] = (comm, t.is_cuda, t.device.index if t.is_cuda else None)
+            return comm
         raise InvalidArgumentError(f"dfccl moves CUDA tensors (and CPU tensors in the simulator), not "
                                    f"{t.device.type} tensors", rank=self._rank)
 
@@ -488,17 +526,20 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         cuda = first.is_cuda
         kw: dict = {}
         if cuda:
-            if torch.cuda.is_current_stream_capturing():
-                raise NotSupportedError(
-                    f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its "
-                    "own completion word, which a replayed graph would not renew); issue the collective outside "
-                    "torch.cuda.graph", rank=self._rank)
+            if _capturing():
+                self._refuse_capture(name)
             kw["stream"] = _current_stream_handle(first.device.index)
         works = submit(comm, kw)
         timeout = _seconds(getattr(opts, "timeout", None)) if opts is not None else None
         return DfcclWork(works, outputs, cuda=cuda, device=first.device.index if cuda else None, finish=finish,
-                         keepalive=keepalive, timeout=timeout or self._timeout.total_seconds(),
+                         keepalive=keepalive, timeout=timeout or self._timeout_s,
                          host_blocking=host_blocking, result=result)
+
+    def _refuse_capture(self, name: str) -> None:
+        raise NotSupportedError(
+            f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its "
+            "own completion word, which a replayed graph would not renew); issue the collective outside "
+            "torch.cuda.graph", rank=self._rank)
 
     @staticmethod
     def _copy_back(copy_back: list, extra: Callable[[], None] | None = None) -> Callable[[], None] | None:
@@ -535,7 +576,27 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
         t = self._one(tensors, "allreduce")
-        return self._all_reduce([t], opts.reduceOp if opts is not None else dist.ReduceOp.SUM, opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        # The common case (DDP's gradient buckets): one contiguous tensor of a
+        # dtype seen before, a plain reduction, on a device this group has
+        # run on.  It goes straight to the communicator's plain-call path:
+        # inside a backward pass, where caches are cold, every Python layer
+        # skipped counts several times over (docs/torch.md, "Host time").
+        placed = self._placed.get(t.device)
+        if placed is not None and t.is_contiguous():
+            dop = _PLAIN_OPS.get(op.op if hasattr(op, "op") else op)
+            dtype = _DATA_TYPES.get(t.dtype)
+            if dop is not None and dtype is not None:
+                comm, cuda, index = placed
+                stream = None
+                if cuda:
+                    if _capturing():
+                        self._refuse_capture("allreduce")
+                    stream = _current_stream_handle(index)
+                work = comm._all_reduce_at(t.data_ptr(), t.numel(), dtype, dop, stream, t)
+                timeout = _seconds(opts.timeout) if opts is not None else None
+                return DfcclWork([work], tensors, cuda=cuda, device=index, timeout=timeout or self._timeout_s)
+        return self._all_reduce([t], op, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
         return self._all_reduce(list(tensors), opts.reduceOp if opts is not None else dist.ReduceOp.SUM, opts,
@@ -817,6 +878,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         with self._comm_lock:
             self._closed = True
             comms, self._comms = list(self._comms.values()), {}
+            self._placed = {}
         for c in comms:
             c.close()
         if self._rank == 0:

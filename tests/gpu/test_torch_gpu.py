@@ -23,8 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from torch_scenarios import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
-                             _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
+from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures,  # noqa: E402
+                             _ddp_default, _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
@@ -239,6 +239,10 @@ def _graph_capture(rank, ws):
 
 def test_all_reduce_every_op_gpu():
     run_gpus(_all_reduce_ops)
+
+
+def test_all_reduce_fast_path_gpu():
+    run_gpus(_all_reduce_fast_path)
 
 
 def test_gather_scatter_broadcast_reduce_gpu():

@@ -1142,3 +1142,64 @@ def test_threads_driving_communicators_that_share_devices():
             for c in comms:
                 c.close()
     assert not errors, errors
+
+
+# -- plain calls: one descriptor per shape ----------------------------------------------------
+def test_plain_calls_reuse_one_descriptor_per_shape_on_other_buffers(make):
+    """An untagged call builds its shape's descriptor once; later calls of
+    that shape submit it at their own buffers (fresh arrays every time, out
+    of place and in place, every reduction), and the kept descriptor holds
+    no reference to the buffers it was built from."""
+    rng = np.random.default_rng(7)
+    comms = make(2, "direct", base=DEV + 140)
+    for it in range(12):
+        op = ("sum", "max", "min")[it % 3]
+        xs = [rng.standard_normal(257).astype(np.float32) for _ in comms]
+        outs = [np.full(257, np.nan, np.float32) for _ in comms] if it % 2 else [None, None]
+        want = {"sum": xs[0] + xs[1], "max": np.maximum(xs[0], xs[1]), "min": np.minimum(xs[0], xs[1])}[op]
+        ws = [c.all_reduce(x, o, op=op) for c, x, o in zip(comms, xs, outs)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        for r in range(2):
+            got = outs[r] if it % 2 else xs[r]
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"call {it} rank {r} {op}")
+    for c in comms:
+        tasks = list(c._plain_tasks.values())
+        assert len(tasks) == 3            # one per reduction: the size and dtype never changed
+        assert all(t.owners is None for t in tasks)
+    # Tagged calls keep their own descriptors: the plain ones are not touched.
+    all_reduce_ok(comms, tag="plain-vs-tagged")
+    assert all(len(c._plain_tasks) == 3 for c in comms)
+
+
+def test_plain_call_descriptors_are_bounded(make, monkeypatch):
+    import dfccl.communicator as dc
+
+    monkeypatch.setattr(dc, "_PLAIN_TASKS_KEPT", 8)
+    comms = make(2, "direct", base=DEV + 142)
+    for count in range(1, 20):
+        all_reduce_ok(comms, count=count)
+        assert all(len(c._plain_tasks) <= 8 for c in comms)
+
+
+def test_all_reduce_at_a_pointer_matches_the_array_call(make):
+    """The raw in-place path the torch backend takes (Communicator._all_reduce_at):
+    same result as the array call, its first call (no descriptor yet) too,
+    zero elements complete at once, and a closed communicator says so."""
+    rng = np.random.default_rng(11)
+    comms = make(2, "direct", base=DEV + 144)
+    f32 = dfccl.DataType.FLOAT32
+    for it in range(4):
+        xs = [rng.standard_normal(100).astype(np.float32) for _ in comms]
+        want = xs[0] + xs[1]
+        ws = [c._all_reduce_at(x.ctypes.data, x.size, f32, dfccl.ReduceOp.SUM, None, x) for c, x in zip(comms, xs)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        for x in xs:
+            np.testing.assert_allclose(x, want, rtol=1e-6)
+    assert comms[0]._all_reduce_at(0, 0, f32, dfccl.ReduceOp.SUM, None, None).done()
+    c = comms[0]
+    for other in comms:
+        other.close()
+    with pytest.raises(dfccl.ClosedError, match="closed"):
+        c._all_reduce_at(xs[0].ctypes.data, 100, f32, dfccl.ReduceOp.SUM, None, xs[0])

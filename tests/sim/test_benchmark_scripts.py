@@ -141,6 +141,21 @@ def test_ddp_step_probe_on_cpu(tmp_path):
     assert dfccl_run["pg_call_host_us"]["allreduce"] > 0 and dfccl_run["daemon_launches"] >= 1
 
 
+def test_ddp_ab_probe_on_cpu(tmp_path):
+    """The in-process A/B of DDP over gloo and dfccl (the simulator) runs both
+    models alike: same losses, a ratio for each step pair."""
+    pytest.importorskip("torch")
+    out = tmp_path / "ab.jsonl"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ddp_ab_probe.py"), "--steps", "4", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["reference"] == "gloo" and res["steps"] == 4
+    assert res["gloo_ms_median"] > 0 and res["dfccl_ms_median"] > 0 and res["median_pair_ratio"] > 0
+    assert res["max_rel_loss_diff"] < 1e-5, res
+
+
 def test_relaunch_gap_probe_on_the_simulator():
     """A gap longer than the empty quit (2 ms in the simulator) relaunches
     the daemon at every collective; back to back it stays."""

@@ -18,7 +18,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
-from torch_scenarios import (_all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
+from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
                              _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _point_to_point,
                              _timeouts_entry, _unsupported)
 
@@ -135,6 +135,11 @@ def test_registered_backend():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_every_op(world_size):
     run_ranks(_all_reduce_ops, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_fast_path(world_size):
+    run_ranks(_all_reduce_fast_path, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

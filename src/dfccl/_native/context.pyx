@@ -659,6 +659,21 @@ cdef class Context:
         peers.  ``raw_fields`` (tests only) overwrites fields of the
         descriptor as the daemon receives it, after every host check: the
         way to show that the daemon rejects a corrupt one."""
+        return self._submit(task, raw_fields, task.desc.send_addr, task.desc.recv_addr, task.has_stream,
+                            task.stream, task.owners)
+
+    def submit_at(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, object stream,
+                  object owners):
+        """submit() of ``task`` on other buffers (and stream): the fast path of
+        plain calls, which keep one descriptor per shape and change only
+        where it reads and writes.  The caller has checked the buffers as
+        submit()'s callers do (memory kind, device, size, overlap)."""
+        if stream is None:
+            return self._submit(task, None, send_addr, recv_addr, False, 0, owners)
+        return self._submit(task, None, send_addr, recv_addr, True, <uint64_t>stream, owners)
+
+    cdef Work _submit(self, TaskDescriptor task, dict raw_fields, uint64_t send_addr, uint64_t recv_addr,
+                      bint has_stream, uint64_t stream, object owners):
         cdef Work work
         if self.closed:
             if self.forked_from:
@@ -674,7 +689,7 @@ cdef class Context:
         # instance, a slot and a ring entry are taken and published as one).
         _acquire(self.submit_lock)
         try:
-            work = self._submit_locked(task, raw_fields)
+            work = self._submit_locked(task, raw_fields, send_addr, recv_addr, has_stream, stream, owners)
         finally:
             PyThread_release_lock(self.submit_lock)
         # Dekker with the daemon's idle quit (schedule.cuh, should_quit).
@@ -686,7 +701,8 @@ cdef class Context:
             self._wake_watch()
         return work
 
-    cdef Work _submit_locked(self, TaskDescriptor task, dict raw_fields):
+    cdef Work _submit_locked(self, TaskDescriptor task, dict raw_fields, uint64_t send_addr, uint64_t recv_addr,
+                             bint has_stream, uint64_t stream, object owners):
         """submit() under the submit lock: the tag's instance, a slot and the
         ring entry, published to the daemon."""
         cdef uint32_t slot, gen, bucket
@@ -705,7 +721,7 @@ cdef class Context:
             task.key, task.transient, task.staging_bytes, task.staging_layout() if task.staging_bytes else None)
         work = Work.__new__(Work)
         work._ctx = self
-        work._keepalive = task.owners
+        work._keepalive = owners
         work._tags = task.tags
         work._instance_staging = task.instance_staging
         work._key = task.key
@@ -736,6 +752,8 @@ cdef class Context:
             e = &self.ring[self.tail & (self.ring_size - 1)]
             d = &e.desc
             memcpy(d, &task.desc, sizeof(dfccl_task_desc))
+            d.send_addr = send_addr
+            d.recv_addr = recv_addr
             d.instance = instance
             d.fifo_offset = staging
             d.bucket = bucket
@@ -749,12 +767,12 @@ cdef class Context:
                 task.tags.note_slot(task.key, ((<uint64_t>slot + 1) << 32) | gen)
             if raw_fields:
                 _override_fields(d, raw_fields)
-            if task.has_stream:
-                self.backend.stream_write32(task.stream, self.armed_dev + 4 * slot, gen)
+            if has_stream:
+                self.backend.stream_write32(stream, self.armed_dev + 4 * slot, gen)
             else:
                 d.flags = d.flags | DFCCL_TASK_ARMED
             work.position = self.tail
-            work.stream_ordered = task.has_stream
+            work.stream_ordered = has_stream
             # Lets the daemon take the entry in the round trip that reads the tail.
             e.seq = self.tail + 1
             e.check = dfccl_sqe_check(<const uint64_t *>d, e.seq)
