@@ -122,6 +122,19 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     // the mismatch, not one of them an abort.
     if (signature != task_signature(*run.d, run.ep->nranks) || count != run.d->count ||
         slice_bytes != run.d->slice_bytes) {
+      // Fields that differ may be a torn read: a peer that gave this instance
+      // up (aborted, or failed it elsewhere) goes on to publish its next
+      // instance of the tag here, and those field stores can be seen before
+      // its `ready`.  Its give-up mark precedes them (push_abort's fence):
+      // read it again after this fence.  A mark says why the peer left (a
+      // mismatch it saw travels as a mismatch); a `ready` that moved on says
+      // the fields were not this instance's; only otherwise is it ours.
+      fence_system();
+      if (load_acquire(&pc->abort_token) == run.token) {
+        take_relayed(run, load_relaxed(&pc->abort_info));
+        return -1;
+      }
+      if (load_relaxed(&pc->ready) != run.token) return 0;
       run.status = DFCCL_STATUS_MISMATCH;
       run.detail = (int32_t)peer;
       return -1;
@@ -186,6 +199,11 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
     for (uint32_t i = 0; i < 2; ++i)
       if (run.ctx->peer_rec[i] != 0) mark_abort(run.ctx->peer_rec[i], run.chan, run.token, info);
   }
+  // The marks before anything this channel publishes next (the tag's next
+  // instance rewrites this record's fields): a peer that reads those fields
+  // torn finds the mark (meet_peer).  Failures only, so it costs nothing
+  // on the way of a collective that completes.
+  fence_system();
 }
 
 }  // namespace dfccl

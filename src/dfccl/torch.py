@@ -490,9 +490,10 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         else:
             comm = None
         if comm is not None:
-            with self._comm_lock:
-                if not self._closed:
-                    self._placed[t.device] = (comm, t.is_cuda, t.device.index if t.is_cuda else None)
+            if t.device not in self._placed:
+                with self._comm_lock:
+                    if not self._closed:
+                        self._placed[t.device] = (comm, t.is_cuda, t.device.index if t.is_cuda else None)
             return comm
         raise InvalidArgumentError(f"dfccl moves CUDA tensors (and CPU tensors in the simulator), not "
                                    f"{t.device.type} tensors", rank=self._rank)
