@@ -910,7 +910,7 @@ class Communicator:
         if key is None:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
-        if self._registry is not None and self._registry.handles and flags & TASK_STAGED:
+        if flags & TASK_STAGED and self._has_registered_memory():
             flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
@@ -940,9 +940,9 @@ class Communicator:
         """The descriptor of an untagged collective of this shape, built on
         its first call and submitted at each later call's buffers
         (``_submit_task(task, at)``, ``Context.submit_at``): a plain call then
-        costs a dict lookup where it built a descriptor.  None where the buffers decide more than the
-        addresses (registered memory)."""
-        if self._registry is not None and self._registry.handles:
+        costs a dict lookup where it built a descriptor.  None where the
+        buffers decide more than the addresses (registered memory)."""
+        if self._has_registered_memory():
             return None
         shape = (kind, count, s.dtype, op, root)
         task = self._plain_tasks.get(shape)
@@ -951,6 +951,12 @@ class Communicator:
                 self._plain_tasks.clear()
             task = self._plain_tasks[shape] = self._task(kind, s, r, count, op, root, None, None, owned=False)
         return task
+
+    def _has_registered_memory(self) -> bool:
+        """Whether any memory is registered with this communicator: then a
+        staged collective's flags depend on its input's address, and a kept
+        descriptor does not serve every buffer of its shape."""
+        return self._registry is not None and bool(self._registry.handles)
 
     def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
                        owner: object) -> Work:
@@ -962,9 +968,8 @@ class Communicator:
             self._check_open()
         if count == 0:
             return Work.completed("all_reduce", None, self._rank)
-        shape = (KIND_ALL_REDUCE, count, dtype, op, 0)
-        task = self._plain_tasks.get(shape)
-        if task is None or (self._registry is not None and self._registry.handles):
+        task = None if self._has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0))
+        if task is None:
             b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
                        -1 if self._backend == "sim" else self._device, False, owner)
             return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, None, stream)

@@ -206,17 +206,6 @@ _completer = _Completer()
 
 # -- work ------------------------------------------------------------------------
 
-_CUDA_DEVICES: dict[int, list[torch.device]] = {}
-
-
-def _cuda_devices(index: int) -> list[torch.device]:
-    """[torch.device("cuda", index)], built once per device (a CUDA future's devices)."""
-    devices = _CUDA_DEVICES.get(index)
-    if devices is None:
-        devices = _CUDA_DEVICES[index] = [torch.device("cuda", index)]
-    return devices
-
-
 class DfcclWork(dist._Work):
     """The torch Work of one torch collective (one or more dfccl collectives).
 
@@ -268,20 +257,16 @@ class DfcclWork(dist._Work):
         if not self._cuda or self._host_blocking or seconds is not None:
             self._synchronize(seconds if seconds is not None else self._timeout)
         if self._cuda:
-            self._stream_wait()
+            # The stream is released when a collective fails too; a failure
+            # already seen is raised here rather than left to a later call.
+            exc = self.exception()
+            if exc is not None:
+                raise exc
+            stream = _current_stream_handle(self._device)
+            for w in self._works:
+                w.wait(stream)
         self._run_finish()
         return True
-
-    def _stream_wait(self) -> None:
-        """Makes the current stream wait for the collective."""
-        # The stream is released when a collective fails too; a failure
-        # already seen is raised here rather than left to a later call.
-        exc = self.exception()
-        if exc is not None:
-            raise exc
-        stream = _current_stream_handle(self._device)
-        for w in self._works:
-            w.wait(stream)
 
     def synchronize(self) -> None:
         """Blocks the host until the collective completes, raising its error
@@ -319,16 +304,12 @@ class DfcclWork(dist._Work):
             if self._cuda:
                 # Stream-ordered: the future's value is ready once the current
                 # stream (which waits for the collective) reaches this point.
-                fut = torch.futures.Future(devices=_cuda_devices(self._device))
+                fut = torch.futures.Future(devices=[torch.device("cuda", self._device)])
             else:
                 fut = torch.futures.Future()
             self._future = fut
         if self._cuda:
-            if self._host_blocking:
-                self.wait()
-            else:
-                self._stream_wait()
-                self._run_finish()
+            self.wait()
             fut.set_result(self._value())
             return fut
         remaining = [len(self._works)]
