@@ -5,6 +5,13 @@ gap spun between iterations.  A gap longer than the empty quit
 next collective relaunches it; the launches column counts them.
 
     python benchmarks/relaunch_gap_probe.py [--gaps-us 0,20,100,1000] [--iters 300] [--backend cuda|sim]
+        [--empty-quit-us N] [--tag gap|none|tuple]
+
+``--empty-quit-us`` sets the empty quit (and the idle quit, if shorter): a
+long one keeps the daemon resident through every gap, the comparison that
+separates the relaunch from what any host gap costs.  ``--tag``: the
+collectives' tag, "gap" (default), none (untagged) or the tuple ("gap",)
+(a tag type whose calls build their descriptor every time).
 """
 
 from __future__ import annotations
@@ -32,28 +39,39 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
+    p.add_argument("--empty-quit-us", type=float, default=None)
+    p.add_argument("--tag", choices=("gap", "none", "tuple"), default="gap")
     args = p.parse_args()
     backend = args.backend or ("cuda" if runtime.cuda_device_count() > 0 else "sim")
-    comms = dfccl.Communicator.for_devices([0, 0], backend=backend)
+    ctx_options = None
+    if args.empty_quit_us is not None:
+        quit_ns = int(args.empty_quit_us * 1000)
+        ctx_options = dfccl.ContextOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))
+    comms = dfccl.Communicator.for_devices([0, 0], backend=backend, context_options=ctx_options)
     ctx = comms[0]._ctx
     rng = np.random.default_rng()
     bufs = [arrays.from_numpy(backend, 0, rng.standard_normal(2).astype(np.float32)) for _ in comms]
-    print(f"{backend}: one 8 B all_reduce waited for, two ranks on device 0, {args.iters} iterations per gap")
+    tag = {"gap": "gap", "none": None, "tuple": ("gap",)}[args.tag]
+    print(f"{backend}: one 8 B all_reduce (tag {tag!r}) waited for, two ranks on device 0, {args.iters} iterations per gap, "
+          f"empty quit {ctx.policy.empty_quit_ns / 1000:g} us")
     try:
         for gap_us in [float(g) for g in args.gaps_us.split(",")]:
-            times = []
+            times, submits = [], []
             launches = ctx.launches
             for i in range(args.iters + args.warmup):
                 start = time.perf_counter()
-                works = [c.all_reduce(b, tag="gap") for c, b in zip(comms, bufs)]
+                works = [c.all_reduce(b, tag=tag) for c, b in zip(comms, bufs)]
+                submitted = time.perf_counter()
                 for w in works:
                     w.synchronize(timeout=30)
                 if i >= args.warmup:
                     times.append(time.perf_counter() - start)
+                    submits.append(submitted - start)
                 spin(gap_us * 1e-6)
             times.sort()
             print(f"gap {gap_us:7.0f} us: median {statistics.median(times) * 1e6:7.1f} us  "
-                  f"p90 {times[int(0.9 * (len(times) - 1))] * 1e6:7.1f} us  launches {ctx.launches - launches}",
+                  f"p90 {times[int(0.9 * (len(times) - 1))] * 1e6:7.1f} us  "
+                  f"(both submits {statistics.median(submits) * 1e6:5.1f} us)  launches {ctx.launches - launches}",
                   flush=True)
     finally:
         for c in comms:

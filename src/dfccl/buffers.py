@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from dfccl.errors import InvalidArgumentError
-from dfccl.types import DataType, dtype_from_dlpack, dtype_from_typestr
+from dfccl.types import BY_FULL_TYPESTR, DataType, dtype_from_dlpack, dtype_from_typestr
 
 __all__ = ["Buffer", "as_buffer"]
 
@@ -82,11 +82,23 @@ def _cuda_pointer_device(ptr: int, what: str) -> int:
     return info
 
 
-def _from_cuda_array_interface(obj, cai, what: str) -> Buffer:
+def _dtype_of(obj, typestr: str, what: str) -> DataType:
+    """The element type an array interface names.  A typestr such as '<f4'
+    says it alone; only the others (a void type: bfloat16 exports '<V2';
+    two-byte types, see BY_FULL_TYPESTR) need the array's dtype name, which
+    numpy builds anew at each access (~2 us, most of a plain call's
+    description)."""
+    dtype = BY_FULL_TYPESTR.get(typestr)
+    if dtype is not None:
+        return dtype
     try:
-        dtype = dtype_from_typestr(cai["typestr"], getattr(getattr(obj, "dtype", None), "name", None))
+        return dtype_from_typestr(typestr, getattr(getattr(obj, "dtype", None), "name", None))
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{what}: {exc}") from None
+
+
+def _from_cuda_array_interface(obj, cai, what: str) -> Buffer:
+    dtype = _dtype_of(obj, cai["typestr"], what)
     ptr, readonly = cai["data"]
     count = _contiguous_count(cai["shape"], cai.get("strides"), dtype.itemsize, what)
     device = _cuda_pointer_device(ptr, what) if count else -1
@@ -99,11 +111,7 @@ def _is_numpy_scalar(obj) -> bool:
 
 
 def _from_array_interface(obj, ai, what: str) -> Buffer:
-    descr = getattr(getattr(obj, "dtype", None), "name", None)
-    try:
-        dtype = dtype_from_typestr(ai["typestr"], descr)
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"{what}: {exc}") from None
+    dtype = _dtype_of(obj, ai["typestr"], what)
     data = ai.get("data")
     # The protocol also allows data as a buffer object (or None: the object's
     # own buffer); such a view can be a copy, so only (pointer, read-only) is

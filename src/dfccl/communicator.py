@@ -136,8 +136,9 @@ def _check_options(backend, options, context_options) -> None:
 # users pass, and must be rejected as a root or op).
 _UNUSED = object()
 
-# Shapes of plain calls whose descriptors a communicator keeps (_plain_task);
-# past this many it starts again (a program with ever new sizes).
+# Shapes (and tags) of plain calls whose descriptors a communicator keeps
+# (_plain_task); past this many it starts again (a program with ever new
+# sizes or tags).
 _PLAIN_TASKS_KEPT = 256
 
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
@@ -927,29 +928,31 @@ class Communicator:
         if count == 0:
             return Work.completed(name, tag, self._rank)
         _check_overlap(kind, s, r, count, self._rank, self._size, name)
-        if tag is None and key is None:
-            task = self._plain_task(kind, s, r, count, op, root)
+        if key is None and (tag is None or type(tag) is str or type(tag) is int):
+            task = self._plain_task(kind, s, r, count, op, root, tag)
             if task is not None:
                 return self._submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
                                                 (s.owner, r.owner)))
         task = self._task(kind, s, r, count, op, root, tag, stream, geometry, key)
         return self._submit_task(task)
 
-    def _plain_task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int
+    def _plain_task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag=None
                     ) -> TaskDescriptor | None:
-        """The descriptor of an untagged collective of this shape, built on
-        its first call and submitted at each later call's buffers
+        """The descriptor of a collective of this shape and tag (None, a str
+        or an int: types whose equal values are the same tag), built on its
+        first call and submitted at each later call's buffers
         (``_submit_task(task, at)``, ``Context.submit_at``): a plain call then
-        costs a dict lookup where it built a descriptor.  None where the
-        buffers decide more than the addresses (registered memory)."""
+        costs a dict lookup where it built a descriptor.  Each instance of
+        the tag is still taken at submission.  None where the buffers decide
+        more than the addresses (registered memory)."""
         if self._has_registered_memory():
             return None
-        shape = (kind, count, s.dtype, op, root)
+        shape = (kind, count, s.dtype, op, root, tag)
         task = self._plain_tasks.get(shape)
         if task is None:
             if len(self._plain_tasks) >= _PLAIN_TASKS_KEPT:
                 self._plain_tasks.clear()
-            task = self._plain_tasks[shape] = self._task(kind, s, r, count, op, root, None, None, owned=False)
+            task = self._plain_tasks[shape] = self._task(kind, s, r, count, op, root, tag, None, owned=False)
         return task
 
     def _has_registered_memory(self) -> bool:
@@ -968,7 +971,8 @@ class Communicator:
             self._check_open()
         if count == 0:
             return Work.completed("all_reduce", None, self._rank)
-        task = None if self._has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0))
+        task = None if self._has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0,
+                                                                                 None))
         if task is None:
             b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
                        -1 if self._backend == "sim" else self._device, False, owner)

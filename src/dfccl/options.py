@@ -66,8 +66,9 @@ class ContextOptions:
         streams not there yet).  None: 50 us on a GPU, 2 ms in the simulator.
         A resident daemon holds its SMs and makes device-wide
         synchronisations wait (docs/architecture.md, "Idle quit and
-        relaunch"); longer saves the relaunch (25-29 us on an H200) of a
-        collective that follows a longer gap.
+        relaunch"); longer saves the relaunch (7-15 us on an H200, most of
+        it the launch call on the submitting thread) of a collective that
+        follows a longer gap.
     link_ahead: submission-ring entries the daemon reads from host memory in
         the same round trip as the submission tail, before it knows they are
         there (0..3; docs/architecture.md, "The host link").  More saves a

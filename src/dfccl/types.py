@@ -57,6 +57,13 @@ _BY_TYPESTR = {
     "f8": DataType.FLOAT64,
 }
 
+# Full typestrs that name their element type by themselves ('<f4', '|u1'):
+# buffers.py looks these up before the array's dtype name.  Two-byte ones
+# are left out: a bfloat16 array may export a two-byte typestr, and only
+# its name tells (dtype_from_typestr); a 1-, 4- or 8-byte element cannot be
+# bfloat16 whatever its name says.
+BY_FULL_TYPESTR = {order + key: dtype for key, dtype in _BY_TYPESTR.items() for order in "<|" if key[-1] != "2"}
+
 # DLPack (type code, bits).
 _BY_DLPACK = {
     (0, 8): DataType.INT8, (1, 8): DataType.UINT8, (0, 32): DataType.INT32, (1, 32): DataType.UINT32,

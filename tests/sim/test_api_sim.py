@@ -1167,9 +1167,40 @@ def test_plain_calls_reuse_one_descriptor_per_shape_on_other_buffers(make):
         tasks = list(c._plain_tasks.values())
         assert len(tasks) == 3            # one per reduction: the size and dtype never changed
         assert all(t.owners is None for t in tasks)
-    # Tagged calls keep their own descriptors: the plain ones are not touched.
+    # A tagged call keeps its own descriptor: the untagged ones are not touched.
     all_reduce_ok(comms, tag="plain-vs-tagged")
-    assert all(len(c._plain_tasks) == 3 for c in comms)
+    assert all(len(c._plain_tasks) == 4 for c in comms)
+    assert all(sum(t.tag == "plain-vs-tagged" for t in c._plain_tasks.values()) == 1 for c in comms)
+
+
+def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
+    """str and int tags keep a descriptor per (shape, tag): later calls of a
+    tag submit it at their own buffers and still take the tag's next
+    instance, so two tags issued in opposite orders on the two ranks still
+    meet (the deadlock-freedom guarantee), every round.  Other tag types
+    (tuples) build a descriptor per call."""
+    rng = np.random.default_rng(13)
+    comms = make(2, "direct", base=DEV + 146)
+    tags = ("grad", 7)
+    for it in range(6):
+        xs = {t: [rng.standard_normal(64).astype(np.float32) for _ in comms] for t in tags}
+        wants = {t: xs[t][0] + xs[t][1] for t in tags}
+        order = [tags, tags[::-1]]  # rank 1 submits the tags in the other order
+        works = [[c.all_reduce(xs[t][r], tag=t) for t in order[r]] for r, c in enumerate(comms)]
+        for ws in works:
+            for w in ws:
+                w.synchronize(timeout=TIMEOUT)
+        for t in tags:
+            for r in range(2):
+                np.testing.assert_allclose(xs[t][r], wants[t], rtol=1e-6, err_msg=f"round {it} tag {t!r} rank {r}")
+        assert [w.tag for w in works[0]] == list(tags)
+    for c in comms:
+        kept = [t for t in c._plain_tasks.values() if t.tag is not None]
+        assert sorted(map(str, (t.tag for t in kept))) == ["7", "grad"]
+        assert all(t.owners is None for t in kept)
+    all_reduce_ok(comms, tag=("layer", 3))
+    all_reduce_ok(comms, tag=("layer", 3))
+    assert all(not any(isinstance(t.tag, tuple) for t in c._plain_tasks.values()) for c in comms)
 
 
 def test_plain_call_descriptors_are_bounded(make, monkeypatch):

@@ -454,6 +454,50 @@ def test_as_reduce_op(value, want):
     assert as_reduce_op(value) is want
 
 
+def test_buffer_element_type_agrees_with_the_typestr_rules_and_skips_the_name_when_it_can():
+    """as_buffer takes '<f4'-style typestrs from one table (BY_FULL_TYPESTR)
+    without reading the array's dtype name; every other typestr goes through
+    dtype_from_typestr with that name, as before.  Same answer or same
+    error on every typestr."""
+    from dfccl.buffers import _dtype_of
+    from dfccl.types import BY_FULL_TYPESTR
+
+    assert "<f2" not in BY_FULL_TYPESTR and "<V2" not in BY_FULL_TYPESTR and ">f4" not in BY_FULL_TYPESTR
+
+    class Named:
+        def __init__(self, name):
+            self.reads = 0
+            self._name = name
+
+        @property
+        def name(self):
+            self.reads += 1
+            return self._name
+
+    class Arr:
+        def __init__(self, name):
+            self.dtype = Named(name)
+
+    for typestr in ("<f4", "|i1", ">u1", "<V2", ">f4", ">i8", "<c8", "|b1", "<i2", "|O", "<f16", "<f2", "|u1",
+                    "<u8", "=f4"):
+        for name in ("float32", "bfloat16", None):
+            arr = Arr(name)
+            try:
+                want = dtype_from_typestr(typestr, name)
+            except InvalidArgumentError:
+                with pytest.raises(InvalidArgumentError, match="send"):
+                    _dtype_of(arr, typestr, "send")
+                continue
+            fast = typestr in ("<f4", "|i1", "|u1", "<u8")
+            if fast and name == "bfloat16":
+                # A 1-, 4- or 8-byte element is not bfloat16 whatever the
+                # name says: the typestr's own type.
+                assert _dtype_of(arr, typestr, "send") is dtype_from_typestr(typestr), typestr
+                continue
+            assert _dtype_of(arr, typestr, "send") is want, (typestr, name)
+            assert arr.dtype.reads == (0 if fast else 1), typestr
+
+
 @pytest.mark.parametrize("bad", ["median", "", " sum", None, 0, 1.0, b"sum"])
 def test_as_reduce_op_rejects(bad):
     with pytest.raises(InvalidArgumentError, match="unsupported reduction"):
