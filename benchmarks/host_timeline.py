@@ -29,14 +29,10 @@ import numpy as np
 
 import dfccl
 from dfccl.testing import arrays
+from probe_snippets import quit_options, spin
 
 STEPS = ("submit rank 0", "submit rank 1", "submitted -> taken", "taken -> rank 0 done", "rank 1 done after",
          "retire both", "total", "rank 0 queued", "rank 0 wall", "rank 1 queued", "rank 1 wall")
-
-
-def spin_until(deadline_ns: int) -> None:
-    while time.perf_counter_ns() < deadline_ns:
-        pass
 
 
 def main() -> None:
@@ -50,11 +46,8 @@ def main() -> None:
     p.add_argument("--empty-quit-us", type=float, default=None)
     args = p.parse_args()
     device = args.device if args.device is not None else (0 if args.backend == "cuda" else 7000)
-    ctx_options = None
-    if args.empty_quit_us is not None:
-        quit_ns = int(args.empty_quit_us * 1000)
-        ctx_options = dfccl.ContextOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))
-    comms = dfccl.Communicator.for_devices([device, device], backend=args.backend, context_options=ctx_options)
+    comms = dfccl.Communicator.for_devices([device, device], backend=args.backend,
+                                           context_options=quit_options(args.empty_quit_us))
     ctx = comms[0]._ctx
     count = max(1, args.bytes // 4)
     rng = np.random.default_rng()
@@ -90,7 +83,7 @@ def main() -> None:
             if it >= args.warmup:
                 rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t6 - t0,
                              s0["queued_ns"], s0["wall_ns"], s1["queued_ns"], s1["wall_ns"]))
-            spin_until(now() + int(gap_us * 1000))
+            spin(gap_us * 1e-6)
         tables.append((gap_us, ctx.launches - launches, rows))
     want = inputs[0] + inputs[1]
     for y in ys:
@@ -107,6 +100,7 @@ def main() -> None:
         for i, name in enumerate(STEPS):
             print(f"  {name:>22}: {np.median(a[:, i]):7.2f}  ({np.percentile(a[:, i], 10):6.2f}, "
                   f"{np.percentile(a[:, i], 90):6.2f})")
+
 
 if __name__ == "__main__":
     main()

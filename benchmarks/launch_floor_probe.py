@@ -1,6 +1,6 @@
 """What the GPU and driver themselves charge after a host gap, without dfccl:
 the floor under the daemon's relaunch cost (benchmarks/relaunch_gap_probe.py,
-benchmarks/host_timeline.py --gap-us).
+benchmarks/host_timeline.py --gaps-us).
 
 Three cases, each timed from the host (median, p90 over --iters, a host gap
 spun between iterations):
@@ -22,6 +22,8 @@ import argparse
 import time
 
 import numpy as np
+
+from probe_snippets import spin
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(512, 1) touch(unsigned long long flag, unsigned int v) {
@@ -51,12 +53,6 @@ extern "C" __global__ void echo(unsigned long long req, unsigned long long resp)
   }
 }
 """
-
-
-def spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def summary(times_ns: list[int]) -> str:

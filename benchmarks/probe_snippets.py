@@ -1,8 +1,11 @@
-"""Code the probes' child processes share (module_loading_probe.py,
-mps_first_launch_probe.py): each child is a fresh interpreter started with
-``python -c``, so these are source text, pasted into the child's program."""
+"""Code the probes share.  The child processes of module_loading_probe.py
+and mps_first_launch_probe.py are fresh interpreters started with
+``python -c``, so their pieces are source text, pasted into the child's
+program; the rest are plain functions (a host gap, the empty-quit option,
+a result line)."""
 
 import textwrap
+import time
 
 # ok(res, what): a cuda.bindings call's result without its error code, or
 # RuntimeError naming the call.
@@ -38,3 +41,22 @@ def report(result: dict, json_path: str | None) -> None:
     if json_path:
         with open(json_path, "a") as f:
             f.write(json.dumps(dict(result, date=time.strftime("%Y-%m-%d"))) + "\n")
+
+
+def spin(seconds: float) -> None:
+    """A host gap spun, not slept: a sleep would add the scheduler's wake-up
+    to whatever comes after it."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def quit_options(empty_quit_us: float | None):
+    """ContextOptions with this empty quit (and an idle quit at least as long,
+    5 ms at the least), or None for the defaults."""
+    if empty_quit_us is None:
+        return None
+    import dfccl
+
+    quit_ns = int(empty_quit_us * 1000)
+    return dfccl.ContextOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))

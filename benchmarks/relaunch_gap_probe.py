@@ -25,12 +25,7 @@ import numpy as np
 import dfccl
 from dfccl import runtime
 from dfccl.testing import arrays
-
-
-def spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+from probe_snippets import quit_options, spin
 
 
 def main() -> None:
@@ -43,11 +38,7 @@ def main() -> None:
     p.add_argument("--tag", choices=("gap", "none", "tuple"), default="gap")
     args = p.parse_args()
     backend = args.backend or ("cuda" if runtime.cuda_device_count() > 0 else "sim")
-    ctx_options = None
-    if args.empty_quit_us is not None:
-        quit_ns = int(args.empty_quit_us * 1000)
-        ctx_options = dfccl.ContextOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))
-    comms = dfccl.Communicator.for_devices([0, 0], backend=backend, context_options=ctx_options)
+    comms = dfccl.Communicator.for_devices([0, 0], backend=backend, context_options=quit_options(args.empty_quit_us))
     ctx = comms[0]._ctx
     rng = np.random.default_rng()
     bufs = [arrays.from_numpy(backend, 0, rng.standard_normal(2).astype(np.float32)) for _ in comms]

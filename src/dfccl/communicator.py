@@ -141,6 +141,13 @@ _UNUSED = object()
 # sizes or tags).
 _PLAIN_TASKS_KEPT = 256
 
+def _is_simple_tag(tag) -> bool:
+    """None, or a tag of exactly str or int: valid without hashing, and equal
+    values are the same tag (unlike 1, True and 1.0), so it can key a kept
+    descriptor (_plain_task)."""
+    return tag is None or type(tag) is str or type(tag) is int
+
+
 _KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
                KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
                KIND_ALL_TO_ALL: "all_to_all"}
@@ -845,7 +852,7 @@ class Communicator:
 
     def _check_tag(self, tag, what: str) -> None:
         # str and int tags are the common case: no hashing twice for them.
-        if tag is None or type(tag) is str or type(tag) is int:
+        if _is_simple_tag(tag):
             return
         try:
             tag_key(self._comm_key, tag)
@@ -928,7 +935,7 @@ class Communicator:
         if count == 0:
             return Work.completed(name, tag, self._rank)
         _check_overlap(kind, s, r, count, self._rank, self._size, name)
-        if key is None and (tag is None or type(tag) is str or type(tag) is int):
+        if key is None and _is_simple_tag(tag):
             task = self._plain_task(kind, s, r, count, op, root, tag)
             if task is not None:
                 return self._submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),

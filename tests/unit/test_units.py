@@ -458,7 +458,8 @@ def test_buffer_element_type_agrees_with_the_typestr_rules_and_skips_the_name_wh
     """as_buffer takes '<f4'-style typestrs from one table (BY_FULL_TYPESTR)
     without reading the array's dtype name; every other typestr goes through
     dtype_from_typestr with that name, as before.  Same answer or same
-    error on every typestr."""
+    error on every typestr, except that a 1-, 4- or 8-byte typestr is its
+    own type even where the name says bfloat16."""
     from dfccl.buffers import _dtype_of
     from dfccl.types import BY_FULL_TYPESTR
 
