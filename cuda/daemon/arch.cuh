@@ -97,15 +97,21 @@ DFCCL_DEV uint32_t sm_number() { return 0; }
 // leader polls back to back, as NCCL does; __nanosleep was measured to stretch
 // each iteration far past its argument.  In the simulator the CPU is handed
 // over so that many simulated GPUs share a few cores.
+// link_pause(): the link block after a round trip that brought nothing.  On
+// the GPU none: each poll is itself a host round trip, and the next one
+// should leave at once.  In the simulator an idle block's pause, so that the
+// link thread does not take a core from the simulated blocks.
 #if DFCCL_GPU
 DFCCL_DEV void spin_pause() {}
 DFCCL_DEV void idle_pause() { __nanosleep(500); }
+DFCCL_DEV void link_pause() {}
 #else
 DFCCL_DEV void spin_pause() { sched_yield(); }
 DFCCL_DEV void idle_pause() {
   struct timespec ts = {0, 20000};
   nanosleep(&ts, nullptr);
 }
+DFCCL_DEV void link_pause() { idle_pause(); }
 #endif
 
 // ---- flags: loads and stores that order memory across devices ---------------

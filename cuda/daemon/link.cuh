@@ -3,21 +3,29 @@
 // A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU): a
 // dependent read costs ~2.3 us on the 1 x H200 VM, and the lines of one
 // warp-wide load share that round trip (benchmarks/host_handoff_probe.py).
-// With every block polling the host on its own the reads queued up for tens
-// of microseconds.  So host memory is read
-// by one block at a time (whichever block's scheduler pass takes the link
-// lock first, at most once per kLinkPollNs; a block that is running
-// collectives takes it only when no idle block has for kLinkBusyPollNs, so
-// the round trips stay off the critical path of a run), by its control warp,
-// each lane loading one 16-byte word, so that several lines go in one round
-// trip.  One round trip reads the control words and the next link_ahead
-// ring entries; the block copies into device memory:
+// Host memory is read by the control warp of one block at a time, each lane
+// loading one 16-byte word, so that several lines go in one round trip.  One
+// round trip reads the control words and the next link_ahead ring entries;
+// the block copies into device memory:
 //   - the control words (submission tail, policy, quit request, abort epoch);
 //   - new submission-queue entries, into the device ring: those read ahead
 //     when they prove published and intact (dfccl_sqe), the rest after the
 //     tail, several lines per round trip;
 //   - the endpoints' abort flags, when the abort epoch moved.
 // Every block then pulls, schedules and checks aborts from device memory.
+//
+// Which block reads it:
+//   - with a link block (dfccl_daemon_args.link_block), one extra block
+//     whose control warp does nothing else: it reads the link round trip
+//     after round trip, reading ahead DFCCL_LINK_AHEAD_MAX entries, so a
+//     submission reaches the device ring about one round trip after the host
+//     wrote it, and no scheduler pass ever waits for PCIe (host_link_block);
+//   - without one, whichever scheduler block's pass takes the link lock
+//     first, at most once per kLinkPollNs; a block that is running
+//     collectives takes it only when no idle block has for kLinkBusyPollNs,
+//     so the round trips stay off the critical path of a run
+//     (poll_host_link).  With every block polling the host on its own the
+//     reads queued up for tens of microseconds.
 #pragma once
 
 #include "block_env.cuh"
@@ -61,34 +69,16 @@ DFCCL_DEV bool take_early_entry(const dfccl_daemon_args *a, const pack16 *words,
   return true;
 }
 
-// The control warp of any block, once per scheduler pass (`busy`, `now`,
-// `seen_ns`: the leader's).  Returns at once unless this block gets the link
-// and kLinkPollNs (kLinkBusyPollNs for a block that ran a task in its last
-// pass) have passed since the last read.  `seen_ns` (leader-private): when
-// this block last looked at the link's clock; a busy block does not even
-// read that clock (a device-memory round trip) more often than every
-// kLinkBusyPollNs.
-DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
+// The control warp of the block that holds the link: one round trip for the
+// control words and `ahead` entries, then the copies.  Returns whether it
+// copied new entries (leader).
+DFCCL_NOINLINE bool read_host_link(const BlockEnv &env, uint32_t ahead) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   BlockShared *sm = env.sm;
-  if (is_leader()) {
-    sm->link_go = 0;
-    const bool lazy = busy && a->nblocks > 1;
-    if (!(lazy && now >= seen_ns && now - seen_ns < kLinkBusyPollNs)) {
-      seen_ns = now;
-      const uint64_t last = load_gpu(&st->link_poll_ns);
-      if (!(now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) && try_lock_gpu(&st->link_busy)) {
-        store_gpu(&st->link_poll_ns, now);
-        sm->link_avail = load_gpu(&st->sq_avail);
-        sm->link_go = 1;
-      }
-    }
-  }
+  if (is_leader()) sm->link_avail = load_gpu(&st->sq_avail);
   control_sync();
-  if (!sm->link_go) return;
   const uint64_t avail = sm->link_avail;
-  const uint32_t ahead = a->link_ahead <= DFCCL_LINK_AHEAD_MAX ? a->link_ahead : DFCCL_LINK_AHEAD_MAX;
   // One round trip: words 0..2 of the control line, and entries avail,
   // avail + 1, ... (eight words each), one word per lane.
   for (int l = control_lane(); l < 8 + 8 * (int)ahead; l += control_lanes()) {
@@ -146,8 +136,57 @@ DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now,
       store_release_gpu(&st->sq_avail, sm->link_upto);  // the copies before the count, for the pullers
       store_relaxed(&a->control->sq_copied, sm->link_upto);
     }
-    store_release_gpu(&st->link_busy, 0u);
+  }
+  return sm->link_upto > avail;
+}
+
+// The link block's control warp (dfccl_daemon_args.link_block): reads the
+// link round trip after round trip, reading ahead as far as it can, until
+// the daemon leaves (block 0 stores the launch's epoch into quit_epoch; the
+// scheduler blocks see the same word).  It holds no task and waits for
+// nothing but host memory, so it adds no wait to the scheduler's (the
+// invariants in docs/architecture.md are unchanged); the blocks it feeds
+// pull from device memory only.  Returns when the daemon leaves.
+DFCCL_NOINLINE void host_link_block(const BlockEnv &env) {
+  const dfccl_daemon_args *a = env.args;
+  dfccl_daemon_state *st = a->state;
+  BlockShared *sm = env.sm;
+  for (;;) {
+    if (is_leader()) sm->quit = load_gpu(&st->quit_epoch) == (uint64_t)a->epoch ? 1u : 0u;
+    control_sync();
+    if (sm->quit) return;
+    if (!read_host_link(env, DFCCL_LINK_AHEAD_MAX)) link_pause();
+    control_sync();
   }
 }
 
+// The control warp of any block, once per scheduler pass (`busy`, `now`,
+// `seen_ns`: the leader's).  Returns at once unless this block gets the link
+// and kLinkPollNs (kLinkBusyPollNs for a block that ran a task in its last
+// pass) have passed since the last read.  `seen_ns` (leader-private): when
+// this block last looked at the link's clock; a busy block does not even
+// read that clock (a device-memory round trip) more often than every
+// kLinkBusyPollNs.
+DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now, uint64_t &seen_ns) {
+  const dfccl_daemon_args *a = env.args;
+  dfccl_daemon_state *st = a->state;
+  BlockShared *sm = env.sm;
+  if (is_leader()) {
+    sm->link_go = 0;
+    const bool lazy = busy && a->nblocks > 1;
+    if (!(lazy && now >= seen_ns && now - seen_ns < kLinkBusyPollNs)) {
+      seen_ns = now;
+      const uint64_t last = load_gpu(&st->link_poll_ns);
+      if (!(now >= last && now - last < (lazy ? kLinkBusyPollNs : kLinkPollNs)) && try_lock_gpu(&st->link_busy)) {
+        store_gpu(&st->link_poll_ns, now);
+        sm->link_go = 1;
+      }
+    }
+  }
+  control_sync();
+  if (!sm->link_go) return;
+  const uint32_t ahead = a->link_ahead <= DFCCL_LINK_AHEAD_MAX ? a->link_ahead : DFCCL_LINK_AHEAD_MAX;
+  read_host_link(env, ahead);
+  if (is_leader()) store_release_gpu(&st->link_busy, 0u);
+}
 }  // namespace dfccl

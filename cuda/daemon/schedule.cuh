@@ -317,6 +317,14 @@ DFCCL_DEV void flush_profile(dfccl_block_profile *dst, const dfccl_block_profile
 // may wait a few passes.  An idle block checks on every pass.
 constexpr uint32_t kQuitCheckPasses = 16;
 
+// The leader of a block leaving the launch: the last of them (the link
+// block counted) publishes EXITED, after which the host may launch again.
+DFCCL_NOINLINE void note_block_exit(const dfccl_daemon_args *args) {
+  const uint64_t blocks = (uint64_t)args->nblocks + (args->link_block ? 1u : 0u);
+  const uint64_t left = atomic_add(&args->state->blocks_exited, 1) + 1;
+  if (left % blocks == 0) store_release(&args->control->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_EXITED));
+}
+
 // The control warp of one block (the whole block in the simulator).
 DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm, uint32_t block) {
   BlockEnv env;
@@ -347,7 +355,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   bool busy = false;  // leader: this block ran a task in its last pass
   for (;;) {
     const uint64_t t0 = is_leader() ? now_ns() : 0;
-    poll_host_link(env, busy, t0, link_seen_ns);  // the whole control warp
+    if (!args->link_block) poll_host_link(env, busy, t0, link_seen_ns);  // the whole control warp
     if (is_leader()) {
       if (++policy.passes >= kPolicyRefreshPasses) {
         policy.passes = 0;
@@ -410,8 +418,23 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     store_gpu(&st->active_len[block], sm->active_len);
     st->cursor[block] = sm->cursor;
     fence_system();
-    const uint64_t left = atomic_add(&st->blocks_exited, 1) + 1;
-    if (left % args->nblocks == 0) store_release(&ctrl->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_EXITED));
+    note_block_exit(args);
+  }
+}
+
+// The link block (dfccl_daemon_args.link_block): the host link until the
+// daemon leaves, then it counts itself out like a scheduler block.
+DFCCL_NOINLINE void link_block(const dfccl_daemon_args *args, BlockShared *sm) {
+  BlockEnv env;
+  env.args = args;
+  env.sm = sm;
+  env.block = args->nblocks;
+  env.wparity = 0;
+  env.steps = nullptr;
+  host_link_block(env);
+  if (is_leader()) {
+    fence_system();
+    note_block_exit(args);
   }
 }
 

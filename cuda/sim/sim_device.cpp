@@ -24,11 +24,17 @@ struct dfccl_sim_device {
 
 static void run_launch(const dfccl_daemon_args &args) {
   std::vector<std::thread> blocks;
-  blocks.reserve(args.nblocks);
+  blocks.reserve(args.nblocks + 1);
   for (uint32_t b = 0; b < args.nblocks; ++b) {
     blocks.emplace_back([&args, b]() {
       dfccl::BlockShared sm;
       dfccl::daemon_block(&args, &sm, b);
+    });
+  }
+  if (args.link_block) {
+    blocks.emplace_back([&args]() {
+      dfccl::BlockShared sm;
+      dfccl::link_block(&args, &sm);
     });
   }
   for (auto &t : blocks) t.join();

@@ -29,6 +29,32 @@ def _check_ints(obj, names: tuple[str, ...]) -> None:
 LINK_AHEAD_MAX = 3
 LINK_AHEAD_ENV = "DFCCL_LINK_AHEAD"
 DEFAULT_LINK_AHEAD = 0
+LINK_BLOCK_ENV = "DFCCL_LINK_BLOCK"
+
+
+def link_block(options: "ContextOptions", resident_blocks: int | None, blocks: int) -> bool:
+    """Whether a context's daemon runs a link block: the option, else the
+    environment's, else on GPUs where the device has an SM to spare for it
+    (``resident_blocks``: daemon blocks the device holds at once) and off in
+    the simulator (``resident_blocks`` None), whose blocks are host threads
+    that sleep between polls: a link thread there adds a sleep to every
+    pickup instead of a round trip.  Every block of the daemon must be
+    resident at once, so an explicit request that does not fit is an error,
+    not a launch that could wait for ever."""
+    fits = resident_blocks is None or blocks + 1 <= resident_blocks
+    requested = options.link_block
+    if requested is None:
+        raw = os.environ.get(LINK_BLOCK_ENV, "").strip()
+        if raw:
+            if raw not in ("0", "1"):
+                raise InvalidArgumentError(f"{LINK_BLOCK_ENV} must be 0 or 1, not {raw!r}")
+            requested = raw == "1"
+    if requested is None:
+        return resident_blocks is not None and fits
+    if requested and not fits:
+        raise InvalidArgumentError(f"a link block needs {blocks + 1} resident daemon blocks and the device holds "
+                                   f"{resident_blocks}; use fewer ContextOptions.blocks or link_block=False")
+    return requested
 
 
 def link_ahead(options: "ContextOptions") -> int:
@@ -74,7 +100,15 @@ class ContextOptions:
         there (0..3; docs/architecture.md, "The host link").  More saves a
         round trip per burst of submissions and costs host-memory reads on
         every poll (on one H200 in a VM, 0 was fastest: benchmarks/NOTES.md).
-        None: ``DFCCL_LINK_AHEAD`` from the environment, else 0.
+        None: ``DFCCL_LINK_AHEAD`` from the environment, else 0.  A link
+        block reads as far ahead as it can whatever this says.
+    link_block: one more daemon block that does nothing but read the host
+        link, round trip after round trip, so that a submission reaches the
+        scheduler about one host round trip after it was written and no
+        scheduler pass waits for PCIe (docs/architecture.md, "The host
+        link").  It takes one SM.  None: ``DFCCL_LINK_BLOCK`` (0 or 1) from
+        the environment, else on for GPUs with the SM to spare, off in the
+        simulator.
     """
 
     blocks: int | None = None
@@ -88,12 +122,15 @@ class ContextOptions:
     relaunch_backoff_ns: int | None = None
     max_endpoints: int = 256
     link_ahead: int | None = None
+    link_block: bool | None = None
 
     def __post_init__(self):
         _check_ints(self, ("blocks", "max_outstanding", "base_window_ns", "max_window_ns", "idle_quit_ns",
                            "empty_quit_ns", "relaunch_backoff_ns", "max_endpoints", "link_ahead"))
         if self.link_ahead is not None and not 0 <= self.link_ahead <= LINK_AHEAD_MAX:
             raise InvalidArgumentError(f"ContextOptions.link_ahead must be in 0..{LINK_AHEAD_MAX}, not {self.link_ahead}")
+        if self.link_block is not None and not isinstance(self.link_block, bool):
+            raise InvalidArgumentError(f"ContextOptions.link_block must be a bool or None, not {self.link_block!r}")
         for name in ("preemption", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(f"ContextOptions.{name} must be a bool, not {getattr(self, name)!r}")

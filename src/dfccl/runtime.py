@@ -8,7 +8,7 @@ import threading
 from importlib import resources
 
 from dfccl.errors import BackendError, InvalidArgumentError
-from dfccl.options import ContextOptions, link_ahead
+from dfccl.options import ContextOptions, link_ahead, link_block
 from dfccl.policy import default_policy
 
 __all__ = ["default_backend", "device_count", "get_context", "contexts", "shutdown", "device_synchronize"]
@@ -175,7 +175,8 @@ def get_context(backend: str, device: int, options: ContextOptions | None = None
         be = get_backend(backend, device, opts.blocks)
         blocks = opts.blocks or be.default_blocks
         ctx = Context(be, blocks=blocks, slots=opts.max_outstanding, max_endpoints=opts.max_endpoints,
-                      policy=default_policy(backend, opts), link_ahead=link_ahead(opts))
+                      policy=default_policy(backend, opts), link_ahead=link_ahead(opts),
+                      link_block=link_block(opts, be.resident_blocks or None, blocks))
         _contexts[key] = (ctx, opts)
         return ctx
 

@@ -319,7 +319,8 @@ typedef struct dfccl_daemon_args {
   uint32_t max_endpoints;
   uint32_t link_ahead;             /* ring entries the host link reads with the control words,
                                       before the tail (0..DFCCL_LINK_AHEAD_MAX) */
-  uint32_t args_pad;
+  uint32_t link_block;             /* nonzero: the launch has one more block, index nblocks, that
+                                      only reads the host link (link.cuh, host_link_block) */
   uint64_t empty_quit_ns;          /* with every block's list empty, quit after this long
                                       without progress (idle_quit_ns applies while work waits) */
 } dfccl_daemon_args;

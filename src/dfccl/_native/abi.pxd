@@ -151,6 +151,7 @@ cdef extern from "dfccl/abi.h":
         uint32_t epoch
         uint32_t max_endpoints
         uint32_t link_ahead
+        uint32_t link_block
         uint64_t empty_quit_ns
 
 

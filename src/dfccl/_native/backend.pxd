@@ -7,6 +7,7 @@ cdef class Backend:
     cdef readonly int device
     cdef readonly int default_blocks
     cdef readonly int block_threads
+    cdef readonly int resident_blocks   # daemon blocks that can be resident at once (0: no limit)
 
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil
     cdef int query_fault(self) noexcept nogil

@@ -47,6 +47,7 @@ class Context:
     nblocks: int
     nslots: int
     max_endpoints: int
+    link_block: bool
     mapped_dev: int
     done_dev: int
     epoch: int
@@ -56,7 +57,7 @@ class Context:
     relaunch_backoff_ns: int
     launches: int
     def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any,
-                 link_ahead: int = 0) -> None: ...
+                 link_ahead: int = 0, link_block: bool = False) -> None: ...
     def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,
                      peer_tables: list[int], peer_arenas: list[int], reg_table: int = 0, ll_offset: int = 0,
                      ll_max_bytes: int = 0) -> int: ...

@@ -306,6 +306,7 @@ cdef class Context:
     cdef readonly uint32_t nblocks
     cdef readonly uint32_t nslots
     cdef readonly uint32_t max_endpoints
+    cdef readonly bint link_block      # the daemon has a link block (link.cuh)
     cdef dfccl_control *ctrl
     cdef dfccl_sqe *ring
     cdef uint32_t *done
@@ -372,7 +373,8 @@ cdef class Context:
         self.watch_wake = PyThread_allocate_lock()
         PyThread_acquire_lock(self.watch_wake, WAIT_LOCK)
 
-    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0):
+    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0,
+                 bint link_block=False):
         cdef uint64_t off, size
         if slots & (slots - 1) or slots < 8:
             raise ValueError("slots must be a power of two >= 8")
@@ -458,6 +460,8 @@ cdef class Context:
         self.args.nblocks = blocks
         self.args.max_endpoints = abort_words
         self.args.link_ahead = link_ahead
+        self.args.link_block = 1 if link_block else 0
+        self.link_block = link_block
         self.args.empty_quit_ns = policy.empty_quit_ns
         self.args.epoch = 0
 

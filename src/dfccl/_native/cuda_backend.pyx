@@ -199,6 +199,7 @@ cdef class CudaBackend(Backend):
         check(API.cuDeviceGetAttribute(&value, DFCCL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device),
               "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")
         self.sm_count = value
+        self.resident_blocks = value  # one daemon block per SM (__launch_bounds__(512, 1))
         check(API.cuDeviceGetAttribute(&value, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device),
               "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)")
         self.compute_capability = value * 10
@@ -226,7 +227,9 @@ cdef class CudaBackend(Backend):
         rc = API.cuCtxSetCurrent(self.cu_ctx)
         if rc != DFCCL_CUDA_SUCCESS:
             return rc
-        return API.cuLaunchKernel(self.daemon_fn, args.nblocks, 1, 1, BLOCK_THREADS, 1, 1, 0, self.stream, params, NULL)
+        # One block per channel, and the link block where the daemon has one.
+        return API.cuLaunchKernel(self.daemon_fn, args.nblocks + (1 if args.link_block else 0), 1, 1, BLOCK_THREADS,
+                                  1, 1, 0, self.stream, params, NULL)
 
     cdef int query_fault(self) noexcept nogil:
         # The daemon's stream reports the sticky error of a failed context

@@ -141,6 +141,7 @@ cdef class SimBackend(Backend):
         self.device = device
         self.default_blocks = blocks
         self.block_threads = 1
+        self.resident_blocks = 0  # a thread per block: no limit
         self._shared = {}
         self._imported = {}
         self._streams = {}
