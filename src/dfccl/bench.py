@@ -29,6 +29,11 @@ the same GPUs in the same invocation.  Two timings, as nccl-tests' ``-z``:
 NCCL is timed in place, the one form torch.distributed offers for all five
 collectives; ``ratio`` = NCCL time / dfccl in-place time (above 1: dfccl
 faster).
+
+Before the table, on the first device of the run, the hardware floor
+(dfccl.bench_floor: a resident kernel answering a doorbell, without dfccl);
+every dfccl time is also given over it (``/floor``): the host doorbell for
+``-z 1``, the stream doorbell for back to back.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+
+from dfccl.bench_floor import (FLOOR_SIMULATOR, FLOOR_SKIPPED, floor_doc, floor_for_timing, floor_ratio,
+                               format_floor_line, format_ratio, measure_floor)
+from dfccl.errors import BackendError
 
 __all__ = ["KINDS", "OPS", "DTYPES", "BenchConfig", "Case", "ReportError", "parse_size", "format_size",
            "bus_factor", "count_wrong", "case_sizes", "run_bench", "format_table_header", "format_row",
@@ -128,6 +137,7 @@ class BenchConfig:
     progress: bool = True
     seed: int | None = None
     blocking: bool = False
+    floor: bool = True
 
     def validate(self) -> None:
         """ValueError with a one-line reason for anything the run would trip on."""
@@ -776,7 +786,7 @@ def _torch_rank_case(case: Case, rank: int, dev: int, mem: _Memory, cfg: BenchCo
 
 # -- output -------------------------------------------------------------------------------------------
 _HEAD_COLS = f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5}"
-_DF_COLS = f"{'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
+_DF_COLS = f"{'time':>9} {'/floor':>7} {'algbw':>7} {'busbw':>7} {'#wrong':>7}"
 _NCCL_COLS = f"{'time':>9} {'busbw':>7} {'#wrong':>7} {'ratio':>6}"
 
 
@@ -784,9 +794,9 @@ def timing_line(blocking: bool, iters: int) -> str:
     """What the time columns hold, for the table header."""
     if blocking:
         return (f"timing: blocking (-z 1): time = median of {iters} collectives, each submitted on every rank "
-                "and waited for on every rank (p90 in the JSON)")
+                "and waited for on every rank (p90 in the JSON); /floor = time / host doorbell floor")
     return (f"timing: back to back (-z 0): time = {iters} submissions and one wait at the end, "
-            "divided by the iterations")
+            "divided by the iterations; /floor = time / stream doorbell floor")
 
 
 def format_table_header(kind: str, nccl_line: str, timing: str | None = None) -> str:
@@ -795,8 +805,9 @@ def format_table_header(kind: str, nccl_line: str, timing: str | None = None) ->
     width_head, width_df = len(_HEAD_COLS), len(_DF_COLS)
     groups = (f"#{'':{width_head - 1}}  {'out-of-place':^{width_df}}  {'in-place':^{width_df}}  "
               f"{'NCCL (in place)':^{len(_NCCL_COLS)}}")
-    units = (f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5}  {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} "
-             f"{'':>7}  {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}  {'(us)':>9} {'(GB/s)':>7}")
+    df_units = f"{'(us)':>9} {'':>7} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}"
+    units = (f"#{'(B)':>11} {'(elements)':>12} {'':>9} {'':>6} {'':>5}  {df_units}  {df_units}  "
+             f"{'(us)':>9} {'(GB/s)':>7}")
     lines = [f"# collective {kind}", f"# {nccl_line}"] + ([f"# {timing}"] if timing else [])
     return "\n".join(lines + [groups, f"#{_HEAD_COLS[1:]}  {_DF_COLS}  {_DF_COLS}  {_NCCL_COLS}", units])
 
@@ -807,7 +818,8 @@ def _fmt_wrong(w: int | None) -> str:
 
 def format_row(row: dict) -> str:
     def lib(d: dict) -> str:
-        return f"{d['time_us']:9.2f} {d['algbw']:7.2f} {d['busbw']:7.2f} {_fmt_wrong(d['wrong']):>7}"
+        return (f"{d['time_us']:9.2f} {format_ratio(d.get('floor_ratio')):>7} {d['algbw']:7.2f} {d['busbw']:7.2f} "
+                f"{_fmt_wrong(d['wrong']):>7}")
 
     line = (f"{row['size']:12d} {row['count']:12d} {row['type']:>9} {row['redop']:>6} {row['root']:5d}  "
             f"{lib(row['out_of_place'])}  {lib(row['in_place'])}  ")
@@ -826,6 +838,10 @@ def _human_size(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m} {unit}"
     return f"{n} B"
+
+
+def _capitalised(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def format_markdown(doc: dict) -> str:
@@ -855,6 +871,8 @@ def _markdown(doc: dict) -> str:
            f"{cfg['iters']} iterations after {cfg['warmup']} warm-up.",
            "Time: median of one collective waited for on every rank (90th percentile in parentheses)."
            if blocking else "Time: back-to-back collectives, loop time divided by the iterations.",
+           f"{_capitalised(format_floor_line(doc.get('floor')))}.",
+           f"/ floor: dfccl's time over the {'host' if blocking else 'stream'} doorbell floor (1: at the floor).",
            "NCCL / dfccl: NCCL time over dfccl's in-place time (above 1: dfccl faster).", ""]
 
     def cell(d: dict | None) -> str:
@@ -866,13 +884,16 @@ def _markdown(doc: dict) -> str:
     def bw(d: dict | None) -> str:
         return "n/a" if d is None else f"{d['busbw']:.2f}"
 
+    def over_floor(d: dict) -> str:
+        return format_ratio(d.get("floor_ratio"))  # results from before the floor have none
+
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
     kinds += sorted({r["kind"] for r in rows} - set(kinds))
     for kind in kinds:
         out += [f"### {kind}", "",
-                "| size | count | type | redop | root | out of place (us) | busbw (GB/s) | in place (us) | "
-                "busbw (GB/s) | NCCL in place (us) | NCCL busbw (GB/s) | NCCL / dfccl | #wrong |",
-                "|---:|---:|:--|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| size | count | type | redop | root | out of place (us) | / floor | busbw (GB/s) | in place (us) | "
+                "/ floor | busbw (GB/s) | NCCL in place (us) | NCCL busbw (GB/s) | NCCL / dfccl | #wrong |",
+                "|---:|---:|:--|:--|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             if r["kind"] != kind:
                 continue
@@ -880,20 +901,26 @@ def _markdown(doc: dict) -> str:
             wrongs = [p["wrong"] for p in parts]
             wrong = "N/A" if any(w is None for w in wrongs) else str(sum(wrongs))
             ratio = "n/a" if r.get("ratio") is None else f"{r['ratio']:.2f}"
+            oop, ip = r["out_of_place"], r["in_place"]
             out.append(f"| {_human_size(r['size'])} | {r['count']} | {r['type']} | {r['redop']} | {r['root']} | "
-                       f"{cell(r['out_of_place'])} | {bw(r['out_of_place'])} | {cell(r['in_place'])} | "
-                       f"{bw(r['in_place'])} | {cell(r.get('nccl'))} | {bw(r.get('nccl'))} | {ratio} | {wrong} |")
+                       f"{cell(oop)} | {over_floor(oop)} | {bw(oop)} | {cell(ip)} | {over_floor(ip)} | {bw(ip)} | "
+                       f"{cell(r.get('nccl'))} | {bw(r.get('nccl'))} | {ratio} | {wrong} |")
         out.append("")
     return "\n".join(out)
 
 
-def _finish_row(kind: str, case: Case, measured: dict) -> dict:
+def _finish_row(kind: str, case: Case, measured: dict, floor_us: float | None = None) -> dict:
+    """A table row; ``floor_us`` (the floor of this timing, or None) gives
+    each dfccl form its ``floor_ratio``."""
     def with_bw(d: dict) -> dict:
         algbw = case.nbytes / (d["time_us"] * 1e-6) / 1e9
         return {**d, "algbw": algbw, "busbw": algbw * bus_factor(kind, case.n)}
 
+    def dfccl_form(d: dict) -> dict:
+        return {**with_bw(d), "floor_ratio": floor_ratio(d["time_us"], floor_us)}
+
     row = {"kind": kind, "size": case.nbytes, "count": case.total_count, "type": case.dtype, "redop": case.redop,
-           "root": case.root, "out_of_place": with_bw(measured["oop"]), "in_place": with_bw(measured["ip"]),
+           "root": case.root, "out_of_place": dfccl_form(measured["oop"]), "in_place": dfccl_form(measured["ip"]),
            "nccl": None, "ratio": None}
     if measured.get("nccl") is not None:
         row["nccl"] = with_bw(measured["nccl"])
@@ -962,7 +989,7 @@ def _gpu_names(backend: str, devices: list[int]) -> list[str]:
         return [f"cuda:{d}" for d in devices]
 
 
-def _write_plot(path: str, rows: list[dict], title: str) -> bool:
+def _write_plot(path: str, rows: list[dict], title: str, floor_us: float | None = None) -> bool:
     try:
         import matplotlib
 
@@ -984,6 +1011,8 @@ def _write_plot(path: str, rows: list[dict], title: str) -> bool:
             xs = [p[0] for p in pts]
             axes[i][0].plot(xs, [p[1]["time_us"] for p in pts], style, label=label, markersize=4)
             axes[i][1].plot(xs, [p[1]["busbw"] for p in pts], style, label=label, markersize=4)
+        if floor_us is not None:
+            axes[i][0].axhline(floor_us, color="gray", linestyle=":", label=f"floor ({floor_us:.1f} us)")
         for j, ylabel in enumerate(("latency (us)", "busbw (GB/s)")):
             ax = axes[i][j]
             ax.set_xscale("log", base=2)
@@ -1014,10 +1043,13 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
     print(f"# dfccl bench: {', '.join(cfg.kinds)}; {n} ranks on {cfg.backend} devices {cfg.devices}; "
           f"mode {cfg.mode}; {cfg.dtype} {cfg.op}; iters {cfg.iters}, warmup {cfg.warmup}, "
           f"check {int(cfg.check)}, blocking {int(cfg.blocking)}", file=out, flush=True)
+    floor = _measure_floor(cfg)
+    print(f"# {format_floor_line(floor)}", file=out, flush=True)
+    floor_us = floor_for_timing(floor, cfg.blocking)
     if cfg.mode == "thread":
-        rows, info = _run_thread_mode(cfg, base_seed, total, out)
+        rows, info = _run_thread_mode(cfg, base_seed, total, out, floor_us)
     else:
-        rows, info = _run_process_mode(cfg, base_seed, total, out)
+        rows, info = _run_process_mode(cfg, base_seed, total, out, floor_us)
     checked = [r for r in rows if r["out_of_place"]["wrong"] is not None]
     wrong = sum(r[k]["wrong"] or 0 for r in checked for k in ("out_of_place", "in_place"))
     wrong += sum((r["nccl"] or {}).get("wrong") or 0 for r in rows)
@@ -1039,6 +1071,7 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
                    else "back to back: loop time / iters",
                    **({"p90_us": "90th percentile of one collective waited for"} if cfg.blocking else {})},
         "config": {**{k: v for k, v in asdict(cfg).items() if k not in ("out", "progress")}, "seed": base_seed},
+        "floor": floor,
         "wrong_total": wrong,
         "rows": rows,
     }
@@ -1051,7 +1084,7 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
     if cfg.plot and rows:
         title = (f"dfccl vs NCCL, {n} x {doc['gpus'][0]} ({cfg.mode} mode, {cfg.dtype}, "
                  f"{'blocking: median of one collective waited for' if cfg.blocking else 'back to back'})")
-        if _write_plot(stem + ".png", rows, title):
+        if _write_plot(stem + ".png", rows, title, floor_us):
             written.append(stem + ".png")
         else:
             print("# plot skipped: matplotlib is not installed (pip install 'dfccl[bench]')", file=out)
@@ -1061,11 +1094,26 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
     return doc
 
 
+def _measure_floor(cfg: BenchConfig) -> dict:
+    """The floor's JSON (dfccl.bench_floor) on the run's first device, before
+    any daemon runs there; a failed measurement is reported, not fatal (the
+    collectives' numbers stand without it)."""
+    if cfg.backend != "cuda":
+        return {"status": FLOOR_SIMULATOR}
+    if not cfg.floor:
+        return {"status": FLOOR_SKIPPED}
+    try:
+        return floor_doc(measure_floor(cfg.devices[0]))
+    except BackendError as exc:
+        return {"status": f"failed ({str(exc).splitlines()[0]})"}
+
+
 def _nccl_unavailable_line(status: str) -> str:
     return f"NCCL: {status}" if status.startswith("disabled") else f"NCCL: not available ({status})"
 
 
-def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple[list[dict], dict]:
+def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out,
+                     floor_us: float | None) -> tuple[list[dict], dict]:
     import dfccl
 
     mem = _Memory(cfg.backend)
@@ -1095,7 +1143,7 @@ def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple
                     for dev in sorted(set(cfg.devices)):
                         dfccl.device_synchronize(cfg.backend, dev)
                     measured["nccl"] = nccl.run_case(case, mem, cfg, base_seed)
-                row = _finish_row(kind, case, measured)
+                row = _finish_row(kind, case, measured, floor_us)
                 rows.append(row)
                 progress.write(format_row(row), out)
                 progress.step(f"{kind} {format_size(case.nbytes)}")
@@ -1108,7 +1156,8 @@ def _run_thread_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple
     return rows, info
 
 
-def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tuple[list[dict], dict]:
+def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out,
+                      floor_us: float | None) -> tuple[list[dict], dict]:
     import multiprocessing
 
     import dfccl
@@ -1152,7 +1201,7 @@ def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out) -> tupl
             for case in case_sizes(cfg, kind):
                 parts = [inbox.take("case", (kind, case.count))[2] for _ in range(n)]
                 measured = {key: _merge_ranks([p[key] for p in parts]) for key in parts[0]}
-                row = _finish_row(kind, case, measured)
+                row = _finish_row(kind, case, measured, floor_us)
                 rows.append(row)
                 progress.write(format_row(row), out)
                 progress.step(f"{kind} {format_size(case.nbytes)}")

@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="collective latency and bandwidth against NCCL (like nccl-tests)",
                            description="Sweeps sizes from minbytes to maxbytes, checks every size against numpy "
                                        "and times dfccl (out of place and in place) and NCCL (in place), back to "
-                                       "back or (-z 1) one collective waited for at a time.  With --report, "
-                                       "prints result JSON files as Markdown tables instead.")
+                                       "back or (-z 1) one collective waited for at a time, and each dfccl time "
+                                       "over the GPU's floor (a resident kernel answering a doorbell, measured "
+                                       "first).  With --report, prints result JSON files as Markdown tables "
+                                       "instead.")
     bench.add_argument("kind_pos", nargs="?", metavar="KIND", default=None,
                        help=f"collective: {', '.join(KINDS)} or all (default all_reduce)")
     bench.add_argument("-k", "--kind", default=None, help="same as KIND")
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--path", choices=("auto", "direct", "ring"), default="auto", help="dfccl data path")
     bench.add_argument("--out", default=".", help="directory of the JSON and PNG results (default .)")
     bench.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    bench.add_argument("--no-floor", action="store_true",
+                       help="skip the hardware floor (a resident kernel answering a doorbell) above the table")
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
@@ -153,7 +157,7 @@ def _bench_config(args: argparse.Namespace):
                       iters=args.iters, warmup=args.warmup_iters, check=args.check, dtype=args.dtype, op=args.op,
                       root=args.root, backend=backend, devices=devices, mode=args.mode, path=args.path,
                       out=args.out, nccl=not args.no_nccl, plot=not args.no_plot, progress=not args.no_progress,
-                      seed=args.seed, blocking=args.blocking)
+                      seed=args.seed, blocking=args.blocking, floor=not args.no_floor)
     try:
         cfg.validate()
     except ValueError as exc:

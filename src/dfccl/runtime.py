@@ -11,7 +11,8 @@ from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.options import ContextOptions, link_ahead, link_block
 from dfccl.policy import default_policy
 
-__all__ = ["default_backend", "device_count", "get_context", "contexts", "shutdown", "device_synchronize"]
+__all__ = ["default_backend", "device_count", "get_context", "contexts", "shutdown", "device_synchronize",
+           "compute_capability", "driver_ok", "nvrtc_cubin"]
 
 _lock = threading.RLock()
 _contexts: dict = {}
@@ -77,16 +78,32 @@ def daemon_image(compute_capability: int) -> bytes:
     fatbin = _kernel_dir() / "daemon.fatbin"
     if fatbin.is_file() and not os.environ.get("DFCCL_FORCE_NVRTC"):
         return fatbin.read_bytes()
-    return _nvrtc_compile(compute_capability)
+    src_dir = _kernel_dir() / "src"
+    source = (src_dir / "daemon" / "daemon_kernel.cu").read_bytes()
+    return nvrtc_cubin(source, "daemon_kernel.cu", compute_capability,
+                       [b"-std=c++17", b"-default-device", b"-I" + str(src_dir / "include").encode(),
+                        b"-I" + str(src_dir / "daemon").encode()])
 
 
-def _nvrtc_compile(cc: int) -> bytes:
+def driver_ok(result: tuple, what: str):
+    """A cuda.bindings driver call's result without its CUresult (None, one
+    value or a tuple), or BackendError naming the call."""
+    from cuda.bindings import driver
+
+    err, *rest = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise BackendError(f"{what} failed: {err}", driver_code=int(err))
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def nvrtc_cubin(source: bytes, name: str, compute_capability: int, options: list[bytes]) -> bytes:
+    """``source`` compiled by NVRTC into a cubin for sm_<compute_capability>."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:
-        raise BackendError("no daemon fatbin was built (nvcc missing) and cuda.bindings.nvrtc is unavailable") from exc
-    src_dir = _kernel_dir() / "src"
-    source = (src_dir / "daemon" / "daemon_kernel.cu").read_bytes()
+        raise BackendError(f"compiling {name} needs cuda.bindings.nvrtc, which is unavailable") from exc
 
     def ok(result, what):
         err, *rest = result
@@ -94,22 +111,26 @@ def _nvrtc_compile(cc: int) -> bytes:
             raise BackendError(f"NVRTC {what} failed: {err}")
         return rest[0] if len(rest) == 1 else rest
 
-    prog = ok(nvrtc.nvrtcCreateProgram(source, b"daemon_kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [b"-std=c++17", f"--gpu-architecture=sm_{cc}".encode(), b"-default-device",
-            b"-I" + str(src_dir / "include").encode(), b"-I" + str(src_dir / "daemon").encode()]
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise BackendError(f"NVRTC could not compile the daemon for sm_{cc}:\n{log.decode(errors='replace')}")
-    size = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    err, = nvrtc.nvrtcGetCUBIN(prog, cubin)
-    nvrtc.nvrtcDestroyProgram(prog)
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise BackendError(f"nvrtcGetCUBIN failed: {err}")
-    return cubin
+    try:
+        created = nvrtc.nvrtcCreateProgram(source, name.encode(), 0, [], [])
+    except RuntimeError as exc:  # the bindings load libnvrtc on first use
+        raise BackendError(f"compiling {name} needs NVRTC, which cannot be loaded: {exc}") from exc
+    prog = ok(created, "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture=sm_{compute_capability}".encode(), *options]
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            ok(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            raise BackendError(f"NVRTC could not compile {name} for sm_{compute_capability}:\n"
+                               f"{log.decode(errors='replace')}")
+        size = ok(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        ok(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
 
 # -- backends and contexts -----------------------------------------------------------
@@ -129,8 +150,7 @@ def get_backend(backend: str, device: int, blocks: int | None = None):
                 mod = _cuda_module()
                 if device >= cuda_device_count():
                     raise InvalidArgumentError(f"cuda device {device} does not exist ({cuda_device_count()} visible)")
-                probe_cc = _probe_compute_capability(device)
-                be = mod.CudaBackend(device, daemon_image(probe_cc), blocks or 0)
+                be = mod.CudaBackend(device, daemon_image(compute_capability(device)), blocks or 0)
             else:
                 from dfccl._native.sim_backend import SimBackend
                 be = SimBackend(device, blocks or 2)
@@ -138,20 +158,16 @@ def get_backend(backend: str, device: int, blocks: int | None = None):
         return be
 
 
-def _probe_compute_capability(device: int) -> int:
+def compute_capability(device: int) -> int:
+    """major * 10 + minor of CUDA device ``device`` (90 for sm_90)."""
     from cuda.bindings import driver
 
-    def ok(result, what):
-        err, *rest = result
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise BackendError(f"{what} failed: {err}")
-        return rest[0] if rest else None
-
-    dev = ok(driver.cuDeviceGet(device), "cuDeviceGet")
-    major = ok(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-               "cuDeviceGetAttribute")
-    minor = ok(driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-               "cuDeviceGetAttribute")
+    attr = driver.CUdevice_attribute
+    dev = driver_ok(driver.cuDeviceGet(device), "cuDeviceGet")
+    major = driver_ok(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+                      "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MAJOR)")
+    minor = driver_ok(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+                      "cuDeviceGetAttribute(COMPUTE_CAPABILITY_MINOR)")
     return major * 10 + minor
 
 

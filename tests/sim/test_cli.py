@@ -34,6 +34,7 @@ def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, ki
     for col in ("out-of-place", "in-place", "algbw", "busbw", "#wrong", "redop", "root", "ratio"):
         assert col in text
     assert "NCCL: not available (no GPU/torch)" in text
+    assert "# floor: n/a (simulator)" in text.splitlines()  # no GPU, no floor, no ratio
     assert "# Out of bounds values : 0 OK" in text
     timing = "# timing: blocking (-z 1)" if blocking else "# timing: back to back (-z 0)"
     assert text.count(timing) == len(kinds), text
@@ -44,6 +45,7 @@ def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, ki
     assert doc["mode"] == mode and doc["backend"] == "sim" and doc["devices"] == [0, 1]
     assert doc["versions"]["dfccl"] == importlib.metadata.version("dfccl")
     assert doc["host"] and doc["date"] and len(doc["gpus"]) == 2
+    assert doc["floor"] == {"status": "n/a (simulator)"}
     assert [r["kind"] for r in doc["rows"]] == [k for k in kinds for _ in SIZES]
     # all_gather / reduce_scatter sizes are whole per-rank buffers: the sweep's sizes survive for 2 ranks.
     assert [r["size"] for r in doc["rows"]] == SIZES * len(kinds)
@@ -53,6 +55,7 @@ def check_bench_output(proc: subprocess.CompletedProcess, out_dir, mode: str, ki
         for placement in ("out_of_place", "in_place"):
             assert row[placement]["wrong"] == 0, row
             assert row[placement]["time_us"] > 0 and row[placement]["busbw"] >= 0
+            assert row[placement]["floor_ratio"] is None
             # Blocking: the median, with the 90th percentile beside it; back to back: one mean.
             if blocking:
                 assert row[placement]["p90_us"] >= row[placement]["time_us"], row
@@ -141,10 +144,21 @@ def test_report_prints_markdown_tables(tmp_path):
         cells = [c.strip() for c in table_rows[0].strip("|").split("|")]
         assert cells[:5] == ["8 B", "2", "float32", "sum", "-1"]
         assert cells[-1] == "0" and cells[-2] == "n/a"  # no wrong elements; no NCCL, no ratio
+        assert cells[6] == "n/a" and "Floor: n/a (simulator)." in part.splitlines()  # no floor on the simulator
         if part is blocking:
             assert cells[5] == f"{first['out_of_place']['time_us']:.1f} ({first['out_of_place']['p90_us']:.1f})"
         else:
             assert cells[5] == f"{first['out_of_place']['time_us']:.1f}"
+
+
+def test_bench_no_floor_is_recorded(tmp_path):
+    proc = dfccl_cmd("bench", "broadcast", "--backend", "sim", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                     "--no-floor", "--no-plot", "--no-progress", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    [path] = glob.glob(os.path.join(tmp_path, "dfccl-bench-*.json"))
+    doc = json.load(open(path))
+    assert doc["config"]["floor"] is False and doc["floor"] == {"status": "n/a (simulator)"}
+    assert "# floor: n/a (simulator)" in proc.stdout.splitlines()
 
 
 def test_report_of_a_bad_file_is_one_line(tmp_path):
