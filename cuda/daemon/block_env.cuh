@@ -39,7 +39,7 @@ struct BlockShared {
   // The host link (link.cuh): what the control warp read in one round trip
   // (control words, then entries), and the range left to copy.
   pack16 link_words[8 + 8 * DFCCL_LINK_AHEAD_MAX];
-  uint64_t link_go, link_avail, link_from, link_upto;
+  uint64_t link_go, link_scan, link_avail, link_from, link_upto;
 };
 
 // Outcome of one wait, one step, one run.

@@ -69,18 +69,10 @@ DFCCL_DEV bool take_early_entry(const dfccl_daemon_args *a, const pack16 *words,
   return true;
 }
 
-// The control warp of the block that holds the link: one round trip for the
-// control words and `ahead` entries, then the copies.  Returns whether it
-// copied new entries (leader).
-DFCCL_NOINLINE bool read_host_link(const BlockEnv &env, uint32_t ahead) {
-  const dfccl_daemon_args *a = env.args;
-  dfccl_daemon_state *st = a->state;
-  BlockShared *sm = env.sm;
-  if (is_leader()) sm->link_avail = load_gpu(&st->sq_avail);
-  control_sync();
-  const uint64_t avail = sm->link_avail;
-  // One round trip: words 0..2 of the control line, and entries avail,
-  // avail + 1, ... (eight words each), one word per lane.
+// The control warp: one round trip for the control words and the `ahead`
+// ring entries from `avail` on, one 16-byte word per lane, into
+// sm->link_words.
+DFCCL_DEV void read_link_words(const dfccl_daemon_args *a, BlockShared *sm, uint64_t avail, uint32_t ahead) {
   for (int l = control_lane(); l < 8 + 8 * (int)ahead; l += control_lanes()) {
     const char *src;
     if (l < 8) {
@@ -92,16 +84,33 @@ DFCCL_NOINLINE bool read_host_link(const BlockEnv &env, uint32_t ahead) {
     }
     load_host_words(src, sm->link_words[l].lo, sm->link_words[l].hi);
   }
+}
+
+// The control warp, after read_link_words(avail, ahead): copies what the
+// words say into device memory (control words, abort flags, the entries read
+// ahead that prove published, the rest of the new entries after the tail).
+// `pulled` (leader; in and out): a lower bound of how far every block has
+// pulled, raised here when the new entries would overwrite device-ring
+// entries not yet pulled past it.  Returns the new sq_avail (leader).
+DFCCL_DEV uint64_t take_link_words(const BlockEnv &env, uint64_t avail, uint32_t ahead, uint64_t &pulled) {
+  const dfccl_daemon_args *a = env.args;
+  dfccl_daemon_state *st = a->state;
+  BlockShared *sm = env.sm;
   fence_system();  // acquire: what the host wrote before the words read from here on
-  // How far every block has pulled, one block per lane: the leader reading
-  // them one after the other (a dependent L2 round trip each, 32 blocks on
-  // an H200) took longer than the host round trip itself.
-  uint64_t pulled = ~0ull;
-  for (uint32_t b = (uint32_t)control_lane(); b < a->nblocks; b += (uint32_t)control_lanes()) {
-    const uint64_t h = load_gpu(&st->sq_head[b]);
-    pulled = h < pulled ? h : pulled;
+  if (is_leader()) sm->link_scan = sm->link_words[0].lo > pulled + a->ring_size ? 1u : 0u;
+  control_sync();
+  if (sm->link_scan) {
+    // How far every block has pulled, one block per lane: the leader reading
+    // them one after the other (a dependent L2 round trip each, 32 blocks on
+    // an H200) took longer than the host round trip itself.
+    uint64_t low = ~0ull;
+    for (uint32_t b = (uint32_t)control_lane(); b < a->nblocks; b += (uint32_t)control_lanes()) {
+      const uint64_t h = load_gpu(&st->sq_head[b]);
+      low = h < low ? h : low;
+    }
+    low = control_min(low);
+    if (low > pulled) pulled = low;
   }
-  pulled = control_min(pulled);
   control_sync();
   if (is_leader()) {
     const pack16 *w = sm->link_words;
@@ -131,31 +140,58 @@ DFCCL_NOINLINE bool read_host_link(const BlockEnv &env, uint32_t ahead) {
   copy_entries(a, sm->link_from, sm->link_upto);
   fence_gpu();  // every lane's copies before the leader's count
   control_sync();
-  if (is_leader()) {
-    if (sm->link_upto > avail) {
-      store_release_gpu(&st->sq_avail, sm->link_upto);  // the copies before the count, for the pullers
-      store_relaxed(&a->control->sq_copied, sm->link_upto);
-    }
+  const uint64_t upto = sm->link_upto;
+  if (is_leader() && upto > avail) {
+    store_release_gpu(&st->sq_avail, upto);  // the copies before the count, for the pullers
+    store_relaxed(&a->control->sq_copied, upto);
   }
-  return sm->link_upto > avail;
+  return upto;
 }
 
 // The link block's control warp (dfccl_daemon_args.link_block): reads the
 // link round trip after round trip, reading ahead as far as it can, until
 // the daemon leaves (block 0 stores the launch's epoch into quit_epoch; the
-// scheduler blocks see the same word).  It holds no task and waits for
-// nothing but host memory, so it adds no wait to the scheduler's (the
-// invariants in docs/architecture.md are unchanged); the blocks it feeds
-// pull from device memory only.  Returns when the daemon leaves.
+// scheduler blocks see the same word).  A round trip that brings nothing new
+// (the control words as last seen, no published entry at the head) costs
+// nothing more: the next read leaves at once, so a submission is seen about
+// one host round trip after the host wrote it.  The quit word's load (device
+// memory) shares the round trip.  It holds no task and waits for nothing but
+// host memory, so it adds no wait to the scheduler's (the invariants in
+// docs/architecture.md are unchanged); the blocks it feeds pull from device
+// memory only.
 DFCCL_NOINLINE void host_link_block(const BlockEnv &env) {
   const dfccl_daemon_args *a = env.args;
   dfccl_daemon_state *st = a->state;
   BlockShared *sm = env.sm;
+  constexpr uint32_t ahead = DFCCL_LINK_AHEAD_MAX;
+  uint64_t avail = load_gpu(&st->sq_avail);  // this block alone moves it while the launch lasts
+  uint64_t pulled = 0;
+  pack16 seen[kLinkControlWords] = {};  // leader: the control words as last taken
+  bool first = true;
   for (;;) {
-    if (is_leader()) sm->quit = load_gpu(&st->quit_epoch) == (uint64_t)a->epoch ? 1u : 0u;
+    const uint64_t quit = is_leader() ? load_early(&st->quit_epoch) : 0;
+    read_link_words(a, sm, avail, ahead);
+    if (is_leader()) {
+      const pack16 *w = sm->link_words;
+      bool news = first;
+      for (int i = 0; i < kLinkControlWords; ++i) news |= w[i].lo != seen[i].lo || w[i].hi != seen[i].hi;
+      // An entry read ahead that is already published, or entries of a tail
+      // seen before that did not fit the device ring then.
+      news |= w[8 + kSqeWords - 1].lo == avail + 1 || seen[0].lo > avail;
+      sm->quit = quit == (uint64_t)a->epoch ? 1u : 0u;
+      sm->link_go = news ? 1u : 0u;
+      if (news)
+        for (int i = 0; i < kLinkControlWords; ++i) seen[i] = w[i];
+    }
     control_sync();
     if (sm->quit) return;
-    if (!read_host_link(env, DFCCL_LINK_AHEAD_MAX)) link_pause();
+    if (sm->link_go) {
+      first = false;
+      const uint64_t upto = take_link_words(env, avail, ahead, pulled);
+      avail = upto > avail ? upto : avail;
+    } else {
+      link_pause();
+    }
     control_sync();
   }
 }
@@ -186,7 +222,12 @@ DFCCL_NOINLINE void poll_host_link(const BlockEnv &env, bool busy, uint64_t now,
   control_sync();
   if (!sm->link_go) return;
   const uint32_t ahead = a->link_ahead <= DFCCL_LINK_AHEAD_MAX ? a->link_ahead : DFCCL_LINK_AHEAD_MAX;
-  read_host_link(env, ahead);
+  if (is_leader()) sm->link_avail = load_gpu(&st->sq_avail);
+  control_sync();
+  const uint64_t avail = sm->link_avail;
+  read_link_words(a, sm, avail, ahead);
+  uint64_t pulled = 0;  // scanned afresh: another block may hold the link next
+  take_link_words(env, avail, ahead, pulled);
   if (is_leader()) store_release_gpu(&st->link_busy, 0u);
 }
 }  // namespace dfccl
