@@ -200,31 +200,21 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    import glob
     import json
     import os
 
+    from dfccl import status_page
     from dfccl.flight import format_status
-    from dfccl.liveness import process_alive, status_dir
+    from dfccl.liveness import collect_status, status_dir
 
     directory = args.dir or status_dir()
     if directory is None:
         raise UsageError("status files are switched off (DFCCL_STATUS=0); pass --dir")
     if not os.path.isdir(directory):
         raise UsageError(f"status directory {directory} does not exist")
-    docs = []
-    for path in sorted(glob.glob(os.path.join(directory, f"dfccl-status-{os.getuid()}-*.json"))):
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue   # being rewritten, or not ours
-        pid = doc.get("pid")
-        if not isinstance(pid, int) or not process_alive(pid):
-            continue   # a process that died without removing its file
-        if args.pid is not None and pid != args.pid:
-            continue
-        docs.append(doc)
+    # Reading removes what processes that no longer exist left behind.
+    docs = [d for d in collect_status(directory) if args.pid is None or d["pid"] == args.pid]
+    status_page.sweep(directory)
     if args.json:
         print(json.dumps(docs, indent=2))
         return 0
