@@ -1,6 +1,6 @@
 """The ``dfccl`` command: bench (both modes, back to back and blocking, on the
-simulator), bench --report, info, --version and one-line errors for bad
-arguments."""
+simulator), bench --report, info, --version, one-line errors for bad
+arguments and a quiet end when the reader of its output goes away."""
 
 from __future__ import annotations
 
@@ -217,6 +217,27 @@ def test_info_without_traceback():
     assert f"dfccl          {importlib.metadata.version('dfccl')}" in out
     assert "cuda-bindings" in out and "kernel image:" in out and "defaults (sim):" in out
     assert "daemon blocks per device: 2" in out
+
+
+@pytest.mark.parametrize("args", [["info"], ["--version"], ["--help"], ["status"], ["bench", "--report", "R"]],
+                         ids=lambda a: a[0])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, args):
+    # `dfccl info | head`: the reader is gone before the command writes.
+    if args[0] == "bench":
+        bench_doc = dfccl_cmd("bench", *SWEEP, "--no-nccl", "--no-plot", "--out", str(tmp_path))
+        assert bench_doc.returncode == 0, bench_doc.stderr
+        [path] = glob.glob(os.path.join(tmp_path, "dfccl-bench-*.json"))
+        args = ["bench", "--report", path]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dfccl", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "", proc.stderr
+    # argparse's --help and --version drop what they cannot write and exit 0.
+    assert proc.returncode == (0 if args[0].startswith("--") else 141)
 
 
 # -- units -----------------------------------------------------------------------------------
