@@ -106,7 +106,7 @@ class StatusPage:
                 sweep(directory)
         path = os.path.join(directory, f"dfccl-rank-{os.getuid()}-{os.getpid()}-{next(_counter)}")
         # Truncated if it exists: a page of an earlier process with this pid
-        # is not swept (its pid is alive: ours).
+        # that recorded no start time is not swept (its pid is alive: ours).
         mm = create_mapped(path, _SIZE, exclusive=False, mode=0o644)
         with _lock:
             _owned.add(path)
