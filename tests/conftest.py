@@ -3,7 +3,11 @@
 ranks in separate processes to run side by side: two GPUs, or one GPU shared
 by its processes through MPS (``DFCCL_TEST_MPS=1`` says an MPS server runs;
 without it the GPU time-slices between the processes, milliseconds per
-collective)."""
+collective).
+
+Every process the tests start keeps its status files and status pages in
+one directory of the session ($DFCCL_STATUS_DIR); at the end, none may be
+left but the test process's own (removed when it exits)."""
 
 import os
 
@@ -34,3 +38,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif "gpu_processes" in item.keywords and n < 2 and not _mps():
             item.add_marker(skip_processes)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def status_files_left(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("status")
+    before = os.environ.get("DFCCL_STATUS_DIR")
+    os.environ["DFCCL_STATUS_DIR"] = str(directory)   # inherited by every process the tests start
+    yield directory
+    if before is None:
+        os.environ.pop("DFCCL_STATUS_DIR", None)
+    else:
+        os.environ["DFCCL_STATUS_DIR"] = before
+    from dfccl import liveness, status_page
+
+    # Processes killed on purpose leave theirs: what dfccl removes of them
+    # (the next process's monitor, `dfccl status`) must be all there is.
+    liveness.collect_status(str(directory))
+    status_page.sweep(str(directory))
+    mine = (f"dfccl-status-{os.getuid()}-{os.getpid()}.", f"dfccl-rank-{os.getuid()}-{os.getpid()}-")
+    left = sorted(n for n in os.listdir(directory) if not n.startswith(mine))
+    assert not left, f"status files of processes that still run, or that dfccl cannot tell are gone: {left}"

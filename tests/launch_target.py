@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -112,15 +113,43 @@ def device_fault(comm: dfccl.Communicator) -> dict:
     return out
 
 
+def stuck() -> int:
+    """Rank 1 cannot be ended by a signal other than SIGKILL: STUCK_HOW=stop
+    stops it (SIGSTOP), =ignore makes it ignore SIGTERM and SIGINT.  The
+    other ranks wait two minutes, or with STUCK_OTHERS=fail, rank 0 fails
+    two seconds after it started.  Every rank prints its pid first."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        how = os.environ.get("STUCK_HOW", "stop")
+        if how == "ignore":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"pid {os.getpid()} stuck ({how})", flush=True)
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(120)
+        return 0
+    print(f"pid {os.getpid()} waiting", flush=True)
+    if rank == 0 and os.environ.get("STUCK_OTHERS") == "fail":
+        time.sleep(2)
+        print("rank 0 fails now", flush=True)
+        return 3
+    time.sleep(120)
+    return 0
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "fail":
-        # Rank 1 fails at once; the others would run for a minute.
-        if os.environ["RANK"] == "1":
-            print("rank 1 fails now", flush=True)
+        # Rank $RANK_THAT_FAILS (default 1; "none": no rank) fails at once;
+        # the others would run for a minute.
+        if os.environ["RANK"] == os.environ.get("RANK_THAT_FAILS", "1"):
+            print(f"rank {os.environ['RANK']} fails now", flush=True)
             return 3
         time.sleep(60)
         return 0
+    if scenario == "stuck":
+        return stuck()
     comm = dfccl.init_from_env(timeout=TIMEOUT)
     print(f"up: rank {comm.rank} of {comm.world_size} on {comm.backend}:{comm.device} path={comm.path}", flush=True)
     if scenario == "all_reduce":

@@ -23,7 +23,7 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue, detected, backen
         import numpy as np
 
         import dfccl
-        from dfccl import runtime
+        from dfccl import liveness, runtime
         from dfccl.testing import arrays
 
         device = DEV + rank if backend == "sim" else rank % runtime.cuda_device_count()
@@ -37,6 +37,11 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue, detected, backen
         x = ones(1024)
         comm.all_reduce(x, tag="warm").synchronize(timeout=60)
         if rank == VICTIM:
+            # Its status file stands before it dies: a survivor's monitor
+            # that sees it exit removes it.
+            deadline = time.monotonic() + 10
+            while not os.path.exists(liveness.status_path()) and time.monotonic() < deadline:
+                time.sleep(0.01)
             if how == "exit_during":
                 comm.all_reduce(ones(1 << 16), tag="work")
                 time.sleep(0.05)
@@ -92,8 +97,12 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue, detected, backen
 def check_dead_peer_reported(how: str, peer_timeout: float, bound: float, backend: str, path: str) -> None:
     """N ranks, one per process; the victim dies or stops as ``how`` says;
     every survivor must report PeerLostError within ``bound`` seconds, keep
-    its other communicator working and close within 5 s."""
+    its other communicator working and close within 5 s.  The victim's
+    status file is gone once the survivors are done: removed by their
+    monitor when they see its process exit, or, for a stopped victim, which
+    the test kills afterwards, by the next sweep."""
     import dfccl
+    from dfccl import liveness
 
     uid = dfccl.UniqueId.create()
     ctx = mp.get_context("spawn")
@@ -137,3 +146,7 @@ def check_dead_peer_reported(how: str, peer_timeout: float, bound: float, backen
         assert what == "ok", f"rank {r}: {info}"
         assert info["detected_s"] < bound, f"rank {r} saw the loss after {info['detected_s']:.1f} s"
         assert info["close_s"] < 5.0
+    victim_file = liveness.status_path(procs[VICTIM].pid)
+    if how == "sigstop":
+        liveness.sweep()   # what `dfccl status` or the next process's monitor does
+    assert not os.path.exists(victim_file), "the victim's status file was left behind"

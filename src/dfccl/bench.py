@@ -60,7 +60,7 @@ from dfccl.errors import BackendError
 
 __all__ = ["KINDS", "OPS", "DTYPES", "BenchConfig", "Case", "ReportError", "parse_size", "format_size",
            "bus_factor", "count_wrong", "case_sizes", "run_bench", "format_table_header", "format_row",
-           "format_markdown", "timing_line"]
+           "format_markdown", "timing_line", "plot_title"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -989,6 +989,14 @@ def _gpu_names(backend: str, devices: list[int]) -> list[str]:
         return [f"cuda:{d}" for d in devices]
 
 
+def plot_title(rows: list[dict], *, ranks: int, gpu: str, mode: str, dtype: str, blocking: bool) -> str:
+    """The plot's title, naming what ran: NCCL only where some size of it
+    was measured."""
+    ran = "dfccl vs NCCL" if any(r.get("nccl") for r in rows) else "dfccl"
+    timing = "blocking: median of one collective waited for" if blocking else "back to back"
+    return f"{ran}, {ranks} x {gpu} ({mode} mode, {dtype}, {timing})"
+
+
 def _write_plot(path: str, rows: list[dict], title: str, floor_us: float | None = None) -> bool:
     try:
         import matplotlib
@@ -997,8 +1005,17 @@ def _write_plot(path: str, rows: list[dict], title: str, floor_us: float | None 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    fig = _plot_figure(plt, rows, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_figure(plt, rows: list[dict], title: str):
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(11, 3.6 * len(kinds)), squeeze=False)
+    # Constrained layout makes room for the figure title above the panels
+    # (tight_layout lets a tall figure's title run into its first row).
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(11, 3.6 * len(kinds)), squeeze=False, layout="constrained")
     for i, kind in enumerate(kinds):
         rs = [r for r in rows if r["kind"] == kind]
         sizes = [r["size"] for r in rs]
@@ -1023,11 +1040,8 @@ def _write_plot(path: str, rows: list[dict], title: str, floor_us: float | None 
             ax.set_title(kind)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    fig.suptitle(title, wrap=True)
+    return fig
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -1082,8 +1096,7 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
         json.dump(doc, f, indent=1)
     written = [stem + ".json"]
     if cfg.plot and rows:
-        title = (f"dfccl vs NCCL, {n} x {doc['gpus'][0]} ({cfg.mode} mode, {cfg.dtype}, "
-                 f"{'blocking: median of one collective waited for' if cfg.blocking else 'back to back'})")
+        title = plot_title(rows, ranks=n, gpu=doc["gpus"][0], mode=cfg.mode, dtype=cfg.dtype, blocking=cfg.blocking)
         if _write_plot(stem + ".png", rows, title, floor_us):
             written.append(stem + ".png")
         else:

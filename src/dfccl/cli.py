@@ -2,11 +2,16 @@
 ``info``, ``status`` and ``--version``.
 
 Bad arguments and setup failures (no GPU for ``--backend cuda``, an unknown
-device) end with one line, ``error: ...``, and exit code 2: no traceback."""
+device) end with one line, ``error: ...``, and exit code 2: no traceback.
+A reader that stops early (``dfccl info | head``) ends the command quietly
+with exit code 141 (128 + SIGPIPE, what a shell reports for a command that
+SIGPIPE ended)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 import time
 from typing import NoReturn
@@ -14,6 +19,7 @@ from typing import NoReturn
 __all__ = ["main", "build_parser", "UsageError"]
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(Exception):
@@ -204,31 +210,21 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    import glob
     import json
     import os
 
+    from dfccl import status_page
     from dfccl.flight import format_status
-    from dfccl.liveness import process_alive, status_dir
+    from dfccl.liveness import collect_status, status_dir
 
     directory = args.dir or status_dir()
     if directory is None:
         raise UsageError("status files are switched off (DFCCL_STATUS=0); pass --dir")
     if not os.path.isdir(directory):
         raise UsageError(f"status directory {directory} does not exist")
-    docs = []
-    for path in sorted(glob.glob(os.path.join(directory, f"dfccl-status-{os.getuid()}-*.json"))):
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue   # being rewritten, or not ours
-        pid = doc.get("pid")
-        if not isinstance(pid, int) or not process_alive(pid):
-            continue   # a process that died without removing its file
-        if args.pid is not None and pid != args.pid:
-            continue
-        docs.append(doc)
+    # Reading removes what processes that no longer exist left behind.
+    docs = [d for d in collect_status(directory) if args.pid is None or d["pid"] == args.pid]
+    status_page.sweep(directory)
     if args.json:
         print(json.dumps(docs, indent=2))
         return 0
@@ -244,6 +240,32 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's last flush
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise   # another pipe of the command: a real failure
+        # What is still buffered goes nowhere, instead of failing again at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _fd, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
     from dfccl.bench import WorkerError
     from dfccl.errors import BackendError, InvalidArgumentError
 

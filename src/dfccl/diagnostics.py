@@ -208,7 +208,7 @@ class EndpointDiagnostics:
             who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {ranks} have"
             parts.append(f"{who} {v}")
         not_yet = [p for p in range(len(self._arenas)) if p not in seen]
-        msg = (f"rank {work.rank}: {work.kind} tag {work.tag!r} (instance {work.instance}): ranks submitted it with "
+        msg = (f"rank {work.rank}: {work.kind} {work.name}: ranks submitted it with "
                f"different {field}: {', '.join(parts)}; out of line: ranks {out}")
         if len(differing) > 1:
             msg += f" (also differ: {', '.join(differing[1:])})"

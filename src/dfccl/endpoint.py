@@ -22,6 +22,7 @@ from dfccl._native.context import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHA
 from dfccl.errors import BackendError
 from dfccl.registration import REG_SLOTS
 from dfccl.planning import ll_region_bytes
+from dfccl.processes import start_time
 from dfccl.staging import StagingPool
 from dfccl.status_page import StatusPage
 from dfccl.tags import TagTable
@@ -78,7 +79,7 @@ class Endpoint:
         """What peers need to reach this rank's arena (JSON-able)."""
         info = {
             "pid": os.getpid(),
-            "start_time": _process_start_time(os.getpid()),
+            "start_time": start_time(os.getpid()),
             "host": socket.gethostname(),
             "backend": self.backend.name,
             "device": self.backend.device,
@@ -253,20 +254,3 @@ class Endpoint:
             self.ctx.remove_endpoint(idx, release_memory)
         else:
             release_memory()
-
-
-def _process_start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (field 22
-    of /proc/<pid>/stat), which tells a live process from a later one that
-    reuses its pid; None where /proc does not say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses.
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None

@@ -1,11 +1,13 @@
 """Typed errors.  Every error dfccl raises is a :class:`DfcclError` carrying an
-:class:`ErrorCode`; collective failures also name the rank, tag and reason."""
+:class:`ErrorCode`; collective failures also name the rank, the collective
+(:func:`collective_name`) and the reason."""
 
 from __future__ import annotations
 
 import enum
 
 __all__ = [
+    "collective_name",
     "ErrorCode",
     "DfcclError",
     "InvalidArgumentError",
@@ -33,11 +35,21 @@ class ErrorCode(enum.IntEnum):
     PEER_LOST = 9
 
 
+def collective_name(tag: object, instance: int) -> str:
+    """How messages name a collective: ``tag 'grad' (instance 3)``, or
+    ``untagged #3`` for the third untagged collective of its communicator
+    (its tag is None), so that an untagged call never reads like ``tag=3``."""
+    if tag is None:
+        return f"untagged #{instance}" if instance > 0 else "untagged"
+    return f"tag {tag!r} (instance {instance})"
+
+
 class DfcclError(RuntimeError):
     """Base class.  ``code`` says which kind of failure this is."""
 
     code: ErrorCode = ErrorCode.BACKEND
 
+    # ``tag``: the collective's tag as given, None for an untagged one.
     def __init__(self, message: str, *, rank: int | None = None, tag: object = None) -> None:
         super().__init__(message)
         self.rank = rank

@@ -25,6 +25,8 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
+from dfccl.errors import collective_name
+
 __all__ = ["FlightRecorder", "CommStatus", "PendingStatus", "recorders"]
 
 _DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16")
@@ -112,7 +114,7 @@ class PendingStatus:
     """One pending collective as `Communicator.status()` reports it."""
 
     kind: str
-    tag: object
+    tag: object                       # None: untagged
     instance: int
     age_s: float
     state: str                        # "waiting for ranks to join", "transferring", ...
@@ -149,7 +151,7 @@ def format_status(d: dict) -> str:
     lines = [f"rank {d['rank']}/{d['world_size']} {d['backend']}:{d['device']} path={d['path']} {d['state']}: "
              f"{len(d['pending'])} pending"]
     for p in d["pending"]:
-        line = f"  {p['kind']} tag {p['tag']!r} (instance {p['instance']}), {p['age_s']:.1f} s: {p['state']}"
+        line = f"  {p['kind']} {collective_name(p['tag'], p['instance'])}, {p['age_s']:.1f} s: {p['state']}"
         if p.get("missing_ranks"):
             line += f"; ranks {p['missing_ranks']} have not joined (ranks {p['joined_ranks']} have)"
         elif p.get("waiting_for") is not None:

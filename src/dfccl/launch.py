@@ -12,9 +12,11 @@ round robin, so ``-n 4 --devices 0`` puts four ranks on GPU 0).  So
 unchanged in the script.
 
 Output lines are prefixed with ``[rank]``.  SIGINT and SIGTERM are passed to
-every rank.  When a rank exits with a failure the others are terminated
-(SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits
-with that rank's status; it exits 0 when every rank succeeds.
+every rank.  When a rank exits with a failure the others are terminated with
+SIGTERM, and the launcher exits with that rank's status; it exits 0 when
+every rank succeeds.  Either way, a rank still running ``--grace`` seconds
+(default 5) after the first signal -- one that ignores it, or one stopped by
+SIGSTOP -- is killed with SIGKILL, and stderr says which rank and why.
 """
 
 from __future__ import annotations
@@ -98,15 +100,12 @@ def launch(nprocs: int, command: list[str], *, devices: list[int] | None = None,
             t.start()
             pumps.append(t)
 
-    def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+    ranks = _Ranks(procs, grace, lock)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum, _frame):
+        ranks.stop(f"the launcher got {signal.Signals(signum).name}", signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
         running = set(range(nprocs))
@@ -118,39 +117,90 @@ def launch(nprocs: int, command: list[str], *, devices: list[int] | None = None,
                 running.discard(rank)
                 if rc != 0 and status == 0:
                     status = rc if rc > 0 else 128 - rc
-                    with lock:
-                        sys.stderr.write(f"dfccl.launch: rank {rank} exited with status {rc}; stopping the other "
-                                         "ranks\n")
-                        sys.stderr.flush()
-                    _stop(procs, grace)
+                    if not ranks.stopping:
+                        ranks.report(f"rank {rank} exited with status {rc}; stopping the other ranks")
+                    ranks.stop(f"rank {rank} exited with status {rc}")
+            ranks.escalate()
             time.sleep(0.05)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        _stop(procs, grace)
+        ranks.stop("the launcher is exiting")
+        ranks.wait()
         for t in pumps:
             t.join(timeout=5)
     return status
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM to every rank still running, SIGKILL after ``grace`` seconds."""
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+class _Ranks:
+    """Stops the ranks: a signal to every rank's process group, then, for
+    each rank still running ``grace`` seconds later, SIGKILL (a rank may
+    ignore the signal, or be stopped, where only SIGKILL ends it)."""
+
+    def __init__(self, procs: list[subprocess.Popen], grace: float, lock: threading.Lock):
+        self._procs = procs
+        self._grace = max(0.0, grace)
+        self._lock = lock
+        self._deadline: float | None = None
+        self._why = ""
+        self._signame = ""
+        self._killed: set[int] = set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._deadline is not None
+
+    def report(self, text: str) -> None:
+        with self._lock:
+            sys.stderr.write(f"dfccl.launch: {text}\n")
+            sys.stderr.flush()
+
+    def stop(self, why: str, signum: int = signal.SIGTERM) -> None:
+        """Sends ``signum`` to every running rank; the grace period starts
+        at the first call (a repeated signal is passed on, not waited for
+        anew)."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._grace
+            self._why, self._signame = why, signal.Signals(signum).name
+        for p in self._procs:
+            if p.poll() is None:
+                _signal_group(p, signum)
+
+    def escalate(self) -> None:
+        """SIGKILL to every rank still running once the grace period is over."""
+        if self._deadline is None or time.monotonic() < self._deadline:
+            return
+        for rank, p in enumerate(self._procs):
+            if p.poll() is not None or rank in self._killed:
+                continue
+            self._killed.add(rank)
+            stopped = " (it is stopped, e.g. by SIGSTOP)" if _is_stopped(p.pid) else ""
+            self.report(f"killing rank {rank} (pid {p.pid}) with SIGKILL: still running {self._grace:g} s "
+                        f"(--grace) after {self._signame}{stopped}; the ranks were stopped because {self._why}")
+            _signal_group(p, signal.SIGKILL)
+
+    def wait(self) -> None:
+        """Waits for every rank, escalating after the grace period."""
+        while any(p.poll() is None for p in self._procs):
+            self.escalate()
+            time.sleep(0.05)
+
+
+def _signal_group(p: subprocess.Popen, signum: int) -> None:
+    # Each rank leads its own session: its children get the signal too.
+    try:
+        os.killpg(p.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,12 @@ Every `INTERVAL` seconds, for every open communicator of this process:
 - every `STATUS_INTERVAL` seconds, writes what each communicator is doing to
   the process status file (`python -m dfccl status` reads them).
 
+The status file goes at exit and on SIGTERM (termination.py).  Files and
+status pages that processes killed otherwise left are removed when the
+monitor starts writing and when it sees a peer's process exit (and by
+`dfccl status`); each records its writer's start time and pid namespace, so
+that a reused pid or a live process of another namespace keeps its file.
+
 Ranks in this process are never checked (they cannot die alone).  The
 monitor holds communicators weakly and stops when none is left."""
 
@@ -26,14 +32,19 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import tempfile
 import threading
 import time
 import weakref
 
+from dfccl import status_page
 from dfccl._native.context import RANK_FAILED as _RANK_FAILED
+from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
+from dfccl.termination import on_sigterm
 
-__all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive"]
+__all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive",
+           "collect_status", "sweep"]
 
 #: Seconds between liveness checks (a dead process is seen within about this).
 INTERVAL = 0.1
@@ -59,30 +70,48 @@ def status_path(pid: int | None = None) -> str | None:
     return os.path.join(d, f"dfccl-status-{os.getuid()}-{pid or os.getpid()}.json")
 
 
-def process_alive(pid: int, start_time: int | None = None) -> bool:
-    """Whether process ``pid`` runs (not exited, not a zombie), and is the one
-    that started at ``start_time`` (clock ticks since boot, /proc) if given."""
+def collect_status(directory: str | None = None) -> list[dict]:
+    """The status files of this user's running processes in ``directory``
+    (default: status_dir()), by pid; files of processes that no longer exist
+    (processes.owner_gone), and their unfinished rewrites, are removed."""
+    directory = directory or status_dir()
+    if directory is None:
+        return []
+    pattern = re.compile(rf"^dfccl-status-{os.getuid()}-(\d+)\.json(\..+\.tmp)?$")
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
+        names = sorted(os.listdir(directory))
     except OSError:
-        stat = None
-    if stat is not None:
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if fields and fields[0] in (b"Z", b"X"):
-            return False
-        if start_time is not None and len(fields) > 19 and int(fields[19]) != start_time:
-            return False
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return []
+    docs = []
+    for name in names:
+        m = pattern.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            mtime = os.stat(path).st_mtime
+            with open(path) as f:
+                doc = json.load(f)
+        except OSError:
+            continue   # gone already, or not ours to read
+        except ValueError:
+            doc = {}   # cut short by a kill during a rewrite
+        if not isinstance(doc, dict):
+            continue
+        pid, start, namespace = int(m.group(1)), doc.get("start_time"), doc.get("pid_ns")
+        start = start if isinstance(start, int) else None
+        if owner_gone(pid, start, namespace if isinstance(namespace, int) else None, mtime):
+            _remove(path)
+        elif m.group(2) is None and doc.get("pid") == pid and process_alive(pid, start):
+            docs.append(doc)
+    return sorted(docs, key=lambda d: d["pid"])
+
+
+def sweep() -> None:
+    """Removes status files and status pages that processes which no longer
+    exist left behind."""
+    collect_status()
+    status_page.sweep()
 
 
 class _PeerWatch:
@@ -97,6 +126,7 @@ class _PeerWatch:
                        if p != ep.rank and (info["pid"] != me["pid"] or info["host"] != me["host"])]
         now = time.monotonic()
         self.last_beat = {p: (-1, now) for p in self.remote}
+        self.saw_exit = False   # a peer's process exited: its files may be left
 
     def step(self, now: float) -> bool:
         """One check; False once the communicator is gone or closed."""
@@ -136,6 +166,7 @@ class _PeerWatch:
             if state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
             if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):
+                self.saw_exit = True
                 return p, f"its process {info['pid']} has exited"
             last, since = self.last_beat[p]
             if beat != last:
@@ -154,7 +185,8 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self._next_status = 0.0
         self._wrote_status = False
-        self._stopping = False   # set at interpreter exit: write nothing more
+        self._stopping = False   # set at interpreter exit or SIGTERM: write nothing more
+        self._identity: dict | None = None   # this process's, in its status file
 
     def register(self, comm) -> None:
         with self._lock:
@@ -182,6 +214,10 @@ class _Monitor:
                     alive.append(w)   # never let the monitor die; try again next time
             with self._lock:
                 self._watches = [w for w in self._watches if w not in watches or w in alive]
+            if any(w.saw_exit for w in watches):
+                for w in watches:
+                    w.saw_exit = False
+                _sweep_quietly()
             try:
                 _report_faults(comms)
             except Exception:
@@ -215,19 +251,29 @@ class _Monitor:
                     entries.append(c.status().to_dict())
             except Exception:
                 continue
-        doc = {"pid": os.getpid(), "written_ns": time.monotonic_ns(), "time": time.time(), "communicators": entries}
+        if not self._wrote_status:
+            # Start-up (or after an idle spell): what killed processes left
+            # goes before this file comes.
+            _sweep_quietly()
+        if self._identity is None:
+            self._identity = {"start_time": start_time(os.getpid()), "pid_ns": pid_namespace()}
+        doc = {"pid": os.getpid(), **self._identity, "written_ns": time.monotonic_ns(), "time": time.time(),
+               "communicators": entries}
         tmp = f"{path}.{threading.get_ident()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(doc, f, default=repr)
-            with self._lock:   # not after the exit handler removed the file
-                if self._stopping:
-                    _remove(tmp)
-                    return
+        text = json.dumps(doc, default=repr)
+        # Under the lock, so that the exit and SIGTERM handlers (which take
+        # it) find no half-written file; one write, so that a process killed
+        # meanwhile leaves the whole document (with its identity) or nothing.
+        with self._lock:
+            if self._stopping:
+                return
+            try:
+                with open(tmp, "w") as f:
+                    f.write(text)
                 os.replace(tmp, path)
                 self._wrote_status = True
-        except OSError:
-            _remove(tmp)
+            except OSError:
+                _remove(tmp)
 
 
 def _remove(path: str) -> None:
@@ -235,6 +281,13 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _sweep_quietly() -> None:
+    try:
+        sweep()
+    except Exception:
+        pass   # never let the monitor die over a file of another process
 
 
 def _report_faults(comms) -> None:
@@ -282,15 +335,26 @@ if hasattr(os, "register_at_fork"):
 def register(comm) -> None:
     """Watches ``comm``'s peers and publishes its status (Communicator calls this)."""
     _monitor.register(comm)
+    on_sigterm(_remove_status_file_on_sigterm)
 
 
 @atexit.register
-def _remove_status_file() -> None:
+def _remove_status_file(lock_timeout: float = -1) -> None:
     # The monitor is a daemon thread that outlives this handler: stop its
     # writes first (under its lock), then remove what it wrote.
-    with _monitor._lock:
+    locked = _monitor._lock.acquire(timeout=lock_timeout)
+    try:
         _monitor._stopping = True
         wrote = _monitor._wrote_status
+    finally:
+        if locked:
+            _monitor._lock.release()
     path = status_path()
     if path is not None and wrote:
         _remove(path)
+
+
+def _remove_status_file_on_sigterm() -> None:
+    # The handler may have interrupted this thread while it held the
+    # monitor's lock: wait for it briefly, not for ever.
+    _remove_status_file(lock_timeout=0.2)

@@ -14,8 +14,13 @@ on purpose, cuda/daemon/wait.cuh, ``rank_left``), written when it changes.
 One file per rank, under $DFCCL_STATUS_DIR, /dev/shm or the temporary
 directory, named after the owning process.  It exists only while peers look
 it up: the owner removes it once every peer has mapped it (the end of the
-bootstrap; the mappings stay), or at close or exit; files left by processes
-that no longer exist are removed when a process creates its first page."""
+bootstrap; the mappings stay), or at close, exit or SIGTERM
+(termination.py).  Files left by processes that no longer exist (SIGKILL,
+``os._exit``) are removed when a process creates its first page, by the
+liveness monitor when it sees a peer's process exit, and by ``dfccl
+status``: the page records its owner's start time and pid namespace beside
+the pid, so that a reused pid or a live process of another pid namespace
+keeps its page (processes.py)."""
 
 from __future__ import annotations
 
@@ -27,12 +32,15 @@ import re
 import struct
 import threading
 
+from dfccl.processes import owner_gone, pid_namespace, start_time
 from dfccl.shared_files import create_mapped, shared_directory
+from dfccl.termination import on_sigterm
 
-__all__ = ["StatusPage"]
+__all__ = ["StatusPage", "sweep"]
 
 _SIZE = 64
 _WORDS = struct.Struct("<QQQ")  # state, heartbeat, pid
+_IDENTITY = struct.Struct("<QQ")  # at _WORDS.size: the owner's start time and pid namespace (0: unknown)
 _counter = itertools.count()
 _owned: set[str] = set()
 _lock = threading.Lock()
@@ -46,22 +54,37 @@ def _directory() -> str:
     return shared_directory()
 
 
-def _sweep(directory: str) -> None:
-    """Removes pages of this user's processes that no longer exist."""
-    from dfccl.liveness import process_alive
-
+def sweep(directory: str | None = None) -> list[str]:
+    """Removes the pages of this user's processes that no longer exist
+    (processes.owner_gone); returns their paths."""
+    directory = directory or _directory()
     pattern = re.compile(rf"^dfccl-rank-{os.getuid()}-(\d+)-")
     try:
         names = os.listdir(directory)
     except OSError:
-        return
+        return []
+    removed = []
     for name in names:
         m = pattern.match(name)
-        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_WORDS.size + _IDENTITY.size)
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue   # gone already, or not readable: not ours to judge
+        start = namespace = None
+        if len(head) == _WORDS.size + _IDENTITY.size:
+            start, namespace = _IDENTITY.unpack_from(head, _WORDS.size)
+        if owner_gone(int(m.group(1)), start or None, namespace or None, mtime):
             try:
-                os.unlink(os.path.join(directory, name))
+                os.unlink(path)
+                removed.append(path)
             except OSError:
                 pass
+    return removed
 
 
 class StatusPage:
@@ -80,13 +103,15 @@ class StatusPage:
         with _lock:
             if not _swept:
                 _swept = True
-                _sweep(directory)
+                sweep(directory)
         path = os.path.join(directory, f"dfccl-rank-{os.getuid()}-{os.getpid()}-{next(_counter)}")
         # Truncated if it exists: a page of an earlier process with this pid
-        # is not swept (its pid is alive: ours).
+        # that recorded no start time is not swept (its pid is alive: ours).
         mm = create_mapped(path, _SIZE, exclusive=False, mode=0o644)
         with _lock:
             _owned.add(path)
+        on_sigterm(_remove_owned_now)
+        _IDENTITY.pack_into(mm, _WORDS.size, start_time(os.getpid()) or 0, pid_namespace() or 0)
         page = cls(path, mm, True)
         page.write(state, 0)
         return page
@@ -137,6 +162,16 @@ def _remove(path: str) -> None:
 def _remove_owned() -> None:
     for path in list(_owned):
         _remove(path)
+
+
+def _remove_owned_now() -> None:
+    # From the SIGTERM handler, which may interrupt a holder of _lock in
+    # this thread: no lock (the process ends right after).
+    for path in list(_owned):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _forget_in_child() -> None:

@@ -40,7 +40,7 @@ def trace_events() -> list[dict]:
             elif e["event"] in ("complete", "error"):
                 start = submits.pop(key, None)
                 t0 = start["t_ns"] if start else e["t_ns"]
-                events.append({"ph": "X", "name": f"{e['kind']} {e['tag']}", "cat": "collective", "pid": pid,
+                events.append({"ph": "X", "name": _slice_name(e), "cat": "collective", "pid": pid,
                                "tid": tid, "ts": t0 / 1e3, "dur": max(e["t_ns"] - t0, 0) / 1e3, "args": args})
                 if e["event"] == "error":
                     events.append({"ph": "i", "s": "t", "name": "error", "pid": pid, "tid": tid,
@@ -59,10 +59,16 @@ def trace_events() -> list[dict]:
             if "_key" in ev:
                 ev["dur"] = max(ends.get(ev.pop("_key"), ev["ts"]) - ev["ts"], 0)
         for key, e in submits.items():   # still pending
-            events.append({"ph": "X", "name": f"{e['kind']} {e['tag']} (pending)", "cat": "collective",
+            events.append({"ph": "X", "name": f"{_slice_name(e)} (pending)", "cat": "collective",
                            "pid": pid, "tid": tid, "ts": e["t_ns"] / 1e3, "dur": (now - e["t_ns"]) / 1e3,
                            "args": {**{k: v for k, v in e.items() if k not in ("event", "t_ns")}, "pending": True}})
     return events
+
+
+def _slice_name(e: dict) -> str:
+    # One name for every instance of a tag, so that a trace viewer groups
+    # them; untagged ones never read like an int tag.
+    return f"{e['kind']} {'untagged' if e['tag'] is None else e['tag']}"
 
 
 def export(path: str | os.PathLike) -> str:

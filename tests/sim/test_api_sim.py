@@ -642,6 +642,36 @@ def test_timeout_names_missing_rank_and_work_completes_later(make, path, n):
     assert early[0].stats["preemptions"] >= 1, "the early rank waited 0.5 s for its peer without preemption"
 
 
+def test_untagged_collectives_never_read_like_an_int_tag(make):
+    from dfccl import trace
+
+    comms = make(2, "direct")
+    xs = [np.ones(4, np.float32) for _ in range(4)]
+    first = [c.all_reduce(x) for c, x in zip(comms, xs)]   # untagged #1 on both ranks
+    for w in first:
+        w.synchronize(timeout=TIMEOUT)
+    untagged = comms[0].all_reduce(xs[2])                   # untagged #2: rank 1 never joins
+    tagged = comms[0].all_reduce(xs[3], tag=2)              # an int tag equal to its position
+    assert (first[0].tag, first[0].instance, first[0].name) == (None, 1, "untagged #1")
+    assert (untagged.tag, untagged.instance, untagged.name) == (None, 2, "untagged #2")
+    assert (tagged.tag, tagged.instance, tagged.name) == (2, 1, "tag 2 (instance 1)")
+    assert repr(untagged) == "<dfccl.Work all_reduce untagged #2 rank=0 pending>"
+    with pytest.raises(dfccl.CollectiveTimeoutError) as info:
+        untagged.synchronize(timeout=0.1)
+    assert str(info.value).startswith("rank 0: all_reduce untagged #2 did not complete") and info.value.tag is None
+    with pytest.raises(dfccl.CollectiveTimeoutError) as info:
+        tagged.synchronize(timeout=0.1)
+    assert str(info.value).startswith("rank 0: all_reduce tag 2 (instance 1) did not complete")
+    assert info.value.tag == 2
+    status = str(comms[0].status())
+    assert "all_reduce untagged #2, " in status and "all_reduce tag 2 (instance 1), " in status, status
+    names = {ev["name"] for ev in trace.trace_events()}
+    assert {"all_reduce untagged", "all_reduce untagged (pending)", "all_reduce 2 (pending)"} <= names
+    comms[0].abort()
+    with pytest.raises(dfccl.AbortedError, match=r"^rank 0: all_reduce untagged #2 was aborted$"):
+        untagged.synchronize(timeout=TIMEOUT)
+
+
 def test_timeout_zero_returns_at_once(make):
     comms = make(2, "direct")
     w = comms[0].all_reduce(np.ones(4, np.float32), tag="t0")

@@ -1,6 +1,6 @@
 """The ``dfccl`` command: bench (both modes, back to back and blocking, on the
-simulator), bench --report, info, --version and one-line errors for bad
-arguments."""
+simulator), bench --report, info, --version, one-line errors for bad
+arguments and a quiet end when the reader of its output goes away."""
 
 from __future__ import annotations
 
@@ -233,7 +233,66 @@ def test_info_without_traceback():
     assert "daemon blocks per device: 2" in out
 
 
+@pytest.mark.parametrize("args", [["info"], ["--version"], ["--help"], ["status"], ["bench", "--report", "R"]],
+                         ids=lambda a: a[0])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, args):
+    # `dfccl info | head`: the reader is gone before the command writes.
+    if args[0] == "bench":
+        bench_doc = dfccl_cmd("bench", *SWEEP, "--no-nccl", "--no-plot", "--out", str(tmp_path))
+        assert bench_doc.returncode == 0, bench_doc.stderr
+        [path] = glob.glob(os.path.join(tmp_path, "dfccl-bench-*.json"))
+        args = ["bench", "--report", path]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dfccl", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "", proc.stderr
+    # argparse's --help and --version drop what they cannot write and exit 0.
+    assert proc.returncode == (0 if args[0].startswith("--") else 141)
+
+
 # -- units -----------------------------------------------------------------------------------
+def _plot_rows(kinds, nccl: bool) -> list[dict]:
+    point = lambda s: {"time_us": 3.0 + s / 1e3, "busbw": s / 1e6, "wrong": 0}
+    return [{"kind": k, "size": s, "out_of_place": point(s), "in_place": point(s), "nccl": point(s) if nccl else None}
+            for k in kinds for s in (8, 4096, 1 << 20, 1 << 29)]
+
+
+def test_plot_title_names_what_ran():
+    args = dict(ranks=2, gpu="NVIDIA H200", mode="process", dtype="float32", blocking=False)
+    assert bench.plot_title(_plot_rows(["all_reduce"], nccl=False), **args) == \
+        "dfccl, 2 x NVIDIA H200 (process mode, float32, back to back)"
+    some = _plot_rows(["all_reduce"], nccl=False)
+    some[-1]["nccl"] = {"time_us": 9.0, "busbw": 1.0, "wrong": 0}   # NCCL ran for one size
+    assert bench.plot_title(some, **dict(args, blocking=True)) == \
+        "dfccl vs NCCL, 2 x NVIDIA H200 (process mode, float32, blocking: median of one collective waited for)"
+
+
+@pytest.mark.parametrize("kinds", [["all_reduce"], list(bench.KINDS)], ids=["one", "all"])
+def test_plot_title_clears_the_panels(kinds):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _plot_rows(kinds, nccl=True)
+    title = bench.plot_title(rows, ranks=8, gpu="NVIDIA H200", mode="process", dtype="bfloat16", blocking=True)
+    fig = bench._plot_figure(plt, rows, title)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert fig._suptitle.get_text() == title   # the figure's title (no public getter before 3.8)
+        top = fig._suptitle.get_window_extent(renderer)
+        assert fig.bbox.x0 <= top.x0 and top.x1 <= fig.bbox.x1 and top.y1 <= fig.bbox.y1
+        boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+        assert not [ax.get_title() for ax, box in zip(fig.axes, boxes) if box.overlaps(top)]
+        assert not [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+    finally:
+        plt.close(fig)
+
+
 def test_parse_and_format_size():
     assert [bench.parse_size(s) for s in ("8", "1K", "64k", "1M", "2G", "1MB", "1MiB", "1.5K")] == \
         [8, 1024, 65536, 1 << 20, 2 << 30, 1 << 20, 1 << 20, 1536]

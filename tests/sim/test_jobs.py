@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,18 +97,96 @@ def test_launch_stops_the_rest_when_one_fails():
     assert time.monotonic() - start < 30, "the sleeping ranks were not stopped"
 
 
-def test_launch_forwards_sigterm():
+def _rank_env(**extra: str) -> dict:
     # The ranks import dfccl from where this process did (any install), and
     # print a traceback if they crash.
     package_root = os.path.dirname(os.path.dirname(dfccl.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, str(TESTS)]), PYTHONFAULTHANDLER="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dfccl.launch", "-n", "2", "--grace", "2",
-                             str(TESTS / "launch_target.py"), "fail"], env=dict(env, RANK_THAT_FAILS="none"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(3)
-    proc.terminate()
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode != 0, out
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, str(TESTS)]), PYTHONFAULTHANDLER="1",
+                **extra)
+
+
+def _start_launcher(tmp_path: Path, n: int, grace: float, scenario: str, env: dict, *, pids: bool = True):
+    """The launcher with its output in a file (read without blocking), and,
+    with ``pids``, the rank pids once every rank printed ``pid N``."""
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen([sys.executable, "-m", "dfccl.launch", "-n", str(n), "--grace", str(grace),
+                             str(TESTS / "launch_target.py"), scenario], env=env,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    found: dict[int, int] = {}
+    while pids and time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            words = line.split()
+            if words[1:2] == ["pid"]:   # "[rank] pid N ..."
+                found[int(words[0].strip("[]"))] = int(words[2])
+        if len(found) == n:
+            break
+        time.sleep(0.1)
+    return proc, log, [found[r] for r in sorted(found)]
+
+
+def _end(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Kills what a failed test left running: the launcher and its ranks."""
+    for pid in [proc.pid] + pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def test_launch_forwards_sigterm(tmp_path):
+    proc, log, pids = _start_launcher(tmp_path, 2, 2, "fail", _rank_env(RANK_THAT_FAILS="none"), pids=False)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None, log.read_text()
+        proc.terminate()
+        proc.wait(timeout=30)
+        # No rank failed on its own: the status is the one SIGTERM gave them.
+        assert proc.returncode == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        _end(proc, [])
+
+
+@pytest.mark.parametrize("how, signum", [("stop", signal.SIGTERM), ("ignore", signal.SIGINT)])
+def test_launch_kills_a_rank_that_outlives_its_grace(tmp_path, how, signum):
+    grace = 1.0
+    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", _rank_env(STUCK_HOW=how))
+    try:
+        assert len(pids) == 3 and proc.poll() is None, log.read_text()
+        time.sleep(0.5)   # rank 1 stops itself or ignores signals now
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=grace + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher still runs {grace + 10} s after {signum.name}:\n{log.read_text()}")
+        assert time.monotonic() - t0 < grace + 10
+        out = log.read_text()
+        assert f"killing rank 1 (pid {pids[1]}) with SIGKILL" in out, out
+        assert f"after {signum.name}" in out and f"the launcher got {signum.name}" in out, out
+        assert ("it is stopped" in out) == (how == "stop"), out
+        assert "killing rank 0" not in out and "killing rank 2" not in out, out   # they obeyed the signal
+        assert proc.returncode == 128 + signum, out
+    finally:
+        _end(proc, pids)
+
+
+def test_launch_kills_a_stopped_rank_when_another_fails(tmp_path):
+    grace = 1.0
+    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", _rank_env(STUCK_OTHERS="fail"))
+    try:
+        try:
+            proc.wait(timeout=2 + grace + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher still runs after a failed rank and its grace:\n{log.read_text()}")
+        out = log.read_text()
+        assert proc.returncode == 3, out
+        assert "rank 0 exited with status 3; stopping the other ranks" in out, out
+        assert f"killing rank 1 (pid {pids[1]}) with SIGKILL" in out, out
+        assert "the ranks were stopped because rank 0 exited with status 3" in out, out
+    finally:
+        _end(proc, pids)
 
 
 # -- split ------------------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """A rank's status page (state, heartbeat, pid in host shared memory): what
-peers in other processes read without touching a device."""
+peers in other processes read without touching a device; and how pages and
+status files that killed processes left are told from those of live ones."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import struct
+import subprocess
+import time
 
 import pytest
 
-from dfccl import status_page
+from dfccl import liveness, processes, status_page
 from dfccl.status_page import StatusPage
 
 
@@ -63,13 +68,36 @@ def test_a_peer_page_is_read_only(page_dir):
     page.close()
 
 
-def test_pages_of_exited_processes_are_swept(page_dir, monkeypatch):
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=os.getpid)
-    p.start()
-    p.join(30)
-    stale = page_dir / f"dfccl-rank-{os.getuid()}-{p.pid}-0"
-    stale.write_bytes(b"\0" * 64)
+def _page(path, pid: int, start: int, namespace: int) -> None:
+    """A page as its owner ``pid`` (started at ``start``, in pid namespace
+    ``namespace``; 0: not recorded) leaves it."""
+    words = struct.pack("<QQQQQ", 0, 7, pid, start, namespace)
+    path.write_bytes(words + b"\0" * (64 - len(words)))
+
+
+@pytest.fixture
+def exited():
+    """The pid and start time of a process that has exited (and been reaped)."""
+    p = subprocess.Popen(["sleep", "30"])
+    start = processes.start_time(p.pid)
+    p.kill()
+    p.wait()
+    return p.pid, start
+
+
+@pytest.fixture
+def running():
+    """The pid and start time of a process that runs."""
+    p = subprocess.Popen(["sleep", "30"])
+    yield p.pid, processes.start_time(p.pid)
+    p.kill()
+    p.wait()
+
+
+def test_pages_of_exited_processes_are_swept(page_dir, monkeypatch, exited):
+    pid, start = exited
+    stale = page_dir / f"dfccl-rank-{os.getuid()}-{pid}-0"
+    _page(stale, pid, start, processes.pid_namespace())
     mine = page_dir / f"dfccl-rank-{os.getuid()}-{os.getpid()}-999"
     mine.write_bytes(b"\0" * 64)
     monkeypatch.setattr(status_page, "_swept", False)
@@ -82,6 +110,45 @@ def test_pages_of_exited_processes_are_swept(page_dir, monkeypatch):
         mine.unlink()
 
 
+def test_a_page_records_its_owner(page_dir):
+    page = StatusPage.create(0)
+    try:
+        words = struct.unpack_from("<QQQQQ", (page_dir / os.path.basename(page.path)).read_bytes())
+        assert words[2:] == (os.getpid(), processes.start_time(os.getpid()), processes.pid_namespace())
+    finally:
+        page.close()
+
+
+def test_a_reused_pid_does_not_keep_a_page(page_dir, running):
+    pid, start = running   # the page's owner had this pid before, and started earlier
+    stale = page_dir / f"dfccl-rank-{os.getuid()}-{pid}-0"
+    _page(stale, pid, start - 1, processes.pid_namespace())
+    live = page_dir / f"dfccl-rank-{os.getuid()}-{pid}-1"
+    _page(live, pid, start, processes.pid_namespace())
+    assert status_page.sweep() == [str(stale)]
+    assert live.exists()
+
+
+def test_a_page_of_another_pid_namespace_stays(page_dir, exited):
+    pid, start = exited   # means nothing here: the owner's pid is of its namespace
+    foreign = page_dir / f"dfccl-rank-{os.getuid()}-{pid}-0"
+    _page(foreign, pid, start, processes.pid_namespace() + 1)
+    assert status_page.sweep() == []
+    assert foreign.exists()
+
+
+def test_an_unidentified_page_goes_only_once_it_is_old(page_dir, exited):
+    # Written by an earlier version, or by an owner still writing it: the
+    # pid alone may be another namespace's, so a fresh page stays.
+    pid, _ = exited
+    legacy = page_dir / f"dfccl-rank-{os.getuid()}-{pid}-0"
+    legacy.write_bytes(b"\0" * 64)
+    assert status_page.sweep() == []
+    old = time.time() - processes.UNIDENTIFIED_AGE - 1
+    os.utime(legacy, (old, old))
+    assert status_page.sweep() == [str(legacy)]
+
+
 def test_the_owner_removes_its_file_on_close(page_dir):
     page = StatusPage.create(0)
     path = page.path
@@ -89,3 +156,35 @@ def test_the_owner_removes_its_file_on_close(page_dir):
     page.close()
     assert not os.path.exists(path)
     assert not list(page_dir.iterdir())
+
+
+# -- the process status files (liveness.py), left the same way ---------------------------
+def _status_file(directory, pid: int, start: int | None, namespace: int | None, suffix: str = "") -> str:
+    doc = {"pid": pid, "time": time.time(), "communicators": []}
+    if start is not None:
+        doc.update(start_time=start, pid_ns=namespace)
+    path = directory / f"dfccl-status-{os.getuid()}-{pid}.json{suffix}"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_status_files_of_exited_processes_are_removed_when_read(page_dir, exited, running):
+    ns = processes.pid_namespace()
+    dead = _status_file(page_dir, *exited, ns)
+    rewrite = _status_file(page_dir, *exited, ns, suffix=".140.tmp")   # killed while rewriting it
+    reused = _status_file(page_dir, running[0], running[1] - 1, ns)
+    docs = liveness.collect_status(str(page_dir))
+    assert docs == [] and not os.path.exists(dead) and not os.path.exists(rewrite) and not os.path.exists(reused)
+    live = _status_file(page_dir, *running, ns)
+    foreign = _status_file(page_dir, exited[0], exited[1], ns + 1)
+    assert [d["pid"] for d in liveness.collect_status(str(page_dir))] == [running[0]]
+    assert os.path.exists(live) and os.path.exists(foreign)
+
+
+def test_an_unidentified_status_file_goes_only_once_it_is_old(page_dir, exited):
+    legacy = _status_file(page_dir, exited[0], None, None)
+    assert liveness.collect_status(str(page_dir)) == [] and os.path.exists(legacy)
+    old = time.time() - processes.UNIDENTIFIED_AGE - 1
+    os.utime(legacy, (old, old))
+    liveness.collect_status(str(page_dir))
+    assert not os.path.exists(legacy)

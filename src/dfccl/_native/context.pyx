@@ -731,7 +731,7 @@ cdef class Context:
         work._key = task.key
         work.endpoint = task.desc.endpoint
         work.kind = task.kind
-        work.tag = task.tag if task.tag is not None else instance
+        work.tag = task.tag   # None for an untagged one: its instance says which (Work.name)
         work.rank = task.rank
         work.instance = instance
         _acquire(self.lock)

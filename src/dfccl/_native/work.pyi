@@ -3,9 +3,9 @@ from typing import Any, Callable
 
 class Work:
     kind: str
-    tag: object
+    tag: object        # as given; None for an untagged collective
     rank: int
-    instance: int
+    instance: int      # which use of the tag (or of the untagged sequence) this is
     position: int
     stream_ordered: bool
     @staticmethod
@@ -17,6 +17,8 @@ class Work:
     def add_done_callback(self, fn: Callable[[Work], Any]) -> None: ...
     def exception(self) -> BaseException | None: ...
     def waiting_for(self) -> int | None: ...
+    @property
+    def name(self) -> str: ...
     @property
     def key(self) -> int: ...
     @property

@@ -12,7 +12,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from dfccl._native.abi cimport *
 
 from dfccl.errors import (AbortedError, BackendError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
-                          MismatchError, PeerAbortedError, PeerLostError)
+                          MismatchError, PeerAbortedError, PeerLostError, collective_name)
 
 cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
                          "max_wait_ns": 0, "host_ns": 0, "channels": 0}
@@ -42,7 +42,12 @@ cdef class Work:
     """A submitted collective.  ``synchronize()`` waits on the host,
     ``wait(stream)`` makes a stream wait, ``add_done_callback()`` runs a
     function on completion (on the progress thread).  Works are created by
-    collectives; one constructed directly refers to nothing and says so."""
+    collectives; one constructed directly refers to nothing and says so.
+
+    ``tag`` is the tag the collective was given (None: untagged),
+    ``instance`` which use of it this is (the k-th untagged collective of a
+    communicator is instance k of its untagged sequence) and ``name`` how
+    messages name it: ``tag 'grad' (instance 3)`` or ``untagged #3``."""
 
     def __cinit__(self):
         self._slot = NO_SLOT
@@ -202,6 +207,11 @@ cdef class Work:
         return self._status
 
     @property
+    def name(self):
+        """``tag 'grad' (instance 3)``, or ``untagged #3`` (errors.collective_name)."""
+        return collective_name(self.tag, self.instance)
+
+    @property
     def key(self):
         """The 64-bit key of the tag this collective is an instance of."""
         return self._key
@@ -235,7 +245,7 @@ cdef class Work:
     cdef object _timeout_error(self, timeout):
         # Written live by the daemon into host memory (wait.cuh).
         waiting = self.waiting_for()
-        what = f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) did not complete within {timeout} s"
+        what = f"rank {self.rank}: {self.kind} {self.name} did not complete within {timeout} s"
         diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None
         joined = missing = None
         if diag is not None:
@@ -317,36 +327,36 @@ cdef class Work:
                 diag.peer_lost(detail)   # the communicator takes no more collectives
                 why = diag.lost_why.get(detail)
             return PeerLostError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) failed: rank {detail} "
+                f"rank {self.rank}: {self.kind} {self.name} failed: rank {detail} "
                 + (f"is lost: {why}" if why else "is lost (its process died or stopped, or its device failed)"),
                 rank=self.rank, tag=self.tag, origin=detail)
         if status == DFCCL_STATUS_BAD_TASK:
             return BackendError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was rejected by the "
+                f"rank {self.rank}: {self.kind} {self.name} was rejected by the "
                 "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
         if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
             # This rank's own abort, relayed back by a peer that saw it first.
             status = DFCCL_STATUS_ABORTED
         if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
             return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"rank {self.rank}: {self.kind} {self.name} was abandoned: rank "
                 f"{detail} was aborted or closed before it took part", rank=self.rank, tag=self.tag, origin=detail)
         if status == DFCCL_STATUS_MISMATCH:
             return MismatchError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) does not match rank "
+                f"rank {self.rank}: {self.kind} {self.name} does not match rank "
                 f"{detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
                 rank=self.rank, tag=self.tag, peer=detail)
         if status == DFCCL_STATUS_PEER_ABORTED:
             return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was abandoned: rank "
+                f"rank {self.rank}: {self.kind} {self.name} was abandoned: rank "
                 f"{detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=detail)
         if status == DFCCL_STATUS_ABORTED:
             return AbortedError(
-                f"rank {self.rank}: {self.kind} tag {self.tag!r} (instance {self.instance}) was aborted",
+                f"rank {self.rank}: {self.kind} {self.name} was aborted",
                 rank=self.rank, tag=self.tag)
-        return DfcclError(f"rank {self.rank}: {self.kind} tag {self.tag!r} failed with status {status}",
+        return DfcclError(f"rank {self.rank}: {self.kind} {self.name} failed with status {status}",
                           rank=self.rank, tag=self.tag)
 
     def __repr__(self):
         state = "done" if self._retired else "pending"
-        return f"<dfccl.Work {self.kind} tag={self.tag!r} rank={self.rank} {state}>"
+        return f"<dfccl.Work {self.kind} {self.name} rank={self.rank} {state}>"
