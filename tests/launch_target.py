@@ -117,21 +117,28 @@ def stuck() -> int:
     """Rank 1 cannot be ended by a signal other than SIGKILL: STUCK_HOW=stop
     stops it (SIGSTOP), =ignore makes it ignore SIGTERM and SIGINT.  The
     other ranks wait two minutes, or with STUCK_OTHERS=fail, rank 0 fails
-    two seconds after it started.  Every rank prints its pid first."""
+    once rank 1 is about to stop (it creates $STUCK_MARK first).  Every rank
+    prints its pid first."""
     rank = int(os.environ["RANK"])
+    mark = os.environ.get("STUCK_MARK")
     if rank == 1:
         how = os.environ.get("STUCK_HOW", "stop")
         if how == "ignore":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"pid {os.getpid()} stuck ({how})", flush=True)
+        if mark:
+            open(mark, "w").close()
         if how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(120)
         return 0
     print(f"pid {os.getpid()} waiting", flush=True)
     if rank == 0 and os.environ.get("STUCK_OTHERS") == "fail":
-        time.sleep(2)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)   # rank 1 has stopped by now
         print("rank 0 fails now", flush=True)
         return 3
     time.sleep(120)

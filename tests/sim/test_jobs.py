@@ -125,6 +125,14 @@ def _start_launcher(tmp_path: Path, n: int, grace: float, scenario: str, env: di
     return proc, log, [found[r] for r in sorted(found)]
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"T"
+
+
 def _end(proc: subprocess.Popen, pids: list[int]) -> None:
     """Kills what a failed test left running: the launcher and its ranks."""
     for pid in [proc.pid] + pids:
@@ -151,10 +159,14 @@ def test_launch_forwards_sigterm(tmp_path):
 @pytest.mark.parametrize("how, signum", [("stop", signal.SIGTERM), ("ignore", signal.SIGINT)])
 def test_launch_kills_a_rank_that_outlives_its_grace(tmp_path, how, signum):
     grace = 1.0
-    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", _rank_env(STUCK_HOW=how))
+    mark = tmp_path / "stopping"
+    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", _rank_env(STUCK_HOW=how, STUCK_MARK=str(mark)))
     try:
         assert len(pids) == 3 and proc.poll() is None, log.read_text()
-        time.sleep(0.5)   # rank 1 stops itself or ignores signals now
+        # Rank 1 ignores the signals once it made the mark, and stops right after.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (mark.exists() and (how != "stop" or _stopped(pids[1]))):
+            time.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signum)
         try:
@@ -174,10 +186,12 @@ def test_launch_kills_a_rank_that_outlives_its_grace(tmp_path, how, signum):
 
 def test_launch_kills_a_stopped_rank_when_another_fails(tmp_path):
     grace = 1.0
-    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", _rank_env(STUCK_OTHERS="fail"))
+    env = _rank_env(STUCK_OTHERS="fail", STUCK_MARK=str(tmp_path / "stopping"))
+    proc, log, pids = _start_launcher(tmp_path, 3, grace, "stuck", env)
     try:
+        assert len(pids) == 3, log.read_text()
         try:
-            proc.wait(timeout=2 + grace + 10)
+            proc.wait(timeout=grace + 10)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the launcher still runs after a failed rank and its grace:\n{log.read_text()}")
         out = log.read_text()
