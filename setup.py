@@ -85,6 +85,13 @@ def extensions():
     exts = [
         Extension("dfccl._native.backend", ["src/dfccl/_native/backend.pyx"], **common),
         Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
+        Extension("dfccl._native.tag_table", ["src/dfccl/_native/tag_table.pyx"], **common),
+        Extension("dfccl._native.descriptor", ["src/dfccl/_native/descriptor.pyx"], **common),
+        Extension("dfccl._native.launch", ["src/dfccl/_native/launch.pyx"], **common),
+        Extension("dfccl._native.hotpath", ["src/dfccl/_native/hotpath.pyx"], **common),
+        Extension("dfccl._native.retire", ["src/dfccl/_native/retire.pyx"], **common),
+        Extension("dfccl._native.inspection", ["src/dfccl/_native/inspection.pyx"], **common),
+        Extension("dfccl._native.endpoints", ["src/dfccl/_native/endpoints.pyx"], **common),
         Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp", "cuda/sim/sim_stream.cpp"],

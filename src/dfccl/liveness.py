@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 
-from dfccl._native.context import RANK_FAILED as _RANK_FAILED
+from dfccl._native.descriptor import RANK_FAILED as _RANK_FAILED
 
 __all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive"]
 
