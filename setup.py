@@ -93,6 +93,7 @@ def extensions():
         Extension("dfccl._native.inspection", ["src/dfccl/_native/inspection.pyx"], **common),
         Extension("dfccl._native.endpoints", ["src/dfccl/_native/endpoints.pyx"], **common),
         Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
+        Extension("dfccl._native.capi", ["src/dfccl/_native/capi.pyx"], **common),
         Extension("dfccl._native.sim_backend",
                   ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp", "cuda/sim/sim_stream.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",

@@ -1141,5 +1141,20 @@ class BoundPlan:
                 exc.rank = c._rank
             raise
 
+    @property
+    def c_plan(self) -> int:
+        """The address of this collective for the C API
+        (``cuda/include/dfccl/dfccl_api.h``: a ``const dfccl_plan *``).  It
+        stays valid while this BoundPlan is alive; C code that must outlive
+        it calls the table's ``plan_retain`` (and ``plan_release`` when done).
+        Submissions through it are the same instances of the plan's tag as
+        calls of this object (they share its instance numbers), but have no
+        Work: they are not in ``status()`` or the flight recorder."""
+        c = self._comm
+        c._check_open()
+        if self._task is None:
+            raise InvalidArgumentError(f"{self.plan!r} has no elements: there is nothing to submit", rank=c._rank)
+        return c._ctx.c_plan(self._task)
+
     def __repr__(self) -> str:
         return f"<dfccl.BoundPlan {self.plan!r}>"
