@@ -328,3 +328,13 @@ def test_submissions_run_while_another_thread_holds_the_gil(calls, make):
     assert all(calls.wait(handles, i)[0] == OK for i in range(2 * n))
     assert all(calls.release(handles, i) == OK for i in range(2 * n))
 
+
+def test_probe_runs_on_the_simulator():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "c_api_probe.py"), "--backend", "sim", "--devices",
+                        f"{DEV + 92},{DEV + 93}", "--n", "20", "--reps", "2"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:]
+    rows = [line for line in r.stdout.splitlines() if " cpu " in line]
+    assert [row.split(":")[0].strip() for row in rows] == ["C API, a loop in C", "bound plan, from Python",
+                                                            "comm.all_reduce(x)"]
+    assert all(float(row.split(":")[1].split()[0]) > 0 for row in rows)
