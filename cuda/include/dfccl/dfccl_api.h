@@ -81,7 +81,9 @@ typedef struct dfccl_api {
   uint32_t reserved;
 
   /* Submits one instance of `plan`, at `at`'s buffers and stream (NULL: as
-   * bound); *out names it.  Nothing waits for peers. */
+   * bound); *out names it.  Nothing waits for peers.  On an error *out is
+   * zeroed, unless the collective was published before the error (the
+   * daemon's launch failed): then release it as any other. */
   int (*submit)(const dfccl_plan *plan, const dfccl_submit_at *at, dfccl_handle *out);
   /* OK, PENDING or FAILED (then *status and *detail: the dfccl_result's
    * status and the rank it names, -1 for none); either pointer may be NULL. */
