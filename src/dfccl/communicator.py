@@ -26,7 +26,7 @@ from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL
                                       KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
                                       RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor)
 from dfccl._native.work import Work
-from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
+from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
@@ -452,6 +452,10 @@ class Communicator:
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        if recv is None and stream is None:
+            work = self._all_reduce_kept(send, op, tag)
+            if work is not None:
+                return work
         self._check_tag(tag, "all_reduce")
         s, r = self._pair(send, recv, "all_reduce")
         self._same_shape(s, r, s.count, "all_reduce")
@@ -973,6 +977,29 @@ class Communicator:
         staged collective's flags depend on its input's address, and a kept
         descriptor does not serve every buffer of its shape."""
         return self._registry is not None and bool(self._registry.handles)
+
+    def _all_reduce_kept(self, x, op, tag) -> Work | None:
+        """The plain call's common case, an in-place sum of one plain array
+        (buffers.plain_array) whose shape and tag have a kept descriptor
+        (_plain_task), checked as the general path checks it and submitted
+        without a Buffer.  None where anything else holds: the general path
+        then does, and explains, everything."""
+        if self._closed or self._aborted or self._lost_rank is not None or self._forked_from:
+            return None
+        if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not _is_simple_tag(tag) \
+                or self._has_registered_memory():
+            return None
+        cuda = self._backend != "sim"
+        desc = plain_array(x, cuda)
+        if desc is None:
+            return None
+        ptr, count, dtype = desc
+        if cuda and runtime.cuda_pointer_info(ptr) != self._device:
+            return None
+        task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
+        if task is None:
+            return None
+        return self._submit_task(task, (ptr, ptr, None, (x, x)))
 
     def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
                        owner: object) -> Work:
