@@ -11,7 +11,7 @@ for the call (the locks below may be held by a thread that needs it).
 Only the rare paths take it (hotpath.pyx says which)."""
 
 from cpython.pycapsule cimport PyCapsule_New
-from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from dfccl._native.abi cimport *

@@ -21,9 +21,8 @@ import time
 
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
 
 from dfccl._native.abi cimport *
 from dfccl._native.backend cimport Backend
@@ -38,7 +37,7 @@ from dfccl._native.work cimport Work
 
 from dfccl._native.progress import progress as _progress
 from dfccl._native.retire import warn_relaunch_failed
-from dfccl.errors import BackendError, ClosedError, InvalidArgumentError, ResourceError
+from dfccl.errors import BackendError, ClosedError, ResourceError
 
 # What collectives pending when their context closed under a daemon that
 # would not leave kept alive: that daemon may still touch them, and its

@@ -9,7 +9,7 @@ from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 
 from dfccl._native.abi cimport *
-from dfccl._native.core cimport SLOT_BUSY, slot_rec
+from dfccl._native.core cimport slot_rec
 from dfccl._native.hotpath cimport completed
 from dfccl._native.retire cimport lock_gil
 from dfccl._native.work cimport Work

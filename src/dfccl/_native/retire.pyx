@@ -22,7 +22,7 @@ import warnings
 
 from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, NOWAIT_LOCK, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_DECREF
-from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
