@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from dfccl.errors import InvalidArgumentError
 from dfccl.types import BY_FULL_TYPESTR, DataType, dtype_from_dlpack, dtype_from_typestr
 
-__all__ = ["Buffer", "as_buffer"]
+__all__ = ["Buffer", "as_buffer", "plain_array"]
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -165,6 +165,33 @@ def _from_dlpack(obj, what: str) -> Buffer:
         return Buffer(ptr, count, dtype, CPU, -1, False, (obj, capsule))
     raise InvalidArgumentError(f"{what}: DLPack device type {t.device.device_type} is not supported "
                                "(use device memory, or host memory with the simulator)")
+
+
+def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
+    """(pointer, count, element type) of the plain call's usual argument, read
+    from its interface alone: a numpy array (``cuda`` False) or an object
+    with ``__cuda_array_interface__``, writable, C-contiguous, not empty,
+    whose typestr names its type outright.  None for anything else, which
+    as_buffer then describes, or rejects with its reason (the device of CUDA
+    memory is the caller's to check)."""
+    if cuda:
+        try:
+            ai = obj.__cuda_array_interface__
+        except (AttributeError, TypeError):
+            return None
+    else:
+        np = sys.modules.get("numpy")   # anything but an ndarray (a scalar, a subclass) as_buffer decides
+        if np is None or type(obj) is not np.ndarray:
+            return None
+        ai = obj.__array_interface__
+    dtype = BY_FULL_TYPESTR.get(ai["typestr"])
+    data = ai.get("data")
+    if dtype is None or ai.get("strides") is not None or type(data) is not tuple or data[1]:
+        return None
+    count = 1
+    for n in ai["shape"]:
+        count *= n
+    return (data[0], count, dtype) if count else None
 
 
 def as_buffer(obj: object, what: str = "buffer") -> Buffer:

@@ -22,11 +22,11 @@ from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
-from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
-                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
-                                   RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor)
+from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
+                                      KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
+                                      RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor)
 from dfccl._native.work import Work
-from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
+from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
@@ -452,6 +452,10 @@ class Communicator:
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        if recv is None and stream is None:
+            work = self._all_reduce_kept(send, op, tag)
+            if work is not None:
+                return work
         self._check_tag(tag, "all_reduce")
         s, r = self._pair(send, recv, "all_reduce")
         self._same_shape(s, r, s.count, "all_reduce")
@@ -629,10 +633,10 @@ class Communicator:
         geometry = plan_p2p(b.count, b.dtype, self._channels, self._mode == "direct", self._options)
         task = TaskDescriptor(
             kind=what, tag=tag, rank=self._rank, key=pair_key(self._comm_key, src, dst, tag), transient=False,
-            tags=self._endpoint.tags, endpoint=self._endpoint.id, kind_code=kind, dtype=int(b.dtype),
-            op=int(ReduceOp.SUM), path=geometry.path, root=peer, nchannels=geometry.nchannels, send_addr=b.ptr,
-            recv_addr=b.ptr, count=b.count, slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots,
-            staging_bytes=geometry.fifo_bytes if kind == KIND_RECV else 0,
+            tags=self._endpoint.tags, flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind,
+            dtype=int(b.dtype), op=int(ReduceOp.SUM), path=geometry.path, root=peer, nchannels=geometry.nchannels,
+            send_addr=b.ptr, recv_addr=b.ptr, count=b.count, slice_bytes=geometry.slice_bytes,
+            fifo_slots=geometry.fifo_slots, staging_bytes=geometry.fifo_bytes if kind == KIND_RECV else 0,
             stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
         return self._submit_task(task)
 
@@ -681,9 +685,10 @@ class Communicator:
                   owners, aux_bytes: int = 0) -> TaskDescriptor:
         return TaskDescriptor(
             kind=what, tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            endpoint=self._endpoint.id, kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype), op=int(ReduceOp.SUM),
-            path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
-            flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux, aux_bytes=aux_bytes)
+            flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype),
+            op=int(ReduceOp.SUM), path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr,
+            recv_addr=r.ptr, count=count, flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux,
+            aux_bytes=aux_bytes)
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
@@ -754,6 +759,11 @@ class Communicator:
                 time.sleep(1e-4)
             if not w.done():
                 self._ctx.abandon(w)
+        # Collectives submitted through the C API (dfccl_api.h) report the
+        # abort through their handles.
+        while self._ctx.pending_handles(ep.id) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        self._ctx.abandon_handles(ep.id)
 
     def _peer_lost(self, peer: int, why: str) -> None:
         """The monitor found ``peer``'s process dead or stopped, or its device
@@ -781,7 +791,7 @@ class Communicator:
         ep = self._endpoint
         pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
-        if pending:
+        if pending or (ep.id is not None and not self._ctx.closed and self._ctx.pending_handles(ep.id)):
             self.abort(timeout)
         elif not self._aborted and ep.id is not None and not self._ctx.closed:
             ep.write_status(RANK_CLOSED)
@@ -922,8 +932,8 @@ class Communicator:
             flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op), path=geometry.path,
-            root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
+            flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op),
+            path=geometry.path, root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
             slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
             staging_bytes=staging, stream=None if stream is None else stream_handle(stream),
             owners=(s.owner, r.owner) if owned else None, send_reg=send_reg)
@@ -968,6 +978,29 @@ class Communicator:
         descriptor does not serve every buffer of its shape."""
         return self._registry is not None and bool(self._registry.handles)
 
+    def _all_reduce_kept(self, x, op, tag) -> Work | None:
+        """The plain call's common case, an in-place sum of one plain array
+        (buffers.plain_array) whose shape and tag have a kept descriptor
+        (_plain_task), checked as the general path checks it and submitted
+        without a Buffer.  None where anything else holds: the general path
+        then does, and explains, everything."""
+        if self._closed or self._aborted or self._lost_rank is not None or self._forked_from:
+            return None
+        if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not _is_simple_tag(tag) \
+                or self._has_registered_memory():
+            return None
+        cuda = self._backend != "sim"
+        desc = plain_array(x, cuda)
+        if desc is None:
+            return None
+        ptr, count, dtype = desc
+        if cuda and runtime.cuda_pointer_info(ptr) != self._device:
+            return None
+        task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
+        if task is None:
+            return None
+        return self._submit_task(task, (ptr, ptr, None, (x, x)))
+
     def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
                        owner: object) -> Work:
         """In-place all-reduce of ``count`` elements at ``ptr``, memory the
@@ -990,13 +1023,11 @@ class Communicator:
         """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
         stream handle or None, owners) the same descriptor at those buffers."""
         try:
-            work = self._ctx.submit(task) if at is None else self._ctx.submit_at(task, *at)
+            return self._ctx.submit(task) if at is None else self._ctx.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self._rank
             raise
-        self._flight.submitted(work, task.count, task.dtype)
-        return work
 
     # -- diagnostics -------------------------------------------------------------------
     def status(self) -> CommStatus:
@@ -1121,14 +1152,36 @@ class BoundPlan:
         self._comm = c
         self._task = None if plan.count == 0 else c._task(plan._kind, s, r, plan.count, plan.op, plan.root,
                                                            plan.tag, stream, plan._geometry, plan._key)
+        self._submit = c._ctx.submit
 
     def __call__(self) -> Work:
         c = self._comm
         if c._closed or c._aborted:
             c._check_open()
-        if self._task is None:
+        task = self._task
+        if task is None:
             return Work.completed(self.plan.kind, self.plan.tag, c._rank)
-        return c._submit_task(self._task)
+        try:
+            return self._submit(task)   # Communicator._submit_task, one frame less
+        except DfcclError as exc:
+            if exc.rank is None:
+                exc.rank = c._rank
+            raise
+
+    @property
+    def c_plan(self) -> int:
+        """The address of this collective for the C API
+        (``cuda/include/dfccl/dfccl_api.h``: a ``const dfccl_plan *``).  It
+        stays valid while this BoundPlan is alive; C code that must outlive
+        it calls the table's ``plan_retain`` (and ``plan_release`` when done).
+        Submissions through it are the same instances of the plan's tag as
+        calls of this object (they share its instance numbers), but have no
+        Work: they are not in ``status()`` or the flight recorder."""
+        c = self._comm
+        c._check_open()
+        if self._task is None:
+            raise InvalidArgumentError(f"{self.plan!r} has no elements: there is nothing to submit", rank=c._rank)
+        return c._ctx.c_plan(self._task)
 
     def __repr__(self) -> str:
         return f"<dfccl.BoundPlan {self.plan!r}>"

@@ -17,8 +17,8 @@ import socket
 import numpy as np
 
 from dfccl import runtime
-from dfccl._native.context import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
-                                   RECORD_HEADER_BYTES)
+from dfccl._native.descriptor import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
+                                      RECORD_HEADER_BYTES)
 from dfccl.errors import BackendError
 from dfccl.registration import REG_SLOTS
 from dfccl.planning import ll_region_bytes
@@ -212,6 +212,7 @@ class Endpoint:
 
     # -- teardown ----------------------------------------------------------------
     def abort(self, lost_rank: int = -1) -> None:
+        self.tags.close()   # no more submissions, from C either
         if self.id is not None:
             self.ctx.abort_endpoint(self.id, lost_rank)
 
@@ -223,6 +224,7 @@ class Endpoint:
         holds none: a collective an abort abandoned on the host may still run
         (Context.remove_endpoint); until then it stays, and the context
         releases it later."""
+        self.tags.close()
         for page in self._peer_pages.values():
             page.close()
         self._peer_pages = {}

@@ -14,7 +14,8 @@ What is exact and what is derived:
 - live, for pending collectives: whom the daemon last waited for
   (slot_waiting) and which ranks have published the instance (their records).
 
-Recording costs one deque append per submission; `CommOptions.flight_events`
+Recording costs one deque append per submission (made by the context, from
+the descriptor's ``flight``); `CommOptions.flight_events`
 bounds the memory (0 switches it off)."""
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ class FlightRecorder:
         with _registry_lock:
             _registry.add(self)
 
-    def submitted(self, work, count: int, dtype: int) -> None:
-        if self.enabled:
-            self._works.append((work, count, dtype))
+    @property
+    def ring(self) -> collections.deque | None:
+        """Where submissions are recorded, as (work, count, dtype): the
+        context appends to it as it submits (None when recording is off)."""
+        return self._works if self.enabled else None
 
     def note(self, event: str, **fields) -> None:
         """A host-side event: abort, close, peer_lost."""

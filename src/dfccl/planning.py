@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dfccl._native.context import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING,
-                                   TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
+from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING,
+                                      TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",

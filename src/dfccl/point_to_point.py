@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dfccl._native.context import PATH_DIRECT, PATH_RING, TASK_STAGED
+from dfccl._native.descriptor import PATH_DIRECT, PATH_RING, TASK_STAGED
 from dfccl.errors import InvalidArgumentError
 from dfccl.planning import Geometry, _ceil_div, _round_up
 from dfccl.tags import tag_key

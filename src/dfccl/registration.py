@@ -39,7 +39,7 @@ import ctypes
 import time
 from typing import TYPE_CHECKING
 
-from dfccl._native.context import KIND_ALL_REDUCE
+from dfccl._native.descriptor import KIND_ALL_REDUCE
 from dfccl.buffers import as_buffer
 from dfccl.errors import BackendError, InvalidArgumentError, ResourceError
 

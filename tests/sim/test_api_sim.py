@@ -1264,3 +1264,42 @@ def test_all_reduce_at_a_pointer_matches_the_array_call(make):
         other.close()
     with pytest.raises(dfccl.ClosedError, match="closed"):
         c._all_reduce_at(xs[0].ctypes.data, 100, f32, dfccl.ReduceOp.SUM, None, xs[0])
+
+
+def test_plain_in_place_sum_skips_the_buffer_and_nothing_else(make, monkeypatch):
+    """The in-place sum of a plain array whose shape has a kept descriptor is
+    submitted without a Buffer (Communicator._all_reduce_kept); whatever
+    differs from that case takes the general path and gets its answer: a
+    read-only array, a strided view, another dtype, a tuple tag, a closed
+    communicator."""
+    import dfccl.communicator as dc
+
+    taken = []
+    kept = dc.Communicator._all_reduce_kept
+    monkeypatch.setattr(dc.Communicator, "_all_reduce_kept",
+                        lambda self, *a: taken.append(kept(self, *a)) or taken[-1])
+    comms = make(2, "direct", base=DEV + 148)
+    for shape in [(64,), (64,), (8, 8), (64,)]:
+        taken.clear()
+        xs = [np.full(shape, r + 1.0, np.float32) for r in range(2)]
+        ws = [c.all_reduce(x) for c, x in zip(comms, xs)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+        assert all(np.all(x == 3.0) for x in xs)
+    assert all(isinstance(w, dfccl.Work) for w in taken), "the kept descriptor served the later calls"
+    c = comms[0]
+    ro = np.zeros(64, np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(dfccl.InvalidArgumentError, match="read-only"):
+        c.all_reduce(ro)
+    with pytest.raises(dfccl.InvalidArgumentError, match="not C-contiguous"):
+        c.all_reduce(np.zeros(128, np.float32)[::2])
+    assert taken[-2:] == [None, None]
+    all_reduce_ok(comms, count=64)   # int64: its own descriptor, built by the general path
+    all_reduce_ok(comms, tag=("tuple",), count=64)
+    assert taken[-4:] == [None, None, None, None]
+    for other in comms:
+        other.close()
+    with pytest.raises(dfccl.ClosedError, match="closed"):
+        c.all_reduce(np.zeros(64, np.float32))
+    assert taken[-1] is None

@@ -14,8 +14,8 @@ import pytest
 
 import dfccl
 from dfccl.testing import scenarios as sc
-from dfccl._native.context import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
-from dfccl._native.context import TASK_LL
+from dfccl._native.descriptor import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
+from dfccl._native.descriptor import TASK_LL
 from dfccl.options import CommOptions
 from dfccl.planning import default_ll_max_bytes, ll_region_bytes, plan_geometry
 from dfccl.tags import home_bucket, tag_key
@@ -272,11 +272,11 @@ def test_bucket_taken_over_while_a_peer_lags():
             w_busy = busy.all_reduce(big, big_out)  # holds rank 1's only block
             time.sleep(0.002)
             w0a = a[0].submit()
-            bucket_a = table._tags[tag_key(comms[0]._comm_key, tag_a)].bucket
+            bucket_a = table.bucket_of(tag_key(comms[0]._comm_key, tag_a))
             w0a.synchronize(timeout=TIMEOUT)  # rank 1's lines were there
             lagged += not w1a.done()          # rank 1 has not taken rank 0's lines yet
             w0b = b[0].submit()           # takes A's bucket on rank 0
-            assert table._tags[tag_key(comms[0]._comm_key, tag_b)].bucket == bucket_a
+            assert table.bucket_of(tag_key(comms[0]._comm_key, tag_b)) == bucket_a
             w1b = b[1].submit()
             for w in (w0b, w1a, w1b, w_busy):
                 w.synchronize(timeout=TIMEOUT)

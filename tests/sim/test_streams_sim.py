@@ -195,7 +195,7 @@ def test_a_tag_placed_past_one_not_yet_published_is_found():
         # The setting this is about: on rank 0, B's record is one bucket past A's.
         from dfccl.tags import tag_key
         table = comms[0]._endpoint.tags
-        bucket = {t: table._tags[tag_key(comms[0]._comm_key, t)].bucket for t in (tag_a, tag_b)}
+        bucket = {t: table.bucket_of(tag_key(comms[0]._comm_key, t)) for t in (tag_a, tag_b)}
         assert bucket[tag_b] == (bucket[tag_a] + 1) % comms[0]._endpoint.capacity, bucket
         comms[1].all_reduce(xs[tag_b][1], tag=tag_b).synchronize(timeout=10.0)
         wb0.synchronize(timeout=TIMEOUT)
@@ -230,7 +230,7 @@ def test_a_tag_that_moved_buckets_is_found_past_its_old_one():
         wt0 = comms[0].all_reduce(t_again[0], tag=tag_t)
         from dfccl.tags import tag_key
         table = comms[0]._endpoint.tags
-        bucket = {t: table._tags[tag_key(comms[0]._comm_key, t)].bucket for t in (tag_t, tag_u)}
+        bucket = {t: table.bucket_of(tag_key(comms[0]._comm_key, t)) for t in (tag_t, tag_u)}
         assert bucket[tag_t] == (bucket[tag_u] + 1) % comms[0]._endpoint.capacity, bucket   # T moved on
         comms[1].all_reduce(t_again[1], tag=tag_t).synchronize(timeout=10.0)
         wt0.synchronize(timeout=TIMEOUT)

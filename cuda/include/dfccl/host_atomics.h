@@ -12,6 +12,8 @@ static inline uint32_t dfccl_load_acquire_u32(const uint32_t *p) { return __atom
 static inline void dfccl_store_release_u64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static inline void dfccl_store_release_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 static inline uint32_t dfccl_exchange_u32(uint32_t *p, uint32_t v) { return __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL); }
+/* Reference counts of host structures shared between threads: returns the new value. */
+static inline uint32_t dfccl_add_fetch_u32(uint32_t *p, int32_t v) { return __atomic_add_fetch(p, (uint32_t)v, __ATOMIC_ACQ_REL); }
 static inline void dfccl_fence_seq_cst(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void dfccl_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -1,6 +1,7 @@
-# Cython view of cuda/include/dfccl/abi.h: the layouts shared by the host
-# runtime, the daemon kernel and the simulator.
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+# Cython view of the C headers (cuda/include/dfccl): abi.h, the layouts shared by the host
+# runtime, the daemon kernel and the simulator; the host atomics, hashes and
+# the C API (dfccl_api.h).
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
 
 cdef extern from "dfccl/abi.h":
     int DFCCL_ABI_VERSION
@@ -161,6 +162,7 @@ cdef extern from "dfccl/host_atomics.h":
     void dfccl_store_release_u64(uint64_t *p, uint64_t v) nogil
     void dfccl_store_release_u32(uint32_t *p, uint32_t v) nogil
     uint32_t dfccl_exchange_u32(uint32_t *p, uint32_t v) nogil
+    uint32_t dfccl_add_fetch_u32(uint32_t *p, int32_t v) nogil
     void dfccl_fence_seq_cst() nogil
     void dfccl_cpu_relax() nogil
     void dfccl_sleep_ns(uint64_t ns) nogil
@@ -174,3 +176,37 @@ cdef extern from "dfccl/hash.h":
     uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
     uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) nogil
     uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) nogil
+
+
+cdef extern from "dfccl/dfccl_api.h":
+    unsigned int DFCCL_API_VERSION
+    const char *DFCCL_API_CAPSULE
+    int DFCCL_API_OK, DFCCL_API_PENDING, DFCCL_API_FAILED
+    int DFCCL_API_E_INVALID, DFCCL_API_E_RESOURCE, DFCCL_API_E_CLOSED, DFCCL_API_E_BACKEND, DFCCL_API_E_PYTHON
+
+    ctypedef struct dfccl_plan:
+        pass
+
+    ctypedef struct dfccl_handle:
+        void *context
+        uint32_t slot
+        uint32_t gen
+
+    ctypedef struct dfccl_submit_at:
+        uint64_t send_addr
+        uint64_t recv_addr
+        uint64_t stream
+        uint32_t has_stream
+
+    ctypedef struct dfccl_api:
+        size_t size
+        uint32_t version
+        int (*submit)(const dfccl_plan *plan, const dfccl_submit_at *at, dfccl_handle *out) noexcept nogil
+        int (*test)(const dfccl_handle *h, uint32_t *status, int32_t *detail) noexcept nogil
+        int (*wait)(const dfccl_handle *h, int64_t timeout_ns, uint32_t *status, int32_t *detail) noexcept nogil
+        int (*stream_wait)(const dfccl_handle *h, uint64_t stream) noexcept nogil
+        int (*release)(dfccl_handle *h) noexcept nogil
+        const char *(*error_string)(int code) noexcept nogil
+        const char *(*last_error)() noexcept nogil
+        int (*plan_retain)(const dfccl_plan *plan) noexcept nogil
+        int (*plan_release)(const dfccl_plan *plan) noexcept nogil

@@ -13,3 +13,5 @@ cdef class Backend:
     cdef int query_fault(self) noexcept nogil
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1
     cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1
+    cdef int try_stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil
+    cdef int try_stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil

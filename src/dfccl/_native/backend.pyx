@@ -27,6 +27,15 @@ cdef class Backend:
     cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
         raise NotImplementedError
 
+    # The same without the GIL, for the hot path: 0 when done; nonzero when
+    # it failed or needs the GIL (the simulator's streams are Python
+    # objects), and then stream_write32 / stream_wait32 do it or say why.
+    cdef int try_stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil:
+        return -1
+
+    cdef int try_stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil:
+        return -1
+
     # -- memory ------------------------------------------------------------
     def alloc_mapped(self, size_t nbytes):
         """Zeroed memory that the host and the daemon both address: returns

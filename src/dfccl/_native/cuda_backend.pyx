@@ -262,6 +262,20 @@ cdef class CudaBackend(Backend):
                                       DFCCL_CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
         return 0
 
+    cdef int try_stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil:
+        cdef CUresult rc = API.cuCtxSetCurrent(self.cu_ctx)
+        if rc != DFCCL_CUDA_SUCCESS:
+            return rc
+        return API.cuStreamWriteValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, value,
+                                        DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT)
+
+    cdef int try_stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil:
+        cdef CUresult rc = API.cuCtxSetCurrent(self.cu_ctx)
+        if rc != DFCCL_CUDA_SUCCESS:
+            return rc
+        return API.cuStreamWaitValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, value,
+                                       DFCCL_CU_STREAM_WAIT_VALUE_GEQ)
+
     # -- memory ------------------------------------------------------------
     def alloc_mapped(self, size_t nbytes):
         cdef void *host = NULL

@@ -65,8 +65,9 @@ class _ProgressThread:
 
 
 def _native():
-    from dfccl._native import context
-    return context
+    # The wake-up is C state (launch.pyx), which C paths without the GIL release.
+    from dfccl._native import launch
+    return launch
 
 
 def _call_all(work, callbacks):

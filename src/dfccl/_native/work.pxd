@@ -1,10 +1,8 @@
-# The Work a collective returns (work.pyx); the context (context.pyx) fills
-# it at submission and retires it.
+# The Work a collective returns (work.pyx): a Python handle on a completion
+# slot; the context fills it at submission and retires it (retire.pyx).
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from dfccl._native.abi cimport dfccl_result
-
-cdef enum:
-    NO_SLOT = 0xffffffff
+from dfccl._native.core cimport NO_SLOT
 
 
 cdef class Work:
@@ -21,8 +19,6 @@ cdef class Work:
     cdef dfccl_result _result
     cdef list _callbacks
     cdef object _keepalive
-    cdef object _tags
-    cdef object _instance_staging
     cdef uint64_t _key
     cdef readonly uint32_t endpoint
     cdef readonly str kind

@@ -1,9 +1,11 @@
 # cython: language_level=3
-"""The Work a collective returns: waiting for it on the host
-(``synchronize``, without the GIL) or on a stream (``wait``), callbacks, its
-counters, and the typed error it failed with.  The context (context.pyx)
-creates it at submission and retires it; the daemon's completion word is
-what both watch."""
+"""The Work a collective returns: the Python side of a completion handle
+(slot and generation, as the C API's dfccl_handle), waiting for it on the
+host (``synchronize``, without the GIL) or on a stream (``wait``),
+callbacks, its counters, and the typed error it failed with.  The context
+(context.pyx) attaches it to the slot the C hot path submitted and
+retirement (retire.pyx) fills it; the daemon's completion word is what
+both watch."""
 
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
@@ -85,7 +87,7 @@ cdef class Work:
             return True
         self._check_submitted()
         if self._device_done():
-            self._ctx._retire(self._slot, self)
+            self._ctx._retire(self._slot, self._gen)
             return True
         if self._fault != NULL and dfccl_load_acquire_u32(self._fault) != 0:
             self._ctx.fail_on_fault()   # the device failed: it never completes
@@ -152,7 +154,7 @@ cdef class Work:
             elif not ok:
                 raise self._timeout_error(timeout)
             if not self._retired:
-                self._ctx._retire(self._slot, self)
+                self._ctx._retire(self._slot, self._gen)
         if self._get_error() is not None:
             raise self._error
 
@@ -272,7 +274,7 @@ cdef class Work:
                                       missing_ranks=missing, joined_ranks=joined)
 
     cdef void _finish(self, const dfccl_result *res, uint64_t now):
-        """The leader of retirement (Context._retire, under the context lock):
+        """The leader of retirement (retire.pyx, under the context lock):
         copies the result; the error object is built only on failure."""
         self._result = res[0]
         self._has_result = True
@@ -282,7 +284,7 @@ cdef class Work:
         self._retired = True
         if res.status == DFCCL_STATUS_OK:
             # Every peer finished with its buffers before it completed.  A
-            # failed one's go to its tag table (Context._after_retire).
+            # failed one's go to its tag table (retire.pyx, after_retire).
             self._keepalive = None
 
     cdef void _fail_on_host(self, uint64_t now):

@@ -1,0 +1,3 @@
+from dfccl._native.backend import Backend
+
+def warn_relaunch_failed(backend: Backend, rc: int) -> None: ...
