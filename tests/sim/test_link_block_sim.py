@@ -38,8 +38,10 @@ def _close(comms):
 
 
 def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> None:
+    """Until the daemon of the latest launch publishes ``state`` (an earlier
+    launch's 'exited' may still be there while the new one starts)."""
     start = time.monotonic()
-    while ctx.daemon_state[1] != state:
+    while ctx.daemon_state != (ctx.epoch, state):
         assert time.monotonic() - start < timeout, ctx.daemon_state
         time.sleep(1e-3)
 
