@@ -59,7 +59,10 @@ cdef int record_error(object exc) noexcept:
     else:
         code = DFCCL_API_E_PYTHON
     _kept.error = exc
-    msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:511]
+    try:
+        msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:511]
+    except BaseException:   # an exception whose str() fails still has a code
+        msg = type(exc).__name__.encode("utf-8", "replace")[:511]
     strncpy(dfccl_error_buffer(), msg, 511)
     dfccl_error_buffer()[511] = 0
     return code
