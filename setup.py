@@ -3,23 +3,28 @@
 - The daemon sources in cuda/ are compiled twice: by the host compiler into
   the simulator backend (dfccl._native.sim_backend), and by nvcc into a fatbin
   (sm_80 and sm_90 machine code plus PTX) shipped as dfccl/_kernels/daemon.fatbin.
-- Where nvcc is missing the fatbin is skipped; at run time the CUDA backend then
-  compiles the shipped sources with NVRTC (cuda.bindings.nvrtc).
-- DFCCL_CUDA_ARCHS overrides the architectures, e.g. "90" or "80;90".
+- The fatbin is built only where it will be used: a GPU is present
+  (/dev/nvidia*, nvidia-smi -L, or the CUDA driver), or DFCCL_CUDA_ARCHS names
+  the architectures, e.g. "90" or "80;90" (a build without a GPU, for a wheel).
+  Elsewhere, or where nvcc is missing, the sources are shipped and the CUDA
+  backend compiles them with NVRTC at first use, once (dfccl.kernel_image).
 - DFCCL_LINEINFO=1 builds the fatbin with -lineinfo (source lines in Nsight
   Compute's source view; same machine code otherwise).
 - DFCCL_STEP_PROFILE=1 builds the fatbin and the simulator with the step
   profile (Context.daemon_profile: time per LL step and per completion;
   a few clock reads more per run, so off by default).
-- DFCCL_SKIP_KERNEL=1 skips the fatbin even where nvcc is present (faster
-  builds, CI without GPUs); the sources are still shipped for NVRTC.
+- DFCCL_SKIP_KERNEL=1 skips the fatbin even where a GPU is present.
+- Compiled extensions and the fatbin are kept in build/dfccl-cache under a key
+  of their inputs: reinstalling (another extra, say) recompiles only what
+  changed.  pip shows what is built with `pip install -v`.
 """
 
-import glob
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -28,6 +33,26 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_SRC = os.path.join(ROOT, "cuda")
 CUDA_INCLUDE = os.path.join(CUDA_SRC, "include")
+# Survives pip's temporary build folders: pip builds a local project in place.
+BUILD_CACHE = os.path.join(ROOT, "build", "dfccl-cache")
+
+
+def _load_kernel_image():
+    """dfccl/kernel_image.py, loaded by path: dfccl itself is not built yet."""
+    spec = importlib.util.spec_from_file_location("_dfccl_kernel_image",
+                                                  os.path.join(ROOT, "src", "dfccl", "kernel_image.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+kernel_image = _load_kernel_image()
+
+
+def say(msg):
+    # pip shows a build's output only with -v; stderr keeps it apart from
+    # setuptools' own lines.
+    print(f"dfccl: {msg}", file=sys.stderr, flush=True)
 
 
 def find_cuda_home():
@@ -54,11 +79,6 @@ def nvcc_path():
     if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
         return os.path.join(CUDA_HOME, "bin", "nvcc")
     return None
-
-
-def cuda_archs():
-    spec = os.environ.get("DFCCL_CUDA_ARCHS", "80;90")
-    return [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
 
 
 def step_profile_flags():
@@ -108,34 +128,51 @@ def extensions():
                      include_path=["src"])
 
 
+def nvcc_version(nvcc):
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def compile_kernels(out_dir):
-    """nvcc -> daemon.fatbin; returns False (and explains) where nvcc is absent
-    or DFCCL_SKIP_KERNEL is set."""
-    if os.environ.get("DFCCL_SKIP_KERNEL", "") not in ("", "0"):
-        stale = os.path.join(out_dir, "daemon.fatbin")
-        if os.path.exists(stale):
-            # An older build's fatbin would no longer match the shipped sources.
-            os.remove(stale)
-        print("dfccl: DFCCL_SKIP_KERNEL is set: the CUDA backend will compile the daemon with NVRTC at run time",
-              file=sys.stderr)
-        return False
-    nvcc = nvcc_path()
-    if nvcc is None:
-        print("dfccl: nvcc not found: the CUDA backend will compile the daemon with NVRTC at run time",
-              file=sys.stderr)
-        return False
-    os.makedirs(out_dir, exist_ok=True)
-    archs = cuda_archs()
-    gencode = []
-    for a in archs:
-        gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
-    gencode += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    """nvcc -> daemon.fatbin where kernel_build_plan says so (else none, and
+    the CUDA backend compiles the shipped sources with NVRTC at first use).
+    The fatbin is kept in BUILD_CACHE under a key of the sources, nvcc's
+    version and the flags; an unchanged build is a copy."""
     out = os.path.join(out_dir, "daemon.fatbin")
+    nvcc = nvcc_path()
+    archs, why = kernel_image.kernel_build_plan(os.environ, nvcc, kernel_image.gpu_present)
+    if not archs:
+        if os.path.exists(out):
+            # An older build's fatbin would no longer match the shipped sources.
+            os.remove(out)
+        say(f"daemon kernel not built ({why}): the CUDA backend compiles it with NVRTC at first use")
+        return False
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode += [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     lineinfo = ["-lineinfo"] if os.environ.get("DFCCL_LINEINFO", "") not in ("", "0") else []
-    cmd = [nvcc, "-std=c++17", "-O3", *lineinfo, *step_profile_flags(), "--fatbin", f"-I{CUDA_INCLUDE}", *gencode,
-           os.path.join(CUDA_SRC, "daemon", "daemon_kernel.cu"), "-o", out]
-    print("dfccl: " + " ".join(cmd), file=sys.stderr)
-    subprocess.check_call(cmd)
+    flags = ["-std=c++17", "-O3", *lineinfo, *step_profile_flags(), "--fatbin", *gencode]
+    sources = [os.path.join(CUDA_SRC, "include"), os.path.join(CUDA_SRC, "daemon")]
+    key = kernel_image.cache_key(kernel_image.tree_digest(*sources), nvcc_version(nvcc), *flags)
+    cached = os.path.join(BUILD_CACHE, f"daemon-{key}.fatbin")
+
+    def build():
+        os.makedirs(BUILD_CACHE, exist_ok=True)
+        tmp = cached + ".out"
+        cmd = [nvcc, *flags, f"-I{CUDA_INCLUDE}", os.path.join(CUDA_SRC, "daemon", "daemon_kernel.cu"), "-o", tmp]
+        say(" ".join(cmd))
+        subprocess.check_call(cmd)
+        try:
+            with open(tmp, "rb") as f:
+                return f.read()
+        finally:
+            os.remove(tmp)
+
+    def announce():
+        say(f"building the daemon kernel with nvcc for sm_{', sm_'.join(archs)} ({why}; minutes)")
+
+    image, hit = kernel_image.cached_build(cached, build, announce)
+    if hit:
+        say(f"daemon kernel for sm_{', sm_'.join(archs)} unchanged: reused {os.path.relpath(cached, ROOT)}")
+    kernel_image.atomic_write(out, image)
     return True
 
 
@@ -158,6 +195,29 @@ class BuildExt(build_ext):
         kernels = os.path.join(os.path.dirname(native), "_kernels")
         copy_kernel_sources(kernels)
         compile_kernels(kernels)
+
+    def build_extension(self, ext):
+        # pip builds each install in a fresh build_lib, where distutils'
+        # timestamps see nothing built: key the module on its inputs instead.
+        target = self.get_ext_fullpath(ext.name)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        tools = [getattr(self.compiler, a, None)
+                 for a in ("compiler_so", "compiler_so_cxx", "linker_so", "linker_so_cxx")]
+        key = kernel_image.cache_key(
+            kernel_image.tree_digest(*ext.sources, *ext.depends), sys.version, suffix, repr(tools),
+            repr(ext.include_dirs), repr(ext.define_macros), repr(ext.extra_compile_args), repr(ext.extra_link_args),
+            repr(ext.libraries))
+        cached = os.path.join(BUILD_CACHE, f"{ext.name}-{key}{suffix}")
+
+        def build():
+            super(BuildExt, self).build_extension(ext)
+            with open(target, "rb") as f:
+                return f.read()
+
+        image, hit = kernel_image.cached_build(cached, build, lambda: say(f"compiling {ext.name}"))
+        if hit:
+            say(f"{ext.name} unchanged: reused {os.path.relpath(cached, ROOT)}")
+            kernel_image.atomic_write(target, image, mode=0o755)
 
 
 class BuildPy(build_py):

@@ -427,6 +427,17 @@ def _unsupported(rank, ws):
 
 def _point_to_point(rank, ws):
     peer_next, peer_prev = (rank + 1) % ws, (rank - 1) % ws
+    # The group is its own backend for the device types it serves (newer
+    # torch's batch_isend_irecv asks for it), and for no other.
+    pg = dist.distributed_c10d._get_default_group()
+    assert pg._get_backend(torch.device("cpu")) is pg and pg._get_backend("cuda:0") is pg
+    assert not pg._get_backend(torch.device("cpu")).supports_coalescing
+    try:
+        pg._get_backend(torch.device("meta"))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a backend for device type meta")
     # Blocking send / recv, the lower rank sending first.
     x = torch.arange(10, dtype=torch.float32) + 100 * rank
     y = torch.empty(10)

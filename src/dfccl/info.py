@@ -12,6 +12,8 @@ import sys
 from importlib import metadata, resources
 from typing import TextIO
 
+from dfccl import kernel_image
+
 __all__ = ["collect_info", "print_info", "kernel_image_info", "nccl_version"]
 
 
@@ -67,8 +69,8 @@ def kernel_image_info() -> dict:
     path = resources.files("dfccl") / "_kernels" / "daemon.fatbin"
     if not path.is_file():
         return {"path": None, "architectures": [],
-                "note": "no fatbin built (nvcc was missing or DFCCL_SKIP_KERNEL=1): the cuda backend compiles "
-                        "the daemon with NVRTC at run time"}
+                "note": "no fatbin built at install (no GPU or nvcc there, or DFCCL_SKIP_KERNEL=1): the cuda "
+                        f"backend compiles the daemon with NVRTC at first use, cached in {kernel_image.cache_dir()}"}
     info = {"path": str(path), "architectures": [], "note": ""}
     tool = shutil.which("cuobjdump")
     if tool is None:
@@ -87,7 +89,8 @@ def kernel_image_info() -> dict:
     if not archs:
         info["note"] = "architectures unknown (cuobjdump listed none)"
     if os.environ.get("DFCCL_FORCE_NVRTC"):
-        info["note"] = "DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead"
+        info["note"] = f"DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead, cached in " \
+                       f"{kernel_image.cache_dir()}"
     return info
 
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from importlib import resources
+from pathlib import Path
+from typing import Mapping
 
+from dfccl import kernel_image
 from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.options import ContextOptions, link_ahead, link_block
 from dfccl.policy import default_policy
@@ -72,17 +76,56 @@ def _kernel_dir():
     return resources.files("dfccl") / "_kernels"
 
 
+#: NVRTC's options besides the architecture and the include folders (which
+#: depend on where dfccl is installed and shape nothing else).
+NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+
+
 def daemon_image(compute_capability: int) -> bytes:
-    """The daemon module: the fatbin built by nvcc, else NVRTC from the
-    shipped sources (cuda.bindings.nvrtc)."""
+    """The daemon module: the fatbin built by nvcc at install, else the
+    shipped sources compiled with NVRTC (cuda.bindings.nvrtc), once per
+    architecture and source version (kernel_image.cache_dir())."""
     fatbin = _kernel_dir() / "daemon.fatbin"
     if fatbin.is_file() and not os.environ.get("DFCCL_FORCE_NVRTC"):
         return fatbin.read_bytes()
-    src_dir = _kernel_dir() / "src"
+    return _nvrtc_image(compute_capability)
+
+
+def nvrtc_cache_path(src_dir: str | os.PathLike, cc: int, nvrtc_version: tuple[int, int],
+                     environ: Mapping[str, str] | None = None) -> Path:
+    """Where the NVRTC image of the sources in ``src_dir`` for sm_``cc`` is
+    kept: its name holds a key of the sources, the architecture, NVRTC's
+    version and the options."""
+    key = kernel_image.cache_key(kernel_image.tree_digest(src_dir), f"sm_{cc}",
+                                 "nvrtc %d.%d" % tuple(nvrtc_version), *NVRTC_OPTIONS)
+    return kernel_image.cache_dir(environ) / f"daemon-sm_{cc}-{key}.cubin"
+
+
+def _nvrtc_image(cc: int) -> bytes:
+    try:
+        from cuda.bindings import nvrtc
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:  # no bindings, or no libnvrtc to load
+        raise BackendError(f"no daemon fatbin was built at install and NVRTC is unavailable ({exc}); "
+                           "install the CUDA toolkit's NVRTC, or reinstall dfccl with nvcc on PATH") from exc
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise BackendError(f"nvrtcVersion failed: {err}")
+    src_dir = Path(str(_kernel_dir() / "src"))
+    path = nvrtc_cache_path(src_dir, cc, (major, minor))
+
+    def announce() -> None:
+        print(f"dfccl: compiling the daemon kernel for sm_{cc} with NVRTC {major}.{minor} "
+              f"(once; cached in {path.parent})", file=sys.stderr, flush=True)
+
+    image, _hit = kernel_image.cached_build(path, lambda: _nvrtc_compile(nvrtc, src_dir, cc), announce)
+    return image
+
+
+def _nvrtc_compile(nvrtc, src_dir: Path, cc: int) -> bytes:
     source = (src_dir / "daemon" / "daemon_kernel.cu").read_bytes()
-    return nvrtc_cubin(source, "daemon_kernel.cu", compute_capability,
-                       [b"-std=c++17", b"-default-device", b"-I" + str(src_dir / "include").encode(),
-                        b"-I" + str(src_dir / "daemon").encode()])
+    return nvrtc_cubin(source, "daemon_kernel.cu", cc,
+                       [o.encode() for o in NVRTC_OPTIONS] + [b"-I" + str(src_dir / "include").encode(),
+                                                             b"-I" + str(src_dir / "daemon").encode()])
 
 
 def driver_ok(result: tuple, what: str):

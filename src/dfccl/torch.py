@@ -33,6 +33,7 @@ from dfccl.types import ReduceOp, as_data_type, as_reduce_op
 
 __all__ = [
     "BACKEND_NAME",
+    "DEVICE_TYPES",
     "ProcessGroupDfccl",
     "DfcclWork",
     "TaggedAllreduceState",
@@ -44,6 +45,10 @@ __all__ = [
 ]
 
 BACKEND_NAME = "dfccl"
+
+#: The torch device types a dfccl group serves: CUDA tensors on the GPU daemon,
+#: CPU tensors on the simulator.
+DEVICE_TYPES = ("cuda", "cpu")
 
 #: Environment variable forcing the memory kind of a group's first
 #: communicator ("cuda" or "sim"); default: "cuda" where torch and dfccl see a
@@ -421,6 +426,23 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    # What torch may ask of a group's backend (see _get_backend): the p2p ops of
+    # a batch are issued one by one (each is matched on its own), and groups
+    # are made by rendezvous, not by splitting a communicator.
+    supports_coalescing = False
+    supports_splitting = False
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: torch.device | str) -> "ProcessGroupDfccl":
+        # torch >= 2.14 asks a group for its per-device backend (batch_isend_irecv
+        # reads its supports_coalescing); a Python group registers none and
+        # acts as its own backend, the way torch expects of Python groups.
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind not in DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
 
     def __repr__(self) -> str:
         return f"<ProcessGroupDfccl {self._group_name or '?'} rank {self._rank}/{self._size}>"
@@ -942,4 +964,4 @@ def tagged_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cuda", "cpu"])
+dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICE_TYPES))

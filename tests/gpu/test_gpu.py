@@ -504,6 +504,40 @@ def test_device_synchronize_after_the_last_collective(empty_quit):
         assert sync > 1.0, f"the synchronisation did not wait for the resident daemon ({sync:.3f} s)"
 
 
+_NVRTC_ALL_REDUCE = r"""
+import numpy as np, dfccl
+from dfccl import runtime
+from dfccl.testing import arrays
+n = runtime.cuda_device_count()
+comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda")
+hosts = [np.full(1 << 16, r + 1, np.float32) for r in range(2)]
+bufs = [arrays.from_numpy("cuda", c.device, h) for c, h in zip(comms, hosts)]
+for w in [c.all_reduce(b, tag="nvrtc") for c, b in zip(comms, bufs)]:
+    w.synchronize(timeout=60)
+assert (arrays.to_numpy(bufs[0]) == 3).all() and (arrays.to_numpy(bufs[1]) == 3).all()
+print("RESULT ok")
+"""
+
+
+@pytest.mark.timeout(1800)  # the first run compiles the whole daemon (minutes of one core)
+def test_nvrtc_image_is_compiled_once_and_cached(tmp_path):
+    """Without a fatbin (an install on a machine without a GPU) the daemon is
+    compiled with NVRTC at first use, announced on stderr, kept in
+    DFCCL_CACHE_DIR, and the next process loads it from there; both run a
+    collective with it.  Fresh processes: the image is read once a process."""
+    import subprocess
+    import sys
+    env = dict(os.environ, DFCCL_FORCE_NVRTC="1", DFCCL_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", _NVRTC_ALL_REDUCE], capture_output=True, text=True, timeout=800,
+                           env=env) for _ in range(2)]
+    for out in runs:
+        assert "RESULT ok" in out.stdout, out.stdout + out.stderr
+    assert "compiling the daemon kernel for sm_" in runs[0].stderr and str(tmp_path) in runs[0].stderr
+    assert "compiling" not in runs[1].stderr, runs[1].stderr
+    cached = list(tmp_path.iterdir())
+    assert len(cached) == 1 and cached[0].name.startswith("daemon-sm_") and cached[0].suffix == ".cubin"
+
+
 def test_long_compute_kernels_while_pending(comms2, rng):
     """Long compute kernels occupy both GPUs while collectives are pending in
     rank-divergent order; everything completes and the compute is right."""

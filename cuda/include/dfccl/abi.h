@@ -15,6 +15,10 @@
 #define DFCCL_ABI_H
 
 #if defined(__CUDACC_RTC__)
+/* NVRTC has no <stdint.h>: the fixed-width types the daemon uses. */
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
