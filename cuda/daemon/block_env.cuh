@@ -36,6 +36,10 @@ struct BlockShared {
   uint32_t active_len;
   uint32_t cursor;
   uint32_t handoff;        // run active[pick] again at once (a chained successor)
+  // The LL instance this block completed last without failure (transfer_ll.cuh,
+  // ll_credit_all): the next instance of its tag needs no acknowledgement.
+  uint64_t ll_done_key, ll_done_instance;
+  uint32_t ll_done_endpoint, ll_done_bucket;
   // The host link (link.cuh): what the control warp read in one round trip
   // (control words, then entries), and the range left to copy.
   pack16 link_words[8 + 8 * DFCCL_LINK_AHEAD_MAX];

@@ -340,6 +340,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   if (is_leader()) {
     sm->active_len = st->active_len[block];
     sm->cursor = st->cursor[block];
+    sm->ll_done_key = 0;  // shared memory starts undefined
     st->block_sm[block] = sm_number();  // where the hardware placed this block (Context.daemon_sms)
     if (block == 0) store_release(&ctrl->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_RUNNING));
     atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress

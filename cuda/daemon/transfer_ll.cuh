@@ -93,6 +93,23 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
 }
 
 // ---- PUSH --------------------------------------------------------------------------
+// The leader: whether this block completed the previous instance of this
+// run's tag, in its bucket and endpoint, without failure (BlockShared's
+// ll_done_*, kept by ll_note_done).
+DFCCL_DEV bool ll_follows_own(const BlockEnv &env, const TaskRun &run) {
+  const BlockShared *sm = env.sm;
+  return sm->ll_done_key == run.d->tag_key && sm->ll_done_instance + 1 == run.d->instance &&
+         sm->ll_done_bucket == run.d->bucket && sm->ll_done_endpoint == run.d->endpoint;
+}
+
+DFCCL_DEV void ll_note_done(const BlockEnv &env, const TaskRun &run) {
+  BlockShared *sm = env.sm;
+  sm->ll_done_key = run.d->tag_key;
+  sm->ll_done_instance = run.d->instance;
+  sm->ll_done_bucket = run.d->bucket;
+  sm->ll_done_endpoint = run.d->endpoint;
+}
+
 // The leader: may this rank write instance k into its peers' parity areas of
 // its bucket?  Yes once every receiver acknowledged the last instance written
 // there: the same tag's (k - 2, normally long done), or, when the bucket
@@ -106,11 +123,23 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
 // credit wait therefore waits only for peers' daemons to run, never on
 // another credit (the deadlock-freedom argument in docs/design-decisions.md,
 // "LL").
-DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own) {
+//
+// `after_own` (the leader's ll_follows_own): this block completed the tag's
+// previous instance, k - 1, in this bucket without failure.  Then, if the
+// header says k - 1 was the last push into the bucket, every receiver has
+// acknowledged the instance that the parity-(k & 1) areas hold: a receiver
+// sends its part of k - 1 only after it consumed and acknowledged everything
+// this rank wrote before (its instances of the tag run in order), and this
+// rank completed k - 1 only with every receiver's part of it.  The
+// acknowledgements' loads, a round trip to every peer's arena whose acquire
+// also empties L1, are skipped.
+DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own, bool after_own = false) {
   const uint64_t key = load_gpu(&own->ll_key);
   const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
   if (key == 0) return true;
   const bool same_tag = key == run.d->tag_key;
+  const uint64_t prev = run.d->instance - 1;
+  if (after_own && same_tag && ((prev & 1u) ? i1 : i0) == prev) return true;
   const uint64_t last = same_tag ? ((run.d->instance & 1u) ? i1 : i0) : (i0 > i1 ? i0 : i1);
   if (last == 0) return true;
   const uint64_t tag_bits = mix64(key) & 0xffffffff00000000ull;
@@ -422,7 +451,8 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         // Credits first: publishing rewrites the record's key, which peers
         // still taking an old tag's lines from this bucket look up.
         uint64_t t = step_start();
-        int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own) ? 1 : 0; });
+        const bool after_own = is_leader() && ll_follows_own(env, run);
+        int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own, after_own) ? 1 : 0; });
         step_mark(env, &dfccl_step_profile::ll_credit_ns, t);
         if (w != WAIT_OK) return stop_run(w);
         // The lines: what the peers wait for.  The record is published
@@ -474,6 +504,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         uint64_t t = step_start();
         ll_finish(env, run);
         step_mark(env, &dfccl_step_profile::ll_finish_ns, t);
+        if (is_leader()) ll_note_done(env, run);
         if (kStepProfile && is_leader()) env.steps->ll_runs += 1;
         run.step = L_DONE;
         run.progressed = true;
