@@ -105,6 +105,7 @@ def extensions():
     exts = [
         Extension("dfccl._native.backend", ["src/dfccl/_native/backend.pyx"], **common),
         Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
+        Extension("dfccl._native.array_view", ["src/dfccl/_native/array_view.pyx"], **common),
         Extension("dfccl._native.tag_table", ["src/dfccl/_native/tag_table.pyx"], **common),
         Extension("dfccl._native.descriptor", ["src/dfccl/_native/descriptor.pyx"], **common),
         Extension("dfccl._native.launch", ["src/dfccl/_native/launch.pyx"], **common),

@@ -26,12 +26,21 @@ _cuda_count: int | None = None
 SIM_DEVICES_DEFAULT = 4
 
 
+_NOT_LOADED = object()
+_cuda_mod: object = _NOT_LOADED
+
+
 def _cuda_module():
-    try:
-        from dfccl._native import cuda_backend
-    except ImportError:
-        return None
-    return cuda_backend
+    """The CUDA backend's module, or None where it was not built; looked up
+    once (the plain call asks for every collective)."""
+    global _cuda_mod
+    if _cuda_mod is _NOT_LOADED:
+        try:
+            from dfccl._native import cuda_backend
+        except ImportError:
+            cuda_backend = None
+        _cuda_mod = cuda_backend
+    return _cuda_mod
 
 
 def cuda_device_count() -> int:

@@ -64,6 +64,15 @@ _BY_TYPESTR = {
 # bfloat16 whatever its name says.
 BY_FULL_TYPESTR = {order + key: dtype for key, dtype in _BY_TYPESTR.items() for order in "<|" if key[-1] != "2"}
 
+# Buffer-protocol formats (PEP 3118 native characters) with their item size,
+# as the plain call reads host arrays (buffers.plain_array).  'e' is IEEE
+# half by definition; numpy exports no format for bfloat16.
+BY_BUFFER_FORMAT = {
+    ("b", 1): DataType.INT8, ("B", 1): DataType.UINT8, ("i", 4): DataType.INT32, ("I", 4): DataType.UINT32,
+    ("l", 8): DataType.INT64, ("q", 8): DataType.INT64, ("L", 8): DataType.UINT64, ("Q", 8): DataType.UINT64,
+    ("e", 2): DataType.FLOAT16, ("f", 4): DataType.FLOAT32, ("d", 8): DataType.FLOAT64,
+}
+
 # DLPack (type code, bits).
 _BY_DLPACK = {
     (0, 8): DataType.INT8, (1, 8): DataType.UINT8, (0, 32): DataType.INT32, (1, 32): DataType.UINT32,

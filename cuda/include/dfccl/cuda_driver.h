@@ -74,7 +74,7 @@ typedef struct dfccl_cuda_api {
   CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int);
   CUresult (*cuMemFreeHost)(void *);
   CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int);
-  CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr);
+  CUresult (*cuPointerGetAttributes)(unsigned int, int *, void **, CUdeviceptr);
   CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
   CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
@@ -94,7 +94,7 @@ static const struct { const char *name; size_t offset; } dfccl_cuda_api_entries[
   DFCCL_API_ENTRY(cuStreamQuery), DFCCL_API_ENTRY(cuStreamSynchronize), DFCCL_API_ENTRY(cuStreamWriteValue32),
   DFCCL_API_ENTRY(cuStreamWaitValue32), DFCCL_API_ENTRY(cuMemAlloc), DFCCL_API_ENTRY(cuMemFree),
   DFCCL_API_ENTRY(cuMemsetD8Async), DFCCL_API_ENTRY(cuMemcpyHtoDAsync), DFCCL_API_ENTRY(cuMemcpyDtoHAsync), DFCCL_API_ENTRY(cuMemHostAlloc),
-  DFCCL_API_ENTRY(cuMemFreeHost), DFCCL_API_ENTRY(cuMemHostGetDevicePointer), DFCCL_API_ENTRY(cuPointerGetAttribute),
+  DFCCL_API_ENTRY(cuMemFreeHost), DFCCL_API_ENTRY(cuMemHostGetDevicePointer), DFCCL_API_ENTRY(cuPointerGetAttributes),
   DFCCL_API_ENTRY(cuIpcGetMemHandle), DFCCL_API_ENTRY(cuIpcOpenMemHandle), DFCCL_API_ENTRY(cuIpcCloseMemHandle),
   DFCCL_API_ENTRY(cuLaunchKernel),
 };

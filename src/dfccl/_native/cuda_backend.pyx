@@ -74,7 +74,7 @@ cdef extern from "dfccl/cuda_driver.h":
         CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int) nogil
         CUresult (*cuMemFreeHost)(void *) nogil
         CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int) nogil
-        CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr) nogil
+        CUresult (*cuPointerGetAttributes)(unsigned int, int *, void **, CUdeviceptr) nogil
         CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr) nogil
         CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int) nogil
         CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) nogil
@@ -147,16 +147,22 @@ def device_count():
 
 def pointer_device(uint64_t ptr):
     """CUDA ordinal owning the device memory at ``ptr``; None for host memory or
-    an unknown pointer."""
+    an unknown pointer.  One driver call (the plain call makes it for every
+    collective): cuPointerGetAttributes reports an unknown pointer as memory
+    type 0 instead of failing."""
     cdef unsigned int memtype = 0
     cdef int ordinal = -1
+    cdef int attrs[2]
+    cdef void *data[2]
     if not _api_loaded:
         return None
-    if API.cuPointerGetAttribute(&memtype, DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
+    attrs[0] = DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    attrs[1] = DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    data[0] = &memtype
+    data[1] = &ordinal
+    if API.cuPointerGetAttributes(2, attrs, data, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
         return None
-    if memtype != <unsigned int>DFCCL_CU_MEMORYTYPE_DEVICE:
-        return None
-    if API.cuPointerGetAttribute(&ordinal, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
+    if memtype != <unsigned int>DFCCL_CU_MEMORYTYPE_DEVICE or ordinal < 0:
         return None
     return ordinal
 
