@@ -1,7 +1,8 @@
 """Host time per submission of one small all-reduce, three ways: from C
 through the C API (cuda/include/dfccl/dfccl_api.h; a loop in
 examples/c_api/submit.c), a bound plan called from Python, and a plain
-``comm.all_reduce(x)``.  Two ranks in one process; each repetition submits
+``comm.all_reduce(x)`` (x: numpy on the simulator; CuPy, torch and a bare
+``__cuda_array_interface__`` object on GPUs).  Two ranks in one process; each repetition submits
 ``--n`` rounds back to back (one instance per rank a round, all
 outstanding), times the submissions alone, then waits for them all.
 
@@ -54,6 +55,32 @@ def _python_loop(submit_round, n: int) -> tuple[float, float]:
     return (t1 - t0) / 1e9, (c1 - c0) / 1e9
 
 
+def _plain_pairs(backend: str, comms, devices, xs, count: int):
+    """(name, [(comm, array)]) per array kind the plain call takes here:
+    numpy on the simulator; on GPUs CuPy and torch where installed, and
+    a bare ``__cuda_array_interface__`` object."""
+    if backend == "sim":
+        return [("numpy", list(zip(comms, xs)))]
+    out = []
+    try:
+        import cupy
+        made = []
+        for d in devices:
+            with cupy.cuda.Device(d):
+                made.append(cupy.zeros(count, cupy.float32))
+        out.append(("cupy", list(zip(comms, made))))
+    except ImportError:
+        pass
+    try:
+        import torch
+        out.append(("torch", [(c, torch.zeros(count, dtype=torch.float32, device=f"cuda:{d}"))
+                              for c, d in zip(comms, devices)]))
+    except ImportError:
+        pass
+    out.append(("__cuda_array_interface__", list(zip(comms, xs))))
+    return out
+
+
 def _summary(us: list[float]) -> str:
     return f"{statistics.median(us):7.3f}  [{min(us):.3f}, {max(us):.3f}]"
 
@@ -76,21 +103,25 @@ def main(argv=None) -> int:
         try:
             xs = [arrays.empty(backend, d, args.count, "float32", fill=0.0) for d in devices]
             plans = [c.prepare_all_reduce(args.count, "float32", tag="probe").bind(x) for c, x in zip(comms, xs)]
-            pairs = list(zip(comms, xs))
 
             def bound_round(works):
                 for plan in plans:
                     works.append(plan())
 
-            def plain_round(works):
-                for c, x in pairs:
-                    works.append(c.all_reduce(x))
+            def plain_round_of(pairs):
+                def plain_round(works):
+                    for c, x in pairs:
+                        works.append(c.all_reduce(x))
+                return plain_round
 
             ways = {
                 "C API, a loop in C": lambda: example.submit_loop(lib, plans, args.n)[:2],
                 "bound plan, from Python": lambda: _python_loop(bound_round, args.n),
-                "comm.all_reduce(x)": lambda: _python_loop(plain_round, args.n),
             }
+            # The plain call on every kind of array a user may pass here.
+            for name, pairs in _plain_pairs(backend, comms, devices, xs, args.count):
+                ways[f"comm.all_reduce(x), {name}"] = (lambda r: lambda: _python_loop(r, args.n))(
+                    plain_round_of(pairs))
             per = args.n * len(comms)
             wall = {name: [] for name in ways}
             cpu = {name: [] for name in ways}
@@ -105,7 +136,7 @@ def main(argv=None) -> int:
                   f"{args.reps} repetitions: us per submission, median [fastest, slowest]; wall time, and the "
                   "submitting thread's CPU time")
             for name in ways:
-                print(f"  {name:>26}: {_summary(wall[name])}   cpu {_summary(cpu[name])}")
+                print(f"  {name:>50}: {_summary(wall[name])}   cpu {_summary(cpu[name])}")
         finally:
             for c in comms:
                 c.close()

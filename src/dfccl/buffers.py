@@ -168,15 +168,28 @@ def _from_dlpack(obj, what: str) -> Buffer:
                                "(use device memory, or host memory with the simulator)")
 
 
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtypes(torch) -> dict:
+    """torch dtype -> DataType, built on first use (torch is optional)."""
+    if not _TORCH_DTYPES:
+        for name in ("int8", "uint8", "int32", "int64", "float16", "float32", "float64", "bfloat16", "uint32",
+                     "uint64"):
+            if hasattr(torch, name):
+                _TORCH_DTYPES[getattr(torch, name)] = DataType[name.upper()]
+    return _TORCH_DTYPES
+
+
 def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
     """(pointer, count, element type) of the plain call's usual argument: a
-    numpy array (``cuda`` False), a CuPy array, or another object with
-    ``__cuda_array_interface__``; writable, C-contiguous, not empty, of an
+    numpy array (``cuda`` False), a CuPy array, a torch tensor, or another
+    object with ``__cuda_array_interface__``; writable, C-contiguous, not empty, of an
     element type its description names outright.  None for anything else,
     which as_buffer then describes, or rejects with its reason (the device of
-    CUDA memory is the caller's to check).  numpy and CuPy arrays are read
-    without building their interface dictionaries (~2 us each, most of a
-    plain call's host time)."""
+    CUDA memory is the caller's to check).  numpy and CuPy arrays and torch
+    tensors are read without building their interface dictionaries (~2 us
+    and more each, most of a plain call's host time)."""
     if not cuda:
         np = sys.modules.get("numpy")   # anything but an ndarray (a scalar, a subclass) as_buffer decides
         if np is None or type(obj) is not np.ndarray:
@@ -194,6 +207,15 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
         if dtype is None or not count or not obj.flags.c_contiguous:
             return None
         return (obj.data.ptr, count, dtype)
+    torch = sys.modules.get("torch")
+    if torch is not None and type(obj) is torch.Tensor:
+        # torch builds its interface dictionary in Python (several us); a
+        # tensor that requires grad has none, and the general path says why.
+        dtype = _torch_dtypes(torch).get(obj.dtype)
+        if dtype is None or not obj.is_cuda or obj.requires_grad or not obj.is_contiguous():
+            return None
+        count = obj.numel()
+        return (obj.data_ptr(), count, dtype) if count else None
     try:
         ai = obj.__cuda_array_interface__
     except (AttributeError, TypeError):

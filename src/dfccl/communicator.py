@@ -56,6 +56,27 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 STARTUP_LOG_INTERVAL = 5.0
 
 
+def daemon_share(peers: Sequence[dict], rank: int, channels: int) -> tuple[int, int]:
+    """(channels, block offset) of ``rank``: ranks of one process on one
+    device share its daemon's blocks, and a collective's channels on those
+    ranks must run at the same time (each waits for the others'), so each
+    gets a disjoint run of blocks (dfccl_first_block adds the offset): at
+    most blocks // (ranks sharing) channels, the same on every rank (the
+    smallest share of any daemon), and the k-th sharing rank starts k runs
+    further on.  Overlapping runs would make the channels of one collective
+    take turns on a block, each preempted in its window while the other
+    waits for it."""
+    def daemon(info: dict) -> tuple:
+        return (info.get("host"), info.get("pid"), info.get("backend"), info.get("device"))
+
+    sharing: dict[tuple, list[int]] = {}
+    for r, info in enumerate(peers):
+        sharing.setdefault(daemon(info), []).append(r)
+    for members in sharing.values():
+        channels = min(channels, max(1, peers[members[0]]["blocks"] // len(members)))
+    return channels, sharing[daemon(peers[rank])].index(rank) * channels
+
+
 def shared_gpu_warning(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
     """What this rank should be warned of when some peer in another process
     shares its GPU (MPS), or None.  The processes then share the GPU's
@@ -377,7 +398,7 @@ class Communicator:
         self._plain_tasks: dict[tuple, TaskDescriptor] = {}   # _plain_task's, by shape
 
     def _finish_init(self, peers):
-        self._channels = min([self._channels] + [p["blocks"] for p in peers])
+        self._channels, self._block_offset = daemon_share(peers, self._rank, self._channels)
         mode = self._endpoint.connect(peers, self._comm_key)
         why = shared_gpu_warning(peers, self._rank)
         if why is not None:
@@ -633,8 +654,9 @@ class Communicator:
         geometry = plan_p2p(b.count, b.dtype, self._channels, self._mode == "direct", self._options)
         task = TaskDescriptor(
             kind=what, tag=tag, rank=self._rank, key=pair_key(self._comm_key, src, dst, tag), transient=False,
-            tags=self._endpoint.tags, flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind,
-            dtype=int(b.dtype), op=int(ReduceOp.SUM), path=geometry.path, root=peer, nchannels=geometry.nchannels,
+            tags=self._endpoint.tags, flight=self._flight.ring, endpoint=self._endpoint.id,
+            block_offset=self._block_offset, kind_code=kind, dtype=int(b.dtype), op=int(ReduceOp.SUM),
+            path=geometry.path, root=peer, nchannels=geometry.nchannels,
             send_addr=b.ptr, recv_addr=b.ptr, count=b.count, slice_bytes=geometry.slice_bytes,
             fifo_slots=geometry.fifo_slots, staging_bytes=geometry.fifo_bytes if kind == KIND_RECV else 0,
             stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
@@ -685,7 +707,8 @@ class Communicator:
                   owners, aux_bytes: int = 0) -> TaskDescriptor:
         return TaskDescriptor(
             kind=what, tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype),
+            flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset,
+            kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype),
             op=int(ReduceOp.SUM), path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr,
             recv_addr=r.ptr, count=count, flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux,
             aux_bytes=aux_bytes)
@@ -932,7 +955,8 @@ class Communicator:
             flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op),
+            flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset, kind_code=kind,
+            dtype=int(s.dtype), op=int(op),
             path=geometry.path, root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
             slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
             staging_bytes=staging, stream=None if stream is None else stream_handle(stream),

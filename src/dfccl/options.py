@@ -161,7 +161,9 @@ class CommOptions:
         host through copies in each rank's arena up to staged_max_bytes;
         ring otherwise and above that size), "direct" (like auto, but an
         error where a peer is not reachable) or "ring".
-    channels: most channels one collective uses; None: all daemon blocks.
+    channels: most channels one collective uses; None: all daemon blocks,
+        shared out among ranks of the communicator that share a daemon
+        (one process, one device), which get disjoint blocks.
     max_tags: tag records per rank (tags bound at once); None: 8,192, twice
         the default ContextOptions.max_outstanding.  A property of the
         communicator, equal on every rank whatever each device's context

@@ -327,11 +327,11 @@ def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> float:
 
 def _tags_on_distinct_blocks(comm, nblocks: int, count: int) -> list[str]:
     """Tags whose instances start on different daemon blocks (channel 0 runs
-    on dfccl_first_block(key, endpoint, nblocks))."""
+    on dfccl_first_block(key, block offset, nblocks))."""
     found: dict[int, str] = {}
     for i in range(1000):
         tag = f"t{i}"
-        found.setdefault(first_block(tag_key(comm._comm_key, tag), comm._endpoint.id, nblocks), tag)
+        found.setdefault(first_block(tag_key(comm._comm_key, tag), comm._block_offset, nblocks), tag)
         if len(found) == count:
             return list(found.values())
     raise AssertionError("no tags on distinct blocks")
@@ -498,7 +498,7 @@ def test_daemon_leaves_soon_with_nothing_left_and_stays_while_work_waits():
         assert (xs[0] == 3).all()
         # A collective of rank 0 alone, on block 3: the daemon stays for it.
         tag = next(t for t in (f"w{i}" for i in range(1000))
-                   if first_block(tag_key(comms[0]._comm_key, t), comms[0]._endpoint.id, 4) == 3)
+                   if first_block(tag_key(comms[0]._comm_key, t), comms[0]._block_offset, 4) == 3)
         w0 = comms[0].all_reduce(xs[0], tag=tag)
         _wait_for_state(ctx, "running")
         launches = ctx.launches

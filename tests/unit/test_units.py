@@ -784,3 +784,26 @@ def test_empty_quit_defaults_and_bounds():
     assert default_policy("cuda", ContextOptions(preemption=False)).empty_quit_ns == INFINITE_NS
     with pytest.raises(InvalidArgumentError, match="empty_quit_ns"):
         ContextOptions(empty_quit_ns=-1)
+
+
+def test_daemon_share_gives_sharing_ranks_disjoint_blocks():
+    from dfccl.communicator import daemon_share
+
+    def peer(pid, device, blocks=32):
+        return {"host": "h", "pid": pid, "backend": "cuda", "device": device, "blocks": blocks}
+
+    # Two ranks in one process on one device: 16 channels each, 16 blocks apart.
+    two = [peer(1, 0), peer(1, 0)]
+    assert [daemon_share(two, r, 32) for r in range(2)] == [(16, 0), (16, 16)]
+    # Ranks in separate processes each have a daemon of their own.
+    apart = [peer(1, 0), peer(2, 0)]
+    assert [daemon_share(apart, r, 32) for r in range(2)] == [(32, 0), (32, 0)]
+    # The smallest share sets every rank's channels; offsets count within a daemon.
+    mixed = [peer(1, 0), peer(1, 1), peer(1, 0), peer(1, 0), peer(2, 0, blocks=8)]
+    got = [daemon_share(mixed, r, 32) for r in range(5)]
+    assert {c for c, _ in got} == {8}
+    assert [o for _, o in got] == [0, 0, 8, 16, 0]
+    # Never below one channel, and never above what was asked.
+    crowd = [peer(1, 0, blocks=2)] * 5
+    assert [daemon_share(crowd, r, 32) for r in range(5)] == [(1, k) for k in range(5)]
+    assert daemon_share(two, 0, 4) == (4, 0) and daemon_share(two, 1, 4) == (4, 4)

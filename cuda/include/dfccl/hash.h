@@ -37,12 +37,14 @@ DFCCL_HD uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) {
   return (uint32_t)(dfccl_mix64(key) % capacity);
 }
 
-/* The daemon block that runs channel 0 of a tag's instances on the endpoint
- * (dfccl_task_desc.first_block): spread by tag, and ranks of one device apart
- * (their endpoints differ), so that small collectives of different tags and
- * of different local ranks do not queue on one block. */
-DFCCL_HD uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) {
-  return (uint32_t)((dfccl_mix64(key ^ 0x6a09e667f3bcc909ull) + endpoint) % nblocks);
+/* The daemon block that runs channel 0 of a tag's instances on a rank
+ * (dfccl_task_desc.first_block): spread by tag, and the ranks of one
+ * communicator that share a daemon `offset` apart (the host gives them
+ * disjoint runs of blocks), so that small collectives of different tags, and
+ * the channels of ranks that must run at the same time, do not queue on one
+ * block. */
+DFCCL_HD uint32_t dfccl_first_block(uint64_t key, uint32_t offset, uint32_t nblocks) {
+  return (uint32_t)((dfccl_mix64(key ^ 0x6a09e667f3bcc909ull) + offset) % nblocks);
 }
 
 /* The check word of a submission-ring entry (dfccl_sqe): a hash of the

@@ -174,7 +174,7 @@ cdef extern from "dfccl/hash.h":
     uint64_t dfccl_mix64(uint64_t x) nogil
     uint64_t dfccl_instance_token(uint64_t key, uint64_t instance) nogil
     uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
-    uint32_t dfccl_first_block(uint64_t key, uint32_t endpoint, uint32_t nblocks) nogil
+    uint32_t dfccl_first_block(uint64_t key, uint32_t offset, uint32_t nblocks) nogil
     uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) nogil
 
 

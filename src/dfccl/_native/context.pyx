@@ -232,7 +232,7 @@ cdef class Context(ContextEndpoints):
     cdef void _bind(self, TaskDescriptor task):
         task.ctx = self
         task.plan.core = self.c
-        task.plan.desc.first_block = dfccl_first_block(task.key, task.plan.desc.endpoint, self.c.nblocks)
+        task.plan.desc.first_block = dfccl_first_block(task.key, task.plan.block_offset, self.c.nblocks)
 
     cdef Work _submit(self, TaskDescriptor task, dict raw_fields, uint64_t send_addr, uint64_t recv_addr,
                       bint has_stream, uint64_t stream, object owners):

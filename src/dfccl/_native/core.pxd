@@ -71,6 +71,7 @@ cdef struct tag_grant:
 # ---- a bound collective -----------------------------------------------------
 cdef struct plan_t:
     dfccl_task_desc desc       # what every instance shares (first_block included)
+    uint32_t block_offset      # added to the tag's hash to place channel 0 (dfccl_first_block)
     ctx_core *core             # the context it was bound to (set by the context)
     tag_core *tags
     tag_state *tag             # the tag's state when last seen (checked at every use)

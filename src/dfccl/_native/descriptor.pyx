@@ -3,7 +3,7 @@
 cuda/include/dfccl/abi.h for Python, the daemon's hashes (hash.h) from the
 same C, and TaskDescriptor, one collective as the daemon runs it."""
 
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
 from cpython.ref cimport PyObject
 
@@ -80,12 +80,13 @@ def instance_token(key, instance):
     return dfccl_instance_token(<uint64_t>(key & _MASK64), <uint64_t>(instance & _MASK64))
 
 
-def first_block(key, uint32_t endpoint, uint32_t nblocks):
-    """The daemon block that runs channel 0 of the tag's instances on the
-    endpoint (dfccl/hash.h; set when a descriptor is bound to its context)."""
+def first_block(key, uint32_t offset, uint32_t nblocks):
+    """The daemon block that runs channel 0 of the tag's instances on a rank
+    whose block offset is ``offset`` (dfccl/hash.h; set when a descriptor is
+    bound to its context)."""
     if nblocks == 0:
         raise ValueError("nblocks must be positive")
-    return dfccl_first_block(<uint64_t>(key & _MASK64), endpoint, nblocks)
+    return dfccl_first_block(<uint64_t>(key & _MASK64), offset, nblocks)
 
 
 cdef class TaskDescriptor:
@@ -101,7 +102,7 @@ cdef class TaskDescriptor:
                  uint64_t send_addr, uint64_t recv_addr, uint64_t count, uint32_t slice_bytes=0,
                  uint32_t fifo_slots=0, uint32_t flags=0, uint64_t staging_bytes=0, object stream=None,
                  object owners=None, uint64_t send_reg=0, uint64_t aux_offset=0, uint64_t aux_bytes=0,
-                 object flight=None):
+                 object flight=None, int64_t block_offset=-1):
         cdef dfccl_task_desc *d = &self.plan.desc
         memset(&self.plan, 0, sizeof(self.plan))
         d.send_reg = send_reg
@@ -131,6 +132,10 @@ cdef class TaskDescriptor:
         # Where each submission is recorded (flight.py, FlightRecorder.ring).
         self.flight = flight
         self.plan.descriptor = <PyObject *>self
+        # Where channel 0 runs, past the tag's hash: the communicator sets it
+        # so that its ranks sharing a daemon use disjoint blocks; by default
+        # the endpoint index.
+        self.plan.block_offset = endpoint if block_offset < 0 else <uint32_t>block_offset
         self.plan.tags = tags.t
         self.plan.key = key
         self.plan.transient = transient
