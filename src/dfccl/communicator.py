@@ -22,9 +22,10 @@ from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
-from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
-                                      KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
-                                      RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor)
+from dfccl._native.descriptor import TaskDescriptor
+from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
+                                  KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
+                                  RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
 from dfccl._native.work import Work
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics

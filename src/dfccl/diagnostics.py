@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.descriptor import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_HEADER_BYTES,
-                                      instance_token)
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, KIND_ALL_GATHER, KIND_ALL_REDUCE,
+                                  KIND_ALL_TO_ALL, KIND_BROADCAST, KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER,
+                                  KIND_SEND, RANK_LIVE, RECORD_HEADER_BYTES, instance_token)
 from dfccl.errors import ClosedError, MismatchError
 from dfccl.tags import home_bucket
 from dfccl.types import DataType, ReduceOp
@@ -35,8 +36,10 @@ READ_TIMEOUT_S = 0.5
 # Seconds a mismatch report waits for ranks that have not published yet.
 _PUBLISH_GRACE = 0.2
 
-# dfccl_kind (abi.h), in code order.
-_KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv", "all_to_all")
+# dfccl_kind (abi.h) by code.
+_KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
+               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
+               KIND_ALL_TO_ALL: "all_to_all"}
 
 
 
@@ -52,7 +55,7 @@ def decode_signature(signature: int, count: int, slice_bytes: int) -> dict:
     kind = signature & 0xF
     flags = signature >> 48
     return {
-        "kind": _KIND_NAMES[kind] if kind < len(_KIND_NAMES) else kind,
+        "kind": _KIND_NAMES.get(kind, kind),
         "dtype": _name(DataType, (signature >> 4) & 0xF),
         "op": _name(ReduceOp, (signature >> 8) & 0xF),
         "path": ("direct", "ring")[(signature >> 12) & 0xF] if (signature >> 12) & 0xF < 2 else (signature >> 12) & 0xF,

@@ -39,7 +39,7 @@ import time
 import weakref
 
 from dfccl import status_page
-from dfccl._native.descriptor import RANK_FAILED as _RANK_FAILED
+from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
 from dfccl.termination import on_sigterm
 

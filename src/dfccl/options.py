@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from dfccl._native.layout import LINK_AHEAD_MAX
 from dfccl.errors import InvalidArgumentError
 
 __all__ = ["ContextOptions", "CommOptions", "LL_MAX_BYTES_LIMIT"]
@@ -25,8 +26,6 @@ def _check_ints(obj, names: tuple[str, ...]) -> None:
             raise InvalidArgumentError(f"{cls}.{name} must be an int, not {type(value).__name__} ({value!r})")
 
 
-#: Largest ContextOptions.link_ahead (DFCCL_LINK_AHEAD_MAX, abi.h).
-LINK_AHEAD_MAX = 3
 LINK_AHEAD_ENV = "DFCCL_LINK_AHEAD"
 DEFAULT_LINK_AHEAD = 0
 LINK_BLOCK_ENV = "DFCCL_LINK_BLOCK"

@@ -39,7 +39,7 @@ import ctypes
 import time
 from typing import TYPE_CHECKING
 
-from dfccl._native.descriptor import KIND_ALL_REDUCE
+from dfccl._native.layout import KIND_ALL_REDUCE, REG_BIT, REG_SLOT_SHIFT, REG_SLOTS, TASK_SEND_REGISTERED
 from dfccl.buffers import as_buffer
 from dfccl.errors import BackendError, InvalidArgumentError, ResourceError
 
@@ -48,11 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RegistrationHandle", "Registry", "mem_alloc", "mem_free", "allocation_of", "REG_SLOTS"]
 
-REG_SLOTS = 256            # DFCCL_REG_SLOTS (abi.h)
-_REG_BIT = 1 << 63         # DFCCL_REG_BIT
-_SLOT_SHIFT = 40           # DFCCL_REG_SLOT_SHIFT
-_MAX_OFFSET = 1 << _SLOT_SHIFT
-TASK_SEND_REGISTERED = 8   # DFCCL_TASK_SEND_REGISTERED
+_MAX_OFFSET = 1 << REG_SLOT_SHIFT
 
 
 def mem_alloc(nbytes: int, *, backend: str | None = None, device: int = 0) -> int:
@@ -223,7 +219,7 @@ class Registry:
                 offset = ptr - h.base
                 if offset >= _MAX_OFFSET:
                     return 0
-                return _REG_BIT | (h.slot << _SLOT_SHIFT) | offset
+                return REG_BIT | (h.slot << REG_SLOT_SHIFT) | offset
         return 0
 
     # -- release -------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 
 import dfccl
 from dfccl.testing import scenarios as sc
-from dfccl._native.descriptor import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
-from dfccl._native.descriptor import TASK_LL
+from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
+from dfccl._native.layout import TASK_LL
 from dfccl.options import CommOptions
 from dfccl.planning import default_ll_max_bytes, ll_region_bytes, plan_geometry
 from dfccl.tags import home_bucket, tag_key
