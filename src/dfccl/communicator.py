@@ -8,7 +8,6 @@ peers."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import numbers
@@ -17,7 +16,6 @@ import secrets
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import replace
 from typing import Sequence
 
@@ -27,21 +25,22 @@ from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_
                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
                                   RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
 from dfccl._native.work import Work
+from dfccl.bootstrap import StoreBootstrap
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
-from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
-                          PeerAbortedError, PeerLostError, StartupTimeoutError)
+from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError, PeerLostError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
+from dfccl.local_group import LocalGroup
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
-from dfccl.registration import Registry, RegistrationHandle, register as _register, registered_task_fields
-from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
-from dfccl.store import StoreUnreachableError
+from dfccl.rank_state import RankState
+from dfccl.registration import Registry, RegistrationHandle
+from dfccl.split import check_color, check_key, split_local, split_through_store
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
-from dfccl.types import DataType, ReduceOp, as_data_type, as_reduce_op
+from dfccl.types import KIND_NAMES, DataType, ReduceOp, as_data_type, as_reduce_op
 from dfccl.unique_id import UniqueId
 
 __all__ = ["Communicator", "Plan", "BoundPlan", "DEFAULT_STARTUP_TIMEOUT"]
@@ -53,8 +52,6 @@ _log = logging.getLogger("dfccl")
 #: and framework start-up), short enough that a rank that never comes is
 #: reported within two minutes rather than looking like a hang.
 DEFAULT_STARTUP_TIMEOUT = 120.0
-#: Seconds between start-up progress lines (logger "dfccl", INFO).
-STARTUP_LOG_INTERVAL = 5.0
 
 
 def shared_gpu_warning(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
@@ -102,27 +99,6 @@ def _check_seconds(name: str, value, positive: bool = False) -> float:
     return t
 
 
-def _publish_failure(store, prefix: str, rank: int, exc: BaseException, ep: bool) -> None:
-    """Tells the other ranks that this one's start-up failed, so that they
-    fail at once (PeerAbortedError naming it) instead of at their deadline."""
-    failure = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
-    try:
-        if ep:
-            store.set(f"{prefix}/ep/{rank}", failure)
-        store.set(f"{prefix}/ready/{rank}", failure)
-    except Exception:
-        pass  # the store is gone too: peers will time out, naming this rank
-
-
-def _tell_peers(unique_id: UniqueId, rank: int, exc: BaseException, deadline: float) -> None:
-    """_publish_failure for a rank that failed before reaching the store."""
-    try:
-        with unique_id.connect(timeout=min(max(deadline - time.monotonic(), 0.05), 5.0)) as store:
-            _publish_failure(store, f"comm/{unique_id.comm_key():016x}", rank, exc, True)
-    except Exception:
-        pass
-
-
 def _check_options(backend, options, context_options) -> None:
     if backend is not None and not isinstance(backend, str):
         raise InvalidArgumentError(f"backend must be 'cuda', 'sim' or None, not {type(backend).__name__} "
@@ -149,28 +125,6 @@ def _is_simple_tag(tag) -> bool:
     return tag is None or type(tag) is str or type(tag) is int
 
 
-_KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
-               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
-               KIND_ALL_TO_ALL: "all_to_all"}
-
-
-class _Group:
-    """The ranks of one communicator that live in this process: arenas are
-    freed only when the last of them closes (peers may still read them)."""
-
-    def __init__(self, size: int):
-        self.lock = threading.Lock()
-        self.open = size
-        self.endpoints: list[Endpoint] = []
-        # A rank closed while the daemon still held some of its collectives
-        # (abandoned by an abort): the group's arenas then stay mapped.
-        self.held = False
-        self.rendezvous = LocalRendezvous(size)  # split() among ranks of this process
-
-    def leave(self) -> bool:
-        with self.lock:
-            self.open -= 1
-            return self.open == 0
 
 
 class Communicator:
@@ -208,95 +162,24 @@ class Communicator:
         backend = runtime.resolve_backend(backend)
         if device is None:
             device = rank % runtime.device_count(backend) if backend == "cuda" else rank
+        boot = StoreBootstrap(unique_id, rank, world_size, timeout, deadline)
         try:
+            # Peers in other processes may map our arena for as long as they live.
             self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
-                             shareable=True)
+                             shareable=True, group=LocalGroup(1, closes_memory=False), unique_id=unique_id)
         except DfcclError as exc:
-            _tell_peers(unique_id, rank, exc, deadline)
+            boot.tell_peers(exc)
             raise
-        self._unique_id = unique_id
-        self._group = _Group(1)
-        self._group_closes_memory = False  # peers in other processes may still map our arena
-        published = [False]
         try:
-            self._bootstrap(unique_id, timeout, deadline, published)
+            boot.run(self._endpoint.describe(), self._finish_init)
         except BaseException:
             # Once published, peers may hold our arena's address: keep the
             # memory, drop only the shared-memory name.
-            self._closed = True
-            self._endpoint.release(free_memory=not published[0])
+            self._state.closed = True
+            self._endpoint.release(free_memory=not boot.published)
             raise
         # Every peer has mapped our arena: its name is no longer needed.
         self._endpoint.unlink_export()
-
-    def _bootstrap(self, unique_id: UniqueId, timeout: float, deadline: float, published: list) -> None:
-        """Exchanges arena descriptors through the store, maps every peer, and
-        waits until every peer has mapped us, all before ``deadline``.  A rank
-        that fails tells the others through the store, so they fail at once
-        instead of at their deadline."""
-        rank = self._rank
-        prefix = f"comm/{unique_id.comm_key():016x}"
-        try:
-            store = unique_id.connect(timeout=max(deadline - time.monotonic(), 0.05))
-        except StoreUnreachableError as exc:
-            raise StartupTimeoutError(
-                f"rank {rank}: communicator start-up timed out after {timeout:g} s: could not reach the rendezvous "
-                f"store at {unique_id.host}:{unique_id.port}; it runs in the process that called UniqueId.create(), "
-                f"which has not started it yet or has exited ({exc})", rank=rank) from None
-        with store:
-            try:
-                store.set(f"{prefix}/ep/{rank}", json.dumps(self._endpoint.describe()).encode())
-                published[0] = True
-                peers = self._gather(store, prefix, "ep", timeout, deadline)
-                self._finish_init(peers)
-                store.set(f"{prefix}/ready/{rank}", b"{}")
-                self._gather(store, prefix, "ready", timeout, deadline)
-            except BaseException as exc:
-                _publish_failure(store, prefix, rank, exc, not published[0])
-                raise
-
-    def _gather(self, store, prefix: str, phase: str, timeout: float, deadline: float) -> list[dict]:
-        """Every rank's value of ``phase``, waiting until ``deadline`` at most
-        (one deadline for the whole start-up, not one per peer), logging who is
-        still missing every few seconds."""
-        rank, n = self._rank, self._size
-        keys = [f"{prefix}/{phase}/{p}" for p in range(n)]
-        got: dict[int, dict] = {}
-        start = deadline - timeout
-        next_log = time.monotonic() + STARTUP_LOG_INTERVAL
-        doing, did = ("arrive", "arrived") if phase == "ep" else ("map their peers' memory", "mapped its peers")
-        while True:
-            pending = [p for p in range(n) if p not in got]
-            try:
-                store.wait([keys[p] for p in pending],
-                           timeout=max(0.0, min(deadline, next_log) - time.monotonic()))
-            except CollectiveTimeoutError:
-                pass
-            for p in pending:   # which of them are here now
-                try:
-                    value = json.loads(store.get(keys[p], timeout=0))
-                except CollectiveTimeoutError:
-                    continue
-                if "error" in value:
-                    raise PeerAbortedError(f"rank {rank}: communicator start-up failed on rank {p}: {value['error']}",
-                                           rank=rank, origin=p)
-                got[p] = value
-                _log.debug("rank %d: communicator start-up: rank %d %s (%.1f s)", rank, p, did,
-                           time.monotonic() - start)
-            missing = [p for p in range(n) if p not in got]
-            if not missing:
-                return [got[p] for p in range(n)]
-            now = time.monotonic()
-            if now >= deadline:
-                arrived = sorted(got)
-                what = "have not arrived" if phase == "ep" else "arrived but have not mapped their peers' memory"
-                raise StartupTimeoutError(
-                    f"rank {rank}: communicator start-up timed out after {timeout:g} s: ranks {missing} {what} "
-                    f"(ranks {arrived} have)", rank=rank, missing_ranks=missing, arrived_ranks=arrived)
-            if now >= next_log:
-                _log.info("rank %d: communicator start-up: waiting for ranks %s to %s (%.0f s of %g s)", rank,
-                          missing, doing, now - start, timeout)
-                next_log = now + STARTUP_LOG_INTERVAL
 
     @classmethod
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
@@ -320,21 +203,27 @@ class Communicator:
         _check_options(backend, options, context_options)
         backend = runtime.resolve_backend(backend)
         comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
-        comms = []
-        for rank, dev in enumerate(devices):
-            c = cls.__new__(cls)
-            c._init_local(backend, dev, rank, len(devices), options, context_options, comm_key, shareable=False)
-            comms.append(c)
+        group = LocalGroup(len(devices), closes_memory=True)
+        comms = [cls._create_local(backend, dev, rank, len(devices), options, context_options, comm_key, group)
+                 for rank, dev in enumerate(devices)]
         peers = [c._endpoint.describe() for c in comms]
-        group = _Group(len(comms))
         for c in comms:
-            c._group = group
-            c._group_closes_memory = True
             c._finish_init(peers)
         return comms
 
+    @classmethod
+    def _create_local(cls, backend, device, rank, world_size, options, context_options, comm_key,
+                      group: LocalGroup) -> "Communicator":
+        """A rank of a communicator whose ranks all live in this process
+        (``group``), before it meets its peers (_finish_init)."""
+        self = cls.__new__(cls)
+        self._init_local(backend, device, rank, world_size, options, context_options, comm_key, shareable=False,
+                         group=group, unique_id=None)
+        return self
+
     # -- construction ------------------------------------------------------------
-    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable):
+    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable,
+                    group: LocalGroup, unique_id: UniqueId | None):
         self._backend = backend
         self._device = device
         self._rank = rank
@@ -342,7 +231,8 @@ class Communicator:
         self._comm_key = comm_key
         self._user_options = options
         self._options = (options or CommOptions()).resolved(backend)
-        self._unique_id: UniqueId | None = None  # set when created from one (split uses its store)
+        self._unique_id = unique_id   # set when created from one (split and register use its store)
+        self._group = group
         self._registry: Registry | None = None
         self._splits = 0
         self._ctx = runtime.get_context(backend, device, context_options)
@@ -357,21 +247,12 @@ class Communicator:
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
         self._plans = 0
-        self._closed = False
-        self._forked_from = 0   # in a forked child: the pid of the process this communicator belongs to
-        self._fault_reported = False   # its device failed and its peers were told (liveness.py)
-        # Held by whoever reads this rank's arena or its mappings of the
-        # peers' from another thread (the liveness monitor, liveness.py; the
-        # diagnostics that explain a failure, diagnostics.py), and by close()
-        # while it marks the communicator closed, before any of that memory
-        # goes.  Reentrant: the monitor reads through the diagnostics.
-        self._teardown_lock = threading.RLock()
-        self._aborted = False
-        self._lost_rank: int | None = None
-        self._lost_why = ""
         self._diag: EndpointDiagnostics | None = None
         self._flight = FlightRecorder(rank=rank, world_size=world_size, comm_key=comm_key, backend=backend,
                                       device=device, maxlen=self._options.flight_events)
+        # Closed, aborted, a lost peer: shared with the threads that watch this rank.
+        self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
+                                context=self._ctx, flight=self._flight, peer_timeout=self._options.peer_timeout)
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
@@ -395,16 +276,14 @@ class Communicator:
         self._mode = mode
         self._direct = mode != "ring"
         self._staged = mode == "staged"
-        self._registry = Registry(self) if self._staged and self._unique_id is not None else None
+        self._registry = (Registry(self._endpoint, self._rank, self._size, self._unique_id)
+                          if self._staged and self._unique_id is not None else None)
         # Failures are explained from the peers' records; peers in other
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
-        self._diag.lock = self._teardown_lock
+        self._state.attach(self._diag)
         self._ctx.diagnostics[self._endpoint.id] = self._diag
-        me = weakref.ref(self)
-        self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
-            peer, "a peer found it lost (its process died or stopped, or its device failed)")
-        liveness.register(self)
+        liveness.register(self, self._state)
 
     # -- properties --------------------------------------------------------------
     @property
@@ -444,11 +323,11 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._state.closed
 
     def __repr__(self) -> str:
         return (f"<dfccl.Communicator rank {self._rank}/{self._size} {self._backend}:{self._device} "
-                f"path={self.path}{' closed' if self._closed else ''}>")
+                f"path={self.path}{' closed' if self._state.closed else ''}>")
 
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
@@ -509,7 +388,17 @@ class Communicator:
         dfccl/registration.py for what is mapped and when."""
         self._check_open()
         timeout = _check_seconds("register: timeout", timeout, positive=True)
-        return _register(self, buf, timeout)
+        try:
+            b = as_buffer(buf, "register")
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+        self._check_memory(b, "register")
+        if b.nbytes == 0:
+            raise InvalidArgumentError("register: the buffer is empty", rank=self._rank)
+        if self._registry is None:
+            return RegistrationHandle(None, b.ptr, b.nbytes)   # no staged path: nothing to map
+        return self._registry.register(b.ptr, b.nbytes, timeout)
 
     def deregister(self, handle: RegistrationHandle) -> None:
         """``handle.close()``."""
@@ -533,9 +422,23 @@ class Communicator:
         key = check_key(key, self._rank)
         timeout = _check_seconds("split: timeout", timeout, positive=True)
         self._splits += 1
+        deadline = time.monotonic() + timeout
         if self._unique_id is None:
-            return split_local(self, color, key, timeout)
-        return split_through_store(self, color, key, timeout)
+            local = split_local(self._group, self._splits, self._rank, color, key, deadline, timeout)
+            if local is None:
+                return None
+            child = Communicator._create_local(self._backend, self._device, local.rank, local.size,
+                                               self._user_options, None, local.comm_key, local.group)
+            peers = local.group.rendezvous.exchange("describe", local.rank, child._endpoint.describe(), deadline,
+                                                    timeout)
+            child._finish_init(peers)
+            return child
+        joined = split_through_store(self._unique_id, self._splits, self._rank, self._size, color, key, deadline,
+                                     timeout)
+        if joined is None:
+            return None
+        return Communicator(joined.unique_id, joined.rank, joined.size, device=self._device, backend=self._backend,
+                            options=self._user_options, timeout=max(deadline - time.monotonic(), 0.05))
 
     @staticmethod
     def split_all(comms: Sequence["Communicator"], colors: Sequence[int | None],
@@ -614,8 +517,8 @@ class Communicator:
         return peer
 
     def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
-        what = _KIND_NAMES[kind]
-        if self._forked_from:
+        what = KIND_NAMES[kind]
+        if self._state.forked_from:
             self._check_open()
         self._check_tag(tag, what)
         peer = self._check_peer(peer, what)
@@ -710,7 +613,7 @@ class Communicator:
         return self._prepare(KIND_REDUCE, count, dtype, op, root, tag)
 
     def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
-        what = f"prepare_{_KIND_NAMES[kind]}"
+        what = f"prepare_{KIND_NAMES[kind]}"
         self._check_open()
         if root is _UNUSED:
             root = 0
@@ -736,13 +639,13 @@ class Communicator:
         communicator accepts no new collectives afterwards; a new one on the
         same devices works."""
         timeout = _check_seconds("abort: timeout", timeout)
-        if self._closed:
+        if self._state.closed:
             return
-        if not self._aborted:
-            self._aborted = True
+        if not self._state.aborted:
+            self._state.aborted = True
             if not self._ctx.closed:
                 # Our daemon first, then the peers (who read the status).
-                if self._lost_rank is None:
+                if self._state.lost_rank is None:
                     self._endpoint.abort()
                 self._endpoint.write_status(RANK_ABORTED)
             self._flight.note("abort", detail=f"rank {self._rank} aborted")
@@ -766,41 +669,22 @@ class Communicator:
             time.sleep(1e-4)
         self._ctx.abandon_handles(ep.id)
 
-    def _peer_lost(self, peer: int, why: str) -> None:
-        """The monitor found ``peer``'s process dead or stopped, or its device
-        failed (liveness.py): every pending and later collective fails with
-        PeerLostError."""
-        if self._closed or self._lost_rank is not None:
-            return
-        self._lost_rank = peer
-        self._lost_why = why
-        if self._diag is not None:
-            self._diag.lost_why[peer] = why   # what the daemon's PeerLostErrors say
-        self._flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
-        _log.warning("rank %d: peer rank %d is lost: %s", self._rank, peer, why)
-        if not self._aborted and not self._ctx.closed:
-            self._endpoint.abort(lost_rank=peer)
-        self._aborted = True
-
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
         synchronize() first to finish them); peers waiting for this rank fail
         with PeerAbortedError naming it.  Idempotent."""
         timeout = _check_seconds("close: timeout", timeout)
-        if self._closed:
+        if self._state.closed:
             return
         ep = self._endpoint
         pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
         if pending or (ep.id is not None and not self._ctx.closed and self._ctx.pending_handles(ep.id)):
             self.abort(timeout)
-        elif not self._aborted and ep.id is not None and not self._ctx.closed:
+        elif not self._state.aborted and ep.id is not None and not self._ctx.closed:
             ep.write_status(RANK_CLOSED)
         self._flight.note("close", detail=f"rank {self._rank} closed")
-        with self._teardown_lock:
-            self._closed = True
-            if self._diag is not None:
-                self._diag.closed = True
+        self._state.mark_closed()
         # Abandoned collectives keep their slot (and our memory) until the daemon
         # lets go, whether this close or an earlier abort() abandoned them.
         unfinished = ep.id is not None and not self._ctx.closed and self._ctx.held_by_daemon(ep.id) > 0
@@ -811,27 +695,16 @@ class Communicator:
         last = self._group.leave()
         # Free the arena only when no peer can touch it: every in-process rank
         # of the communicator has closed and nothing is left in flight.
-        free = last and self._group_closes_memory and not self._group.held
+        free = last and self._group.closes_memory and not self._group.held
         self._endpoint.release(free_memory=free)
         if free:
             for ep in self._group.endpoints:
                 ep.release(free_memory=True)
             self._group.endpoints = []
-        elif self._group_closes_memory:
+        elif self._group.closes_memory:
             self._group.endpoints.append(self._endpoint)
         if not self._ctx.closed:
             self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
-
-    def _forked(self, parent_pid: int) -> None:
-        """In a forked child (liveness.py): this communicator is the parent's.
-        It counts as closed, and closing it does nothing: its memory, its
-        status and its peers are the parent's."""
-        self._forked_from = parent_pid
-        self._closed = True
-        self._teardown_lock = threading.RLock()   # another thread may have held it at the fork
-        if self._diag is not None:
-            self._diag.lock = self._teardown_lock
-            self._diag.closed = True
 
     def __enter__(self) -> "Communicator":
         return self
@@ -841,17 +714,18 @@ class Communicator:
 
     # -- internals -------------------------------------------------------------------
     def _check_open(self):
-        if self._lost_rank is not None and not self._closed:
-            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {self._lost_rank} "
-                                f"({self._lost_why}); close it", rank=self._rank, origin=self._lost_rank)
-        if self._closed:
-            if self._forked_from:
-                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {self._forked_from}, "
+        state = self._state
+        if state.lost_rank is not None and not state.closed:
+            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {state.lost_rank} "
+                                f"({state.lost_why}); close it", rank=self._rank, origin=state.lost_rank)
+        if state.closed:
+            if state.forked_from:
+                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {state.forked_from}, "
                                   "which forked this process; a forked child cannot use its parent's communicators "
                                   "(create new ones in the child; on GPUs, start it with the 'spawn' method)",
                                   rank=self._rank)
             raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
-        if self._aborted:
+        if state.aborted:
             raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
 
     def _check_root(self, root, what):
@@ -877,7 +751,7 @@ class Communicator:
             raise InvalidArgumentError(f"{what + ': ' if what else ''}op: {exc}", rank=self._rank) from None
 
     def _pair(self, send, recv, what, writes_recv: bool = True) -> tuple[Buffer, Buffer]:
-        if self._forked_from:
+        if self._state.forked_from:
             self._check_open()   # before the buffers: in a forked child, CUDA cannot tell what they are
         try:
             s = as_buffer(send, f"{what} send")
@@ -930,9 +804,9 @@ class Communicator:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
         if flags & TASK_STAGED and self._has_registered_memory():
-            flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
+            flags, staging, send_reg = self._registry.task_fields(kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
-            kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
+            kind=KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op),
             path=geometry.path, root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
             slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
@@ -942,7 +816,7 @@ class Communicator:
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
                 geometry: Geometry | None = None, key=None) -> Work:
         self._check_open()
-        name = _KIND_NAMES[kind]
+        name = KIND_NAMES[kind]
         if count == 0:
             return Work.completed(name, tag, self._rank)
         _check_overlap(kind, s, r, count, self._rank, self._size, name)
@@ -985,7 +859,7 @@ class Communicator:
         (_plain_task), checked as the general path checks it and submitted
         without a Buffer.  None where anything else holds: the general path
         then does, and explains, everything."""
-        if self._closed or self._aborted or self._lost_rank is not None or self._forked_from:
+        if self._state.closed or self._state.aborted or self._state.lost_rank is not None or self._state.forked_from:
             return None
         if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not _is_simple_tag(tag) \
                 or self._has_registered_memory():
@@ -1008,7 +882,7 @@ class Communicator:
         caller has checked is this communicator's kind and device (the torch
         backend's path for one contiguous tensor: no Buffer, no argument
         parsing)."""
-        if self._closed or self._aborted or self._lost_rank is not None:
+        if self._state.closed or self._state.aborted or self._state.lost_rank is not None:
             self._check_open()
         if count == 0:
             return Work.completed("all_reduce", None, self._rank)
@@ -1036,16 +910,16 @@ class Communicator:
         it has been pending, whom it waits for (the ranks that have not
         joined it, else the rank whose data it waits for), and the last
         events of the flight recorder.  ``print(comm.status())`` formats it."""
-        if self._lost_rank is not None:
-            state = f"peer rank {self._lost_rank} lost"
+        if self._state.lost_rank is not None:
+            state = f"peer rank {self._state.lost_rank} lost"
         else:
-            state = "closed" if self._closed else "aborted" if self._aborted else "open"
-        if not self._closed and self._ctx.device_fault:
+            state = "closed" if self._state.closed else "aborted" if self._state.aborted else "open"
+        if not self._state.closed and self._ctx.device_fault:
             state = f"device failed ({self._ctx.backend.fault_name(self._ctx.device_fault)})"
         st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
                         path=getattr(self, "_mode", "?"), state=state)
         ep = self._endpoint
-        if not self._closed and ep.id is not None and not self._ctx.closed:
+        if not self._state.closed and ep.id is not None and not self._ctx.closed:
             now = time.monotonic_ns()
             for w in self._ctx.pending_works(ep.id):
                 if w.done():
@@ -1096,9 +970,9 @@ class Plan:
     on every rank, or pass a tag."""
 
     def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
-        count = _check_int(f"prepare_{_KIND_NAMES[kind]}: count", count, 0)
+        count = _check_int(f"prepare_{KIND_NAMES[kind]}: count", count, 0)
         self._comm = comm
-        self.kind = _KIND_NAMES[kind]
+        self.kind = KIND_NAMES[kind]
         self._kind = kind
         self.count = int(count)
         self.dtype: DataType = as_data_type(dtype)
@@ -1157,7 +1031,7 @@ class BoundPlan:
 
     def __call__(self) -> Work:
         c = self._comm
-        if c._closed or c._aborted:
+        if c._state.closed or c._state.aborted:
             c._check_open()
         task = self._task
         if task is None:

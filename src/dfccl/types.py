@@ -6,7 +6,7 @@ import enum
 
 from dfccl._native import layout
 
-__all__ = ["DataType", "ReduceOp", "as_data_type", "as_reduce_op"]
+__all__ = ["DataType", "ReduceOp", "KIND_NAMES", "as_data_type", "as_reduce_op"]
 
 
 class DataType(enum.IntEnum):
@@ -38,6 +38,12 @@ class ReduceOp(enum.IntEnum):
     MAX = layout.OP_MAX
     AVG = layout.OP_AVG
 
+
+#: Collective kinds (abi.h, dfccl_kind) by code, as the API names them.
+KIND_NAMES = {layout.KIND_ALL_REDUCE: "all_reduce", layout.KIND_ALL_GATHER: "all_gather",
+              layout.KIND_REDUCE_SCATTER: "reduce_scatter", layout.KIND_BROADCAST: "broadcast",
+              layout.KIND_REDUCE: "reduce", layout.KIND_SEND: "send", layout.KIND_RECV: "recv",
+              layout.KIND_ALL_TO_ALL: "all_to_all"}
 
 # Element sizes, as the daemon computes them (layout.h), looked up once.
 _ITEMSIZE = {dtype: layout.dtype_size(dtype) for dtype in DataType}
