@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
 import dfccl
-from dfccl.testing import arrays, scenarios as sc
-from dfccl.testing.profile import profile_delta
+from dfccl import scenarios as sc
+from dfccl.bench import arrays
+from dfccl_support.profile import profile_delta
 
 
 def main(argv=None) -> int:

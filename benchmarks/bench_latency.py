@@ -36,10 +36,13 @@ from typing import Any
 
 import numpy as np
 
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
 import dfccl
 from dfccl import runtime
 from dfccl.bench import KINDS, Case, count_wrong, format_size, parse_size
-from dfccl.testing.profile import profile_delta
+from dfccl_support.profile import profile_delta
 
 STATS_US = ("queued", "running", "wall", "host", "max_wait")
 SYNC_TIMEOUT_S = 120.0
@@ -58,7 +61,7 @@ class Buffers:
     def _empty(self, device: int, count: int):
         if self.backend == "sim":
             return np.empty(count, dtype=self.case.dtype)
-        from dfccl.testing import arrays
+        from dfccl.bench import arrays
 
         return arrays.DeviceArray(device, count, self.case.dtype)
 

@@ -28,7 +28,7 @@ faulthandler.dump_traceback_later(float(sys.argv[3]) + 40, exit=True)  # a stuck
 import numpy as np
 import dfccl
 from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl import scenarios as sc
 W, P, T, backend = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 n = runtime.device_count(backend)
 devices = [0, 1 % n] if backend == "cuda" else [0, 1]

@@ -27,7 +27,7 @@ import time
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples", "c_api", "run.py")
 

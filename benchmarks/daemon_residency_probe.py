@@ -30,7 +30,7 @@ import torch
 import dfccl
 from dfccl import runtime
 from dfccl.options import ContextOptions
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 import dfccl
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 from probe_snippets import quit_options, spin
 
 STEPS = ("submit rank 0", "submit rank 1", "submitted -> taken", "taken -> rank 0 done", "rank 1 done after",

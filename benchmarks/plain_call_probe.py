@@ -21,7 +21,7 @@ import dfccl
 from dfccl import runtime
 from dfccl.buffers import as_buffer
 from dfccl.communicator import KIND_ALL_REDUCE, _check_overlap
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 
 def median_us(fn, iters: int) -> float:

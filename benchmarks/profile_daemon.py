@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 import dfccl
-from dfccl.testing import arrays, scenarios as sc
+from dfccl import scenarios as sc
+from dfccl.bench import arrays
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 from probe_snippets import quit_options, spin
 
 

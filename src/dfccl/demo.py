@@ -13,7 +13,7 @@ import numpy as np
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl import scenarios as sc
 
 __all__ = ["main"]
 

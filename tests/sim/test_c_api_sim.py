@@ -23,7 +23,7 @@ import pytest
 import dfccl
 from dfccl import capi
 from dfccl._native.layout import STATUS_ABORTED
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 DEV = 4400          # device ids of this module: 4400..4499
 TIMEOUT = 30.0

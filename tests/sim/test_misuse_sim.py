@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 from dfccl import bootstrap
 from dfccl import communicator as comm_mod
 from dfccl.shared_files import shared_directory

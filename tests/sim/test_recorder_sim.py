@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 from dfccl import trace
 from dfccl._native.layout import NUM_DTYPES, NUM_KINDS, NUM_OPS, NUM_PATHS
 

@@ -37,8 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools and integrations", {
         "dfccl.info", "dfccl.demo", "dfccl.scenarios", "dfccl.bench", "dfccl.bench.config", "dfccl.bench.harness",
         "dfccl.bench.baselines", "dfccl.bench.report", "dfccl.bench.floor", "dfccl.bench.arrays",
-        "dfccl.torch", "dfccl.bench_floor", "dfccl.testing", "dfccl.testing.arrays", "dfccl.testing.forking",
-        "dfccl.testing.nccl_reference", "dfccl.testing.profile", "dfccl.testing.scenarios"}),
+        "dfccl.bench.runner", "dfccl.torch"}),
     ("the command line", {"dfccl.cli", "dfccl.__main__"}),
 ]
 

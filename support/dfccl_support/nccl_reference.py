@@ -15,7 +15,7 @@ in the rank processes (and in a probe subprocess for :func:`available`), never
 in the caller, so that the caller's own CUDA state is left alone and a broken
 driver cannot hang it.  The rank processes load this file by path, without
 importing the ``dfccl`` package (whose ``__init__`` needs the compiled
-extensions); the file also works imported as ``dfccl.testing.nccl_reference``.
+extensions); the file also works imported as ``dfccl_support.nccl_reference``.
 
 Scenarios (every tensor holds ``count`` float32 elements; element ``i`` of
 rank ``r``'s input is ``(r + 1) + i % 16`` for collective A and
@@ -48,7 +48,7 @@ thread per GPU, in a subprocess so that the stuck kernels die with it.
 
 Command line::
 
-    python -m dfccl.testing.nccl_reference [--backend nccl|gloo] [--timeout S] [SCENARIO ...]
+    python -m dfccl_support.nccl_reference [--backend nccl|gloo] [--timeout S] [SCENARIO ...]
 """
 
 from __future__ import annotations
@@ -838,12 +838,12 @@ def stream_order_reference(timeout: float = 10.0, setup_timeout: float = 120.0) 
 
 # -- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dfccl.testing.nccl_reference [--backend nccl|gloo] [--timeout S] [SCENARIO ...]``:
+    """``python -m dfccl_support.nccl_reference [--backend nccl|gloo] [--timeout S] [SCENARIO ...]``:
     runs each scenario (all by default) and prints one line per verdict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
         _worker_entry(argv)
-    p = argparse.ArgumentParser(prog="python -m dfccl.testing.nccl_reference",
+    p = argparse.ArgumentParser(prog="python -m dfccl_support.nccl_reference",
                                 description="Run dfccl's deadlock scenarios with NCCL (or gloo) through "
                                             "torch.distributed and report whether each completed, hung or "
                                             "gave wrong results.")
