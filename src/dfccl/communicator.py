@@ -141,9 +141,24 @@ class Communicator:
     def __init__(self, unique_id: UniqueId, rank: int, world_size: int, *, device: int | None = None,
                  backend: str | None = None, options: CommOptions | None = None,
                  context_options: ContextOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
-        """``timeout``: seconds that start-up may take in all (reaching the
-        store, every rank arriving, every rank mapping its peers); past it,
-        StartupTimeoutError names the ranks that did not arrive."""
+        """Joins the communicator of ``unique_id`` as ``rank``.
+
+        Args:
+            unique_id: the id rank 0 created (UniqueId.create) and shared.
+            rank: this rank, 0 <= rank < world_size.
+            world_size: the number of ranks.
+            device: the GPU (or simulated device); None: rank modulo the
+                visible devices.
+            backend: "cuda", "sim" or None (cuda where a GPU is visible).
+            options: how this communicator moves data.
+            context_options: how the device's daemon runs (its first user sets them).
+            timeout: seconds that start-up may take in all (reaching the
+                store, every rank arriving, every rank mapping its peers).
+
+        Raises:
+            StartupTimeoutError: past ``timeout``, naming the ranks that did not arrive.
+            PeerAbortedError: another rank's start-up failed.
+        """
         if not isinstance(unique_id, UniqueId):
             raise InvalidArgumentError(f"unique_id must be a dfccl.UniqueId, not {type(unique_id).__name__} "
                                        "(decode a shared string with UniqueId.from_string)")
@@ -184,9 +199,18 @@ class Communicator:
     @classmethod
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
                     context_options: ContextOptions | None = None) -> list["Communicator"]:
-        """One communicator per entry of ``devices``, all in this process (rank
-        i on devices[i]; a device may appear several times).  Like
-        ncclCommInitAll."""
+        """One communicator per entry of ``devices``, all in this process.
+        Like ncclCommInitAll.
+
+        Args:
+            devices: rank i runs on devices[i] (a device may appear several times).
+            backend: "cuda", "sim" or None (cuda where a GPU is visible).
+            options: how the communicators move data.
+            context_options: how the devices' daemons run.
+
+        Returns:
+            The communicators, rank order.
+        """
         try:
             if isinstance(devices, (str, bytes)):
                 raise TypeError
@@ -331,7 +355,21 @@ class Communicator:
 
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
-        """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        """recv[i] = op over ranks of send[i].
+
+        Args:
+            send: this rank's input (any array with the CUDA array
+                interface, the array interface or DLPack).
+            recv: the output, same shape; None: in place, into ``send``.
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         if recv is None and stream is None:
             work = self._all_reduce_kept(send, op, tag)
             if work is not None:
@@ -343,15 +381,38 @@ class Communicator:
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
-        In place when send is that slice of recv."""
+
+        Args:
+            send: this rank's piece; in place when it is its slice of ``recv``.
+            recv: the output, world_size x the size of ``send``.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_tag(tag, "all_gather")
         s, r = self._pair(send, recv, "all_gather")
         self._same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
         return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
 
     def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
-        """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv
-        size).  In place when recv is that slice of send."""
+        """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv size).
+
+        Args:
+            send: the input, world_size x the size of ``recv``.
+            recv: this rank's piece; in place when it is its slice of ``send``.
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_tag(tag, "reduce_scatter")
         s, r = self._pair(send, recv, "reduce_scatter")
         if s.count != r.count * self._size:
@@ -361,7 +422,20 @@ class Communicator:
         return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op, "reduce_scatter"), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
-        """recv = send of ``root``.  recv=None: in place (send is the buffer)."""
+        """recv = send of ``root``.
+
+        Args:
+            send: the root's data (read on the root only).
+            recv: the output, same shape; None: in place, into ``send``.
+            root: the rank whose data every rank receives.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_root(root, "broadcast")
         self._check_tag(tag, "broadcast")
         s, r = self._pair(send, recv, "broadcast")
@@ -369,8 +443,22 @@ class Communicator:
         return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
 
     def reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", root: int = 0, tag=None, stream=None) -> Work:
-        """recv on ``root`` = op over ranks of send; other ranks' recv is not
-        written (may be None).  recv=None on root: in place."""
+        """recv on ``root`` = op over ranks of send.
+
+        Args:
+            send: this rank's input.
+            recv: the output on ``root`` (None: in place there); not written
+                on other ranks (may be None).
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            root: the rank that receives the result.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_root(root, "reduce")
         self._check_tag(tag, "reduce")
         # Only the root's recv is written: another rank's may be read-only.
@@ -383,9 +471,17 @@ class Communicator:
         """Registers ``buf`` so that peers in other processes read it in place
         instead of through the staged copy (like ncclCommRegister).
         Collective: every rank calls it (the k-th register of every rank is
-        one exchange).  Returns a handle; close it, or use it as a context
-        manager, once no pending collective uses the buffer.  See
-        dfccl/registration.py for what is mapped and when."""
+        one exchange).  See dfccl/registration.py for what is mapped and when.
+
+        Args:
+            buf: a device buffer (on the simulator: memory from
+                dfccl.registration.mem_alloc).
+            timeout: seconds the exchange with the peers may take.
+
+        Returns:
+            A handle: close it, or use it as a context manager, once no
+            pending collective uses the buffer.
+        """
         self._check_open()
         timeout = _check_seconds("register: timeout", timeout, positive=True)
         try:
@@ -401,7 +497,11 @@ class Communicator:
         return self._registry.register(b.ptr, b.nbytes, timeout)
 
     def deregister(self, handle: RegistrationHandle) -> None:
-        """``handle.close()``."""
+        """``handle.close()``.
+
+        Args:
+            handle: what register() returned.
+        """
         if not isinstance(handle, RegistrationHandle):
             raise InvalidArgumentError(f"deregister needs a RegistrationHandle, not {type(handle).__name__}",
                                        rank=self._rank)
@@ -416,7 +516,16 @@ class Communicator:
         k-th split of every rank is one split).  The child runs on the same
         daemon as this one, with the same options.  Ranks of a
         ``for_devices`` group must each call it on their own thread (or use
-        :meth:`split_all`).  Like ncclCommSplit."""
+        :meth:`split_all`).  Like ncclCommSplit.
+
+        Args:
+            color: the child this rank joins; None or negative: none.
+            key: this rank's order in its child (ties: parent rank); None: its rank.
+            timeout: seconds the agreement with the other ranks may take.
+
+        Returns:
+            The child communicator, or None for a rank without a color.
+        """
         self._check_open()
         color = check_color(color)
         key = check_key(key, self._rank)
@@ -445,7 +554,17 @@ class Communicator:
                   keys: Sequence[int | None] | None = None, *,
                   timeout: float = DEFAULT_STARTUP_TIMEOUT) -> list["Communicator | None"]:
         """:meth:`split` for several ranks of this process at once (one thread
-        per rank): ``comms[i].split(colors[i], keys[i])`` for every i."""
+        per rank): ``comms[i].split(colors[i], keys[i])`` for every i.
+
+        Args:
+            comms: ranks of one communicator.
+            colors: each rank's color (None: it joins no child).
+            keys: each rank's key; None: their ranks.
+            timeout: seconds each split may take.
+
+        Returns:
+            Each rank's child (or None), in the order of ``comms``.
+        """
         comms, colors = list(comms), list(colors)
         keys = [None] * len(comms) if keys is None else list(keys)
         if not (len(comms) == len(colors) == len(keys)):
@@ -478,19 +597,49 @@ class Communicator:
         ``tag`` pairs with the k-th recv from this rank with ``tag`` on
         ``peer`` (untagged ones in call order per peer pair), whatever else
         either rank submits in between or in which order.  Completes once the
-        peer has taken the data (``buf`` may then be reused)."""
+        peer has taken the data (``buf`` may then be reused).
+
+        Args:
+            buf: the data.
+            peer: the receiving rank.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._p2p(KIND_SEND, buf, peer, tag, stream)
 
     def recv(self, buf, peer: int, *, tag=None, stream=None) -> Work:
         """Receives into ``buf`` what rank ``peer`` sends with ``tag``; the
         send must have the same element count and dtype (else MismatchError on
-        both ranks)."""
+        both ranks).
+
+        Args:
+            buf: where the data lands.
+            peer: the sending rank.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._p2p(KIND_RECV, buf, peer, tag, stream)
 
     def all_to_all(self, send, recv, *, tag=None, stream=None) -> Work:
         """Equal splits: rank r's send[p * n : (p + 1) * n] lands in rank p's
         recv[r * n : (r + 1) * n] (n = send size / world size; recv has the
-        same size)."""
+        same size).
+
+        Args:
+            send: world_size equal parts, part p for rank p.
+            recv: world_size equal parts, part r from rank r.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._all_to_all(send, recv, None, None, tag, stream, "all_to_all")
 
     def all_to_all_single(self, send, recv, *, send_splits: Sequence[int] | None = None,
@@ -501,7 +650,19 @@ class Communicator:
         ``recv_splits[p]`` from rank p, placed in rank order in ``recv``.
         Counts may differ per peer and be zero; each split list must sum to its
         buffer's size (None: equal parts).  ``send_splits[p]`` here must equal
-        ``recv_splits[rank]`` on rank p, else MismatchError on both."""
+        ``recv_splits[rank]`` on rank p, else MismatchError on both.
+
+        Args:
+            send: the parts for every rank, in rank order.
+            recv: the parts from every rank, in rank order.
+            send_splits: elements for each rank; None: equal parts.
+            recv_splits: elements from each rank; None: equal parts.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
 
     def _check_peer(self, peer, what: str) -> int:
@@ -596,20 +757,73 @@ class Communicator:
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
+        """All-reduces of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type (a DataType, its name, a numpy or torch dtype).
+            op: the reduction.
+            tag: the tag every instance uses (None: the untagged sequence).
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_ALL_REDUCE, count, dtype, op, _UNUSED, tag)
 
     def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
-        """``count``: elements each rank contributes."""
+        """All-gathers of one shape, checked and planned once.
+
+        Args:
+            count: elements each rank contributes.
+            dtype: the element type.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_ALL_GATHER, count, dtype, _UNUSED, _UNUSED, tag)
 
     def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
-        """``count``: elements each rank receives."""
+        """Reduce-scatters of one shape, checked and planned once.
+
+        Args:
+            count: elements each rank receives.
+            dtype: the element type.
+            op: the reduction.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_REDUCE_SCATTER, count, dtype, op, _UNUSED, tag)
 
     def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
+        """Broadcasts of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type.
+            root: the rank whose data every rank receives.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_BROADCAST, count, dtype, _UNUSED, root, tag)
 
     def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
+        """Reduces of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type.
+            op: the reduction.
+            root: the rank that receives the result.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_REDUCE, count, dtype, op, root, tag)
 
     def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
@@ -637,7 +851,11 @@ class Communicator:
         the daemon has not let go of by then fails at once all the same (its
         memory stays reserved until the daemon is done with it).  The
         communicator accepts no new collectives afterwards; a new one on the
-        same devices works."""
+        same devices works.
+
+        Args:
+            timeout: seconds to wait for the daemon to let go of this rank's collectives.
+        """
         timeout = _check_seconds("abort: timeout", timeout)
         if self._state.closed:
             return
@@ -672,7 +890,11 @@ class Communicator:
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
         synchronize() first to finish them); peers waiting for this rank fail
-        with PeerAbortedError naming it.  Idempotent."""
+        with PeerAbortedError naming it.  Idempotent.
+
+        Args:
+            timeout: seconds an abort of pending collectives may take.
+        """
         timeout = _check_seconds("close: timeout", timeout)
         if self._state.closed:
             return
@@ -909,7 +1131,11 @@ class Communicator:
         """What this rank is doing now: every pending collective, how long
         it has been pending, whom it waits for (the ranks that have not
         joined it, else the rank whose data it waits for), and the last
-        events of the flight recorder.  ``print(comm.status())`` formats it."""
+        events of the flight recorder.
+
+        Returns:
+            A CommStatus (``print(comm.status())`` formats it).
+        """
         if self._state.lost_rank is not None:
             state = f"peer rank {self._state.lost_rank} lost"
         else:
@@ -994,8 +1220,17 @@ class Plan:
                          self._key)
 
     def bind(self, send, recv=None, *, stream=None) -> "BoundPlan":
-        """Fixes the buffers (and stream) too: calling the result submits one
-        instance with no argument parsing or validation left to do."""
+        """Fixes the buffers (and stream) too.
+
+        Args:
+            send: the input of every instance.
+            recv: the output (None: in place, where the kind allows it).
+            stream: the CUDA stream every instance follows; None: run now.
+
+        Returns:
+            A BoundPlan: calling it submits one instance with no argument
+            parsing or validation left to do.
+        """
         return BoundPlan(self, send, recv, stream)
 
     def _check(self, s: Buffer, r: Buffer):
