@@ -98,7 +98,7 @@ class ContextOptions:
         the same round trip as the submission tail, before it knows they are
         there (0..3; docs/architecture.md, "The host link").  More saves a
         round trip per burst of submissions and costs host-memory reads on
-        every poll (on one H200 in a VM, 0 was fastest: benchmarks/NOTES.md).
+        every poll (on one H200 in a VM, 0 was fastest: docs/performance-log.md).
         None: ``DFCCL_LINK_AHEAD`` from the environment, else 0.  A link
         block reads as far ahead as it can whatever this says.
     link_block: one more daemon block that does nothing but read the host

@@ -184,7 +184,7 @@ print("RESULT", f"{took:.4f}")
 @pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
 def test_first_launch_while_a_stream_waits(loading):
     """A kernel's first launch in a process waits for the device to drain,
-    in both module-loading modes (benchmarks/module_loading_probe.py): here
+    in both module-loading modes (benchmarks/probes/module_loading_probe.py): here
     for a collective a stream waits for, whose peer another thread submits a
     second later.  Meanwhile status() reads device memory; a driver call
     made with the GIL held would block there too and keep the submitting

@@ -27,7 +27,7 @@ from dfccl.bench.report import (NCCL_UNAVAILABLE_NO_GPU, finish_row, format_row,
                                 nccl_unavailable_line, plot_title, timing_line, write_plot)
 from dfccl.errors import BackendError
 
-__all__ = ["WorkerError", "run_bench"]
+__all__ = ["WorkerError", "gpu_names", "run_bench", "versions"]
 
 
 # -- dfccl: every rank in this process ---------------------------------------------------------------
@@ -182,7 +182,7 @@ class _Progress:
             self.bar.close()
 
 
-def _versions() -> dict:
+def versions() -> dict:
     from importlib import metadata
 
     import dfccl
@@ -196,7 +196,7 @@ def _versions() -> dict:
     return out
 
 
-def _gpu_names(backend: str, devices: list[int]) -> list[str]:
+def gpu_names(backend: str, devices: list[int]) -> list[str]:
     if backend != "cuda":
         return ["simulated GPU" for _ in devices]
     try:
@@ -244,9 +244,9 @@ def run_bench(cfg: BenchConfig, out=sys.stdout) -> dict:
         "host": socket.gethostname(),
         "backend": cfg.backend,
         "mode": cfg.mode,
-        "gpus": _gpu_names(cfg.backend, cfg.devices),
+        "gpus": gpu_names(cfg.backend, cfg.devices),
         "devices": cfg.devices,
-        "versions": {**_versions(), **({"nccl": info["nccl_version"]} if info.get("nccl_version") else {})},
+        "versions": {**versions(), **({"nccl": info["nccl_version"]} if info.get("nccl_version") else {})},
         "dfccl": {"path": info.get("path"), "channels": info.get("channels"), "memory": info.get("memory")},
         "nccl": {"status": info.get("nccl") or "measured", "form": "in place"},
         "timing": {"blocking": cfg.blocking,
