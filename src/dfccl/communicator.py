@@ -125,8 +125,6 @@ def _is_simple_tag(tag) -> bool:
     return tag is None or type(tag) is str or type(tag) is int
 
 
-
-
 class Communicator:
     """A group of ranks that run collectives together.
 
