@@ -107,6 +107,7 @@ def extensions():
         Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
         Extension("dfccl._native.array_view", ["src/dfccl/_native/array_view.pyx"], **common),
         Extension("dfccl._native.tag_table", ["src/dfccl/_native/tag_table.pyx"], **common),
+        Extension("dfccl._native.layout", ["src/dfccl/_native/layout.pyx"], **common),
         Extension("dfccl._native.descriptor", ["src/dfccl/_native/descriptor.pyx"], **common),
         Extension("dfccl._native.launch", ["src/dfccl/_native/launch.pyx"], **common),
         Extension("dfccl._native.hotpath", ["src/dfccl/_native/hotpath.pyx"], **common),

@@ -9,35 +9,37 @@ this measures dfccl against itself across revisions.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
 import dfccl
-from dfccl.testing import arrays, scenarios as sc
-from dfccl.testing.profile import profile_delta
+from dfccl import scenarios as sc
+from dfccl.bench import arrays
+from dfccl_support import suite
+from dfccl_support.profile import profile_delta
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--devices", default="0,0")
+    p = suite.parser(__doc__.split("\n\n")[0], iters=2000, devices="0,0", backend="cuda")
     p.add_argument("--sizes", default="8,4096,262144,1048576")
-    p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    devices = [int(d) for d in args.devices.split(",")]
-    comms = dfccl.Communicator.for_devices(devices, backend="cuda")
+    devices = args.devices
+    comms = dfccl.Communicator.for_devices(devices, backend=args.backend)
     rng = np.random.default_rng()
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         count = max(1, size // 4)
         inputs = [rng.standard_normal(count).astype(np.float32) for _ in comms]
-        sends = [arrays.from_numpy("cuda", c.device, x) for c, x in zip(comms, inputs)]
-        recvs = [arrays.empty("cuda", c.device, count, "float32", fill=np.nan) for c in comms]
+        sends = [arrays.from_numpy(args.backend, c.device, x) for c, x in zip(comms, inputs)]
+        recvs = [arrays.empty(args.backend, c.device, count, "float32", fill=np.nan) for c in comms]
         plans = [c.prepare_all_reduce(count, "float32", tag=("hp", size)).bind(s, r)
                  for c, s, r in zip(comms, sends, recvs)]
         for w in [b() for b in plans]:
@@ -77,9 +79,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['size']:>8} {r['b2b_us']:8.1f} {r['submit_us']:9.2f} {r['latency_us']:8.1f} "
               f"{r['device_wall_us']:8.1f} {r['host_us']:8.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    print("wrote", suite.write(args.out, suite.record("host_path", args, args.backend, devices, rows)))
     return 0
 
 

@@ -20,15 +20,15 @@ and again after the depth sweep.  The comparison with NCCL (one thread or
 process per GPU) is ``dfccl bench -z 1``; this script measures dfccl only.
 
     python benchmarks/bench_latency.py [--sizes 8,4K,256K] [--iters 200] [--backend sim]
+
+Flags and the record (one JSON line appended to <out>/latency.jsonl) are the
+suite's (support/dfccl_support/suite.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,10 +36,14 @@ from typing import Any
 
 import numpy as np
 
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
 import dfccl
 from dfccl import runtime
 from dfccl.bench import KINDS, Case, count_wrong, format_size, parse_size
-from dfccl.testing.profile import profile_delta
+from dfccl_support import suite
+from dfccl_support.profile import profile_delta
 
 STATS_US = ("queued", "running", "wall", "host", "max_wait")
 SYNC_TIMEOUT_S = 120.0
@@ -58,7 +62,7 @@ class Buffers:
     def _empty(self, device: int, count: int):
         if self.backend == "sim":
             return np.empty(count, dtype=self.case.dtype)
-        from dfccl.testing import arrays
+        from dfccl.bench import arrays
 
         return arrays.DeviceArray(device, count, self.case.dtype)
 
@@ -150,21 +154,15 @@ def parse_list(text: str, convert, what: str) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = suite.parser(__doc__.split("\n\n")[0], iters=200, warmup=10)
     p.add_argument("--kinds", default="all_reduce", help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--sizes", default="8,1K,64K,1M", help="comma-separated sizes (bytes, as dfccl bench's -b)")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--depths", default="1,8,64,512,2048", help="queue depths of the sweep")
-    p.add_argument("--devices", default=None, help="comma-separated device numbers (default: every GPU / 0,1)")
-    p.add_argument("--backend", choices=("cuda", "sim"), default=None, help="default: cuda if a GPU is visible")
     p.add_argument("--path", default="auto", choices=("auto", "direct", "ring"))
-    p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
     p.add_argument("--protocol", default="auto", choices=("auto", "ll", "simple"),
                    help="CommOptions.protocol: 'll' takes the LL protocol up to --ll-max-bytes")
     p.add_argument("--ll-max-bytes", type=int, default=None, help="CommOptions.ll_max_bytes (default: from the budget)")
     p.add_argument("--max-tags", type=int, default=None, help="CommOptions.max_tags (fewer leave room for a larger LL limit)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
 
     kinds = parse_list(args.kinds, str, "kinds")
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except dfccl.errors.BackendError as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.devices:
-        devices = parse_list(args.devices, int, "devices")
+        devices = args.devices
     else:
         devices = list(range(runtime.cuda_device_count())) if backend == "cuda" else [0, 1]
     if len(devices) < 2:
@@ -190,11 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(seed)
     comms = dfccl.Communicator.for_devices(devices, backend=backend, options=dfccl.CommOptions(
         path=args.path, protocol=args.protocol, ll_max_bytes=args.ll_max_bytes, max_tags=args.max_tags))
-    machine = {"host": socket.gethostname(), "backend": backend, "devices": devices, "ranks": n,
-               "gpus": len(set(devices)), "dfccl": dfccl.__version__, "dfccl_path": comms[0].path,
-               "channels": comms[0].channels, "seed": seed,
-               "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    print(json.dumps(machine))
+    setup = {"ranks": n, "gpus": len(set(devices)), "dfccl_path": comms[0].path, "channels": comms[0].channels,
+             "seed": seed}
+    print(json.dumps(setup))
     rows: list[dict] = []
     wrong_total = 0
     try:
@@ -243,11 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for c in comms:
             c.close()
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"latency-{stamp}-{backend}-{len(set(devices))}gpu-{n}rank.json")
-    with open(path, "w") as f:
-        json.dump({"machine": machine, "wrong_total": wrong_total, "rows": rows}, f, indent=1)
+    path = suite.write(args.out, suite.record("latency", args, backend, devices,
+                                              {"setup": setup, "wrong_total": wrong_total, "rows": rows}))
     print(f"\n# Out of bounds values : {wrong_total} {'OK' if wrong_total == 0 else 'FAILED'}")
     print(f"wrote {path}")
     return 0 if wrong_total == 0 else 1

@@ -15,23 +15,24 @@ the same one) then submits everything and all results are checked.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
+
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
+from dfccl_support import suite  # noqa: E402
 
 CHILD = r"""
 import faulthandler, json, sys, time
 faulthandler.dump_traceback_later(float(sys.argv[3]) + 40, exit=True)  # a stuck child shows where
 import numpy as np
 import dfccl
-from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl import scenarios as sc
 W, P, T, backend = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-n = runtime.device_count(backend)
-devices = [0, 1 % n] if backend == "cuda" else [0, 1]
+devices = [int(d) for d in sys.argv[5].split(",")]
 # One daemon block, so that it cycles through all P tasks (with more, the
 # tags are spread over the blocks and visit them side by side).
 opts = dfccl.ContextOptions(blocks=1, base_window_ns=W, max_window_ns=W, adaptive=False, idle_quit_ns=int(60e9))
@@ -84,19 +85,22 @@ for c in comms:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = suite.parser(__doc__.split("\n\n")[0], backend="cuda")
     p.add_argument("--windows", default="2000,5000,20000", help="base windows in ns")
     p.add_argument("--pending", type=int, default=64)
     p.add_argument("--seconds", type=float, default=1.0)
-    p.add_argument("--backend", default="cuda")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
+    from dfccl import runtime
+
+    # Rank 1 on the second GPU, or on the same one.
+    devices = args.devices or ([0, 1 % runtime.device_count("cuda")] if args.backend == "cuda" else [0, 1])
     rows = []
     print(f"{'window us':>10} {'preemptions':>12} {'visit us':>9} {'overhead us':>12} {'inside us':>10} "
           f"{'between us':>11} {'settle ms':>10}")
     for w in [int(x) for x in args.windows.split(",")]:
         out = subprocess.run([sys.executable, "-c", CHILD, str(w), str(args.pending), str(args.seconds),
-                              args.backend], capture_output=True, text=True, timeout=args.seconds + 120)
+                              args.backend, ",".join(map(str, devices))], capture_output=True, text=True,
+                             timeout=args.seconds + 120)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not line:
             print(f"window {w} ns did not complete:", out.stdout[-3000:], out.stderr[-3000:], file=sys.stderr)
@@ -109,10 +113,7 @@ def main(argv=None) -> int:
         print(f"{'':>10} block 0 per run (us): pull {pr['pull_us']:.2f}  pick {pr['pick_us']:.2f}  restore "
               f"{pr['restore_us']:.2f}  run {pr['run_us']:.2f}  save {pr['save_us']:.2f}  idle {pr['idle_us']:.2f}",
               flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    name = f"{datetime.date.today().isoformat()}-preemption-{args.backend}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(rows, f, indent=1)
+    print("wrote", suite.write(args.out, suite.record("preemption", args, args.backend, devices, rows)))
     return 0
 
 

@@ -9,12 +9,14 @@ removing from the per-collective path.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(ROOT, "support"))
+
+from dfccl_support import suite  # noqa: E402
 
 SOURCE = r"""
 #include "daemon/arch.cuh"
@@ -61,9 +63,7 @@ CASES = ["now_ns (%globaltimer)", "load_gpu (ld.relaxed.gpu)", "load_acquire_gpu
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=20000)
-    p.add_argument("--out", default=None, help="JSON file for the results")
+    p = suite.parser(__doc__.splitlines()[0], iters=20000, placement=False)
     args = p.parse_args(argv)
     import cupy as cp
 
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
         ns = int(out[0].get()) / iters
         rows.append({"operation": name, "ns": round(ns, 1), "iters": iters})
         print(f"{name:<48} {ns:8.1f} ns")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f, indent=1)
+    print("wrote", suite.write(args.out, suite.record("primitives", args, "cuda", [0], rows)))
     return 0
 
 

@@ -16,32 +16,35 @@ docs/profiling.md explains the steps and how to read the output.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
 import numpy as np
 
+# The benchmarks' shared helpers (dfccl_support) live in support/, beside the package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+
 import dfccl
-from dfccl.testing import arrays, scenarios as sc
+from dfccl import scenarios as sc
+from dfccl.bench import arrays
+from dfccl_support import suite
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", default="0,0", help="device of each rank (default 0,0)")
+    p = suite.parser(__doc__.splitlines()[0], iters=200, devices="0,0", backend="cuda")
     p.add_argument("--size", type=int, default=8, help="bytes per rank of the float32 all_reduce (default 8)")
-    p.add_argument("--iters", type=int, default=200, help="collectives per rank (default 200)")
     p.add_argument("--idle-quit-ms", type=float, default=5.0,
                    help="the daemon leaves after this long without work (default 5 ms)")
     args = p.parse_args(argv)
-    devices = [int(d) for d in args.devices.split(",")]
+    devices = args.devices
     ctx_opts = dfccl.ContextOptions(idle_quit_ns=int(args.idle_quit_ms * 1e6))
-    comms = dfccl.Communicator.for_devices(devices, backend="cuda", context_options=ctx_opts)
+    comms = dfccl.Communicator.for_devices(devices, backend=args.backend, context_options=ctx_opts)
     count = max(1, args.size // 4)
     rng = np.random.default_rng()
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in comms]
-    sends = [arrays.from_numpy("cuda", c.device, x) for c, x in zip(comms, inputs)]
-    recvs = [arrays.empty("cuda", c.device, count, "float32", fill=np.nan) for c in comms]
+    sends = [arrays.from_numpy(args.backend, c.device, x) for c, x in zip(comms, inputs)]
+    recvs = [arrays.empty(args.backend, c.device, count, "float32", fill=np.nan) for c in comms]
     plans = [c.prepare_all_reduce(count, "float32", tag="profile").bind(s, r)
              for c, s, r in zip(comms, sends, recvs)]
     t0 = time.perf_counter()
@@ -64,6 +67,8 @@ def main(argv=None) -> int:
             print(f"{b:>5} " + " ".join(f"{row[k]:>12}" for k in keys))
     for c in comms:
         c.close()
+    results = {"us_back_to_back": elapsed * 1e6 / args.iters, "profile": prof}
+    print("wrote", suite.write(args.out, suite.record("profile_daemon", args, args.backend, devices, results)))
     return 0
 
 

@@ -63,7 +63,7 @@ if has mpbench; then
     --out "$OUT" ${MPBENCH_ARGS:-}
 fi
 if has hostpath; then
-  step hostpath ${HOSTPATH_LIMIT:-120} $PY benchmarks/bench_host_path.py --out "$OUT/hostpath.json" ${HOSTPATH_ARGS:-}
+  step hostpath ${HOSTPATH_LIMIT:-120} $PY benchmarks/bench_host_path.py --out "$OUT" ${HOSTPATH_ARGS:-}
 fi
 if has preempt; then
   step preempt ${PREEMPT_LIMIT:-120} $PY benchmarks/bench_preemption.py --out "$OUT" ${PREEMPT_ARGS:-}

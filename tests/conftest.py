@@ -7,11 +7,21 @@ collective).
 
 Every process the tests start keeps its status files and status pages in
 one directory of the session ($DFCCL_STATUS_DIR); at the end, none may be
-left but the test process's own (removed when it exits)."""
+left but the test process's own (removed when it exits).
+
+The helpers the tests and benchmarks share (``dfccl_support``, in support/)
+are not part of the installed package: they go on the path here, and on
+that of every process the tests start."""
 
 import os
+import sys
 
 import pytest
+
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+sys.path.insert(0, SUPPORT)
+os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p and p != SUPPORT])
 
 
 def _gpus() -> int:

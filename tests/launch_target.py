@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import dfccl
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 TIMEOUT = 60
 

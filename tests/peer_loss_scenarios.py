@@ -24,7 +24,7 @@ def _worker(uid: str, rank: int, how: str, peer_timeout, queue, detected, backen
 
         import dfccl
         from dfccl import liveness, runtime
-        from dfccl.testing import arrays
+        from dfccl.bench import arrays
 
         device = DEV + rank if backend == "sim" else rank % runtime.cuda_device_count()
 

@@ -1,7 +1,7 @@
 """numpy references with dfccl's semantics (shared with the demo and the
-benchmarks: dfccl.testing.scenarios)."""
+benchmarks: dfccl.scenarios)."""
 
-from dfccl.testing.scenarios import DTYPES, KINDS, OPS, assert_close, random_input, tolerance
-from dfccl.testing.scenarios import reduce_reference as reduce
+from dfccl.scenarios import DTYPES, KINDS, OPS, assert_close, random_input, tolerance
+from dfccl.scenarios import reduce_reference as reduce
 
 __all__ = ["DTYPES", "KINDS", "OPS", "assert_close", "random_input", "reduce", "tolerance"]

@@ -4,6 +4,7 @@
 
 #include "arch.cuh"
 #include "dfccl/hash.h"
+#include "dfccl/layout.h"
 
 namespace dfccl {
 

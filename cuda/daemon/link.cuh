@@ -2,7 +2,7 @@
 //
 // A read of host-mapped memory crosses PCIe (and, in a VM, the IOMMU): a
 // dependent read costs ~2.3 us on the 1 x H200 VM, and the lines of one
-// warp-wide load share that round trip (benchmarks/host_handoff_probe.py).
+// warp-wide load share that round trip (benchmarks/probes/host_handoff_probe.py).
 // Host memory is read by the control warp of one block at a time, each lane
 // loading one 16-byte word, so that several lines go in one round trip.  One
 // round trip reads the control words and the next link_ahead ring entries;

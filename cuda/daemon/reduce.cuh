@@ -8,6 +8,7 @@
 #pragma once
 
 #include "arch.cuh"
+#include "dfccl/layout.h"
 
 namespace dfccl {
 
@@ -335,14 +336,7 @@ struct ReduceCopyKernel {
   DFCCL_DEV static void run(const ReduceCopyArgs *a) { reduce_copy_typed<Tr, OP>(*a); }
 };
 
-DFCCL_DEV uint32_t dtype_size(int dtype) {
-  switch (dtype) {
-    case DFCCL_INT8: case DFCCL_UINT8: return 1;
-    case DFCCL_FLOAT16: case DFCCL_BFLOAT16: return 2;
-    case DFCCL_INT32: case DFCCL_UINT32: case DFCCL_FLOAT32: return 4;
-    default: return 8;
-  }
-}
+DFCCL_DEV uint32_t dtype_size(int dtype) { return dfccl_dtype_size(dtype); }
 
 // dsts = op(srcs) over nelem elements of dtype; a single source with nothing
 // to divide is a byte copy.  Run by the mover threads of a block.

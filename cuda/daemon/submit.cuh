@@ -155,7 +155,7 @@ DFCCL_DEV void take_entry(const BlockEnv &env, const pack16 *words, uint64_t pul
 // the pull just wrote.
 //
 // Every dependent round trip here delays the task's first run
-// (benchmarks/NOTES.md, section 13).  An entry costs one (its words, all
+// (docs/performance-log.md, section 13).  An entry costs one (its words, all
 // in flight at once; the first two entries share it), an entry for other
 // blocks nothing more (block 0 still checks every entry, to reject bad
 // ones), and a task of this block four more (endpoint, own record's

@@ -46,7 +46,7 @@ namespace dfccl {
 
 enum LLStep { L_PUSH = 0, L_RECV = 1, L_FINISH = 2, L_DONE = 3 };
 
-constexpr uint32_t kLLHeaderLines = 2;  // token line, signature line
+constexpr uint32_t kLLHeaderLines = DFCCL_LL_HEADER_LINES;  // token line, signature line (layout.h)
 constexpr uint32_t kLLBatch = 4;        // lines a lane of the control warp loads before it pushes them
 constexpr uint32_t kLLReprobePolls = 64;
 
@@ -67,13 +67,12 @@ DFCCL_DEV uint64_t ll_check_word(const TaskRun &run) {
   return mix64(task_signature(*run.d, run.ep->nranks) ^ mix64(run.d->count + 0x51ed27u));
 }
 
-// ---- the LL region of an arena (endpoint.py, ll_region_bytes) -------------------
+// ---- the LL region of an arena (dfccl/layout.h, dfccl_ll_region_bytes) ------------
 //   areas:   [bucket][sender][parity] of ll_area_bytes
 //   acks:    [bucket][receiver] of 8 bytes (in the sender's arena)
-DFCCL_DEV uint64_t ll_payload_lines(const dfccl_endpoint *ep) { return ceil_div(ep->ll_max_bytes, 8); }
-DFCCL_DEV uint64_t ll_area_bytes(const dfccl_endpoint *ep) { return 16ull * (kLLHeaderLines + ll_payload_lines(ep)); }
+DFCCL_DEV uint64_t ll_area_bytes(const dfccl_endpoint *ep) { return dfccl_ll_area_bytes(ep->ll_max_bytes); }
 DFCCL_DEV uint64_t ll_areas_bytes(const dfccl_endpoint *ep) {
-  return (uint64_t)ep->table_capacity * ep->nranks * 2ull * ll_area_bytes(ep);
+  return dfccl_ll_areas_bytes(ep->table_capacity, ep->nranks, ep->ll_max_bytes);
 }
 DFCCL_DEV uint64_t ll_area(const dfccl_endpoint *ep, uint32_t receiver, uint32_t sender, uint32_t bucket,
                            uint64_t instance) {

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             else:
                 # Device memory: C cannot write the inputs, so every rank starts
                 # from ones and ends with nranks ** iterations.
-                from dfccl.testing import arrays
+                from dfccl.bench import arrays
                 buffers = [arrays.empty(args.backend, d, args.count, "float32", fill=1.0) for d in devices]
                 plans = [c.prepare_all_reduce(args.count, "float32").bind(b) for c, b in zip(comms, buffers)]
                 submit_s, _, _ = submit_loop(lib, plans, args.iterations)

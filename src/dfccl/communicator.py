@@ -8,7 +8,6 @@ peers."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import numbers
@@ -17,30 +16,31 @@ import secrets
 import threading
 import time
 import warnings
-import weakref
 from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
-from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
-                                      KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
-                                      RANK_ABORTED, RANK_CLOSED, TASK_STAGED, TaskDescriptor)
+from dfccl._native.descriptor import TaskDescriptor
+from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
+                                  KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
+                                  RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
 from dfccl._native.work import Work
+from dfccl.bootstrap import StoreBootstrap
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
-from dfccl.errors import (ClosedError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
-                          PeerAbortedError, PeerLostError, StartupTimeoutError)
+from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError, PeerLostError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
+from dfccl.local_group import LocalGroup
 from dfccl.options import CommOptions, ContextOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
-from dfccl.registration import Registry, RegistrationHandle, register as _register, registered_task_fields
-from dfccl.split import LocalRendezvous, check_color, check_key, split_local, split_through_store
-from dfccl.store import StoreUnreachableError
+from dfccl.rank_state import RankState
+from dfccl.registration import Registry, RegistrationHandle
+from dfccl.split import check_color, check_key, split_local, split_through_store
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
-from dfccl.types import DataType, ReduceOp, as_data_type, as_reduce_op
+from dfccl.types import KIND_NAMES, DataType, ReduceOp, as_data_type, as_reduce_op
 from dfccl.unique_id import UniqueId
 
 __all__ = ["Communicator", "Plan", "BoundPlan", "DEFAULT_STARTUP_TIMEOUT"]
@@ -52,8 +52,6 @@ _log = logging.getLogger("dfccl")
 #: and framework start-up), short enough that a rank that never comes is
 #: reported within two minutes rather than looking like a hang.
 DEFAULT_STARTUP_TIMEOUT = 120.0
-#: Seconds between start-up progress lines (logger "dfccl", INFO).
-STARTUP_LOG_INTERVAL = 5.0
 
 
 def daemon_share(peers: Sequence[dict], rank: int, channels: int) -> tuple[int, int]:
@@ -122,27 +120,6 @@ def _check_seconds(name: str, value, positive: bool = False) -> float:
     return t
 
 
-def _publish_failure(store, prefix: str, rank: int, exc: BaseException, ep: bool) -> None:
-    """Tells the other ranks that this one's start-up failed, so that they
-    fail at once (PeerAbortedError naming it) instead of at their deadline."""
-    failure = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
-    try:
-        if ep:
-            store.set(f"{prefix}/ep/{rank}", failure)
-        store.set(f"{prefix}/ready/{rank}", failure)
-    except Exception:
-        pass  # the store is gone too: peers will time out, naming this rank
-
-
-def _tell_peers(unique_id: UniqueId, rank: int, exc: BaseException, deadline: float) -> None:
-    """_publish_failure for a rank that failed before reaching the store."""
-    try:
-        with unique_id.connect(timeout=min(max(deadline - time.monotonic(), 0.05), 5.0)) as store:
-            _publish_failure(store, f"comm/{unique_id.comm_key():016x}", rank, exc, True)
-    except Exception:
-        pass
-
-
 def _check_options(backend, options, context_options) -> None:
     if backend is not None and not isinstance(backend, str):
         raise InvalidArgumentError(f"backend must be 'cuda', 'sim' or None, not {type(backend).__name__} "
@@ -169,30 +146,6 @@ def _is_simple_tag(tag) -> bool:
     return tag is None or type(tag) is str or type(tag) is int
 
 
-_KIND_NAMES = {KIND_ALL_REDUCE: "all_reduce", KIND_ALL_GATHER: "all_gather", KIND_REDUCE_SCATTER: "reduce_scatter",
-               KIND_BROADCAST: "broadcast", KIND_REDUCE: "reduce", KIND_SEND: "send", KIND_RECV: "recv",
-               KIND_ALL_TO_ALL: "all_to_all"}
-
-
-class _Group:
-    """The ranks of one communicator that live in this process: arenas are
-    freed only when the last of them closes (peers may still read them)."""
-
-    def __init__(self, size: int):
-        self.lock = threading.Lock()
-        self.open = size
-        self.endpoints: list[Endpoint] = []
-        # A rank closed while the daemon still held some of its collectives
-        # (abandoned by an abort): the group's arenas then stay mapped.
-        self.held = False
-        self.rendezvous = LocalRendezvous(size)  # split() among ranks of this process
-
-    def leave(self) -> bool:
-        with self.lock:
-            self.open -= 1
-            return self.open == 0
-
-
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -207,9 +160,24 @@ class Communicator:
     def __init__(self, unique_id: UniqueId, rank: int, world_size: int, *, device: int | None = None,
                  backend: str | None = None, options: CommOptions | None = None,
                  context_options: ContextOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
-        """``timeout``: seconds that start-up may take in all (reaching the
-        store, every rank arriving, every rank mapping its peers); past it,
-        StartupTimeoutError names the ranks that did not arrive."""
+        """Joins the communicator of ``unique_id`` as ``rank``.
+
+        Args:
+            unique_id: the id rank 0 created (UniqueId.create) and shared.
+            rank: this rank, 0 <= rank < world_size.
+            world_size: the number of ranks.
+            device: the GPU (or simulated device); None: rank modulo the
+                visible devices.
+            backend: "cuda", "sim" or None (cuda where a GPU is visible).
+            options: how this communicator moves data.
+            context_options: how the device's daemon runs (its first user sets them).
+            timeout: seconds that start-up may take in all (reaching the
+                store, every rank arriving, every rank mapping its peers).
+
+        Raises:
+            StartupTimeoutError: past ``timeout``, naming the ranks that did not arrive.
+            PeerAbortedError: another rank's start-up failed.
+        """
         if not isinstance(unique_id, UniqueId):
             raise InvalidArgumentError(f"unique_id must be a dfccl.UniqueId, not {type(unique_id).__name__} "
                                        "(decode a shared string with UniqueId.from_string)")
@@ -228,102 +196,40 @@ class Communicator:
         backend = runtime.resolve_backend(backend)
         if device is None:
             device = rank % runtime.device_count(backend) if backend == "cuda" else rank
+        boot = StoreBootstrap(unique_id, rank, world_size, timeout, deadline)
         try:
+            # Peers in other processes may map our arena for as long as they live.
             self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
-                             shareable=True)
+                             shareable=True, group=LocalGroup(1, closes_memory=False), unique_id=unique_id)
         except DfcclError as exc:
-            _tell_peers(unique_id, rank, exc, deadline)
+            boot.tell_peers(exc)
             raise
-        self._unique_id = unique_id
-        self._group = _Group(1)
-        self._group_closes_memory = False  # peers in other processes may still map our arena
-        published = [False]
         try:
-            self._bootstrap(unique_id, timeout, deadline, published)
+            boot.run(self._endpoint.describe(), self._finish_init)
         except BaseException:
             # Once published, peers may hold our arena's address: keep the
             # memory, drop only the shared-memory name.
-            self._closed = True
-            self._endpoint.release(free_memory=not published[0])
+            self._state.closed = True
+            self._endpoint.release(free_memory=not boot.published)
             raise
         # Every peer has mapped our arena: its name is no longer needed.
         self._endpoint.unlink_export()
 
-    def _bootstrap(self, unique_id: UniqueId, timeout: float, deadline: float, published: list) -> None:
-        """Exchanges arena descriptors through the store, maps every peer, and
-        waits until every peer has mapped us, all before ``deadline``.  A rank
-        that fails tells the others through the store, so they fail at once
-        instead of at their deadline."""
-        rank = self._rank
-        prefix = f"comm/{unique_id.comm_key():016x}"
-        try:
-            store = unique_id.connect(timeout=max(deadline - time.monotonic(), 0.05))
-        except StoreUnreachableError as exc:
-            raise StartupTimeoutError(
-                f"rank {rank}: communicator start-up timed out after {timeout:g} s: could not reach the rendezvous "
-                f"store at {unique_id.host}:{unique_id.port}; it runs in the process that called UniqueId.create(), "
-                f"which has not started it yet or has exited ({exc})", rank=rank) from None
-        with store:
-            try:
-                store.set(f"{prefix}/ep/{rank}", json.dumps(self._endpoint.describe()).encode())
-                published[0] = True
-                peers = self._gather(store, prefix, "ep", timeout, deadline)
-                self._finish_init(peers)
-                store.set(f"{prefix}/ready/{rank}", b"{}")
-                self._gather(store, prefix, "ready", timeout, deadline)
-            except BaseException as exc:
-                _publish_failure(store, prefix, rank, exc, not published[0])
-                raise
-
-    def _gather(self, store, prefix: str, phase: str, timeout: float, deadline: float) -> list[dict]:
-        """Every rank's value of ``phase``, waiting until ``deadline`` at most
-        (one deadline for the whole start-up, not one per peer), logging who is
-        still missing every few seconds."""
-        rank, n = self._rank, self._size
-        keys = [f"{prefix}/{phase}/{p}" for p in range(n)]
-        got: dict[int, dict] = {}
-        start = deadline - timeout
-        next_log = time.monotonic() + STARTUP_LOG_INTERVAL
-        doing, did = ("arrive", "arrived") if phase == "ep" else ("map their peers' memory", "mapped its peers")
-        while True:
-            pending = [p for p in range(n) if p not in got]
-            try:
-                store.wait([keys[p] for p in pending],
-                           timeout=max(0.0, min(deadline, next_log) - time.monotonic()))
-            except CollectiveTimeoutError:
-                pass
-            for p in pending:   # which of them are here now
-                try:
-                    value = json.loads(store.get(keys[p], timeout=0))
-                except CollectiveTimeoutError:
-                    continue
-                if "error" in value:
-                    raise PeerAbortedError(f"rank {rank}: communicator start-up failed on rank {p}: {value['error']}",
-                                           rank=rank, origin=p)
-                got[p] = value
-                _log.debug("rank %d: communicator start-up: rank %d %s (%.1f s)", rank, p, did,
-                           time.monotonic() - start)
-            missing = [p for p in range(n) if p not in got]
-            if not missing:
-                return [got[p] for p in range(n)]
-            now = time.monotonic()
-            if now >= deadline:
-                arrived = sorted(got)
-                what = "have not arrived" if phase == "ep" else "arrived but have not mapped their peers' memory"
-                raise StartupTimeoutError(
-                    f"rank {rank}: communicator start-up timed out after {timeout:g} s: ranks {missing} {what} "
-                    f"(ranks {arrived} have)", rank=rank, missing_ranks=missing, arrived_ranks=arrived)
-            if now >= next_log:
-                _log.info("rank %d: communicator start-up: waiting for ranks %s to %s (%.0f s of %g s)", rank,
-                          missing, doing, now - start, timeout)
-                next_log = now + STARTUP_LOG_INTERVAL
-
     @classmethod
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
                     context_options: ContextOptions | None = None) -> list["Communicator"]:
-        """One communicator per entry of ``devices``, all in this process (rank
-        i on devices[i]; a device may appear several times).  Like
-        ncclCommInitAll."""
+        """One communicator per entry of ``devices``, all in this process.
+        Like ncclCommInitAll.
+
+        Args:
+            devices: rank i runs on devices[i] (a device may appear several times).
+            backend: "cuda", "sim" or None (cuda where a GPU is visible).
+            options: how the communicators move data.
+            context_options: how the devices' daemons run.
+
+        Returns:
+            The communicators, rank order.
+        """
         try:
             if isinstance(devices, (str, bytes)):
                 raise TypeError
@@ -340,21 +246,27 @@ class Communicator:
         _check_options(backend, options, context_options)
         backend = runtime.resolve_backend(backend)
         comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
-        comms = []
-        for rank, dev in enumerate(devices):
-            c = cls.__new__(cls)
-            c._init_local(backend, dev, rank, len(devices), options, context_options, comm_key, shareable=False)
-            comms.append(c)
+        group = LocalGroup(len(devices), closes_memory=True)
+        comms = [cls._create_local(backend, dev, rank, len(devices), options, context_options, comm_key, group)
+                 for rank, dev in enumerate(devices)]
         peers = [c._endpoint.describe() for c in comms]
-        group = _Group(len(comms))
         for c in comms:
-            c._group = group
-            c._group_closes_memory = True
             c._finish_init(peers)
         return comms
 
+    @classmethod
+    def _create_local(cls, backend, device, rank, world_size, options, context_options, comm_key,
+                      group: LocalGroup) -> "Communicator":
+        """A rank of a communicator whose ranks all live in this process
+        (``group``), before it meets its peers (_finish_init)."""
+        self = cls.__new__(cls)
+        self._init_local(backend, device, rank, world_size, options, context_options, comm_key, shareable=False,
+                         group=group, unique_id=None)
+        return self
+
     # -- construction ------------------------------------------------------------
-    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable):
+    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable,
+                    group: LocalGroup, unique_id: UniqueId | None):
         self._backend = backend
         self._device = device
         self._rank = rank
@@ -362,7 +274,8 @@ class Communicator:
         self._comm_key = comm_key
         self._user_options = options
         self._options = (options or CommOptions()).resolved(backend)
-        self._unique_id: UniqueId | None = None  # set when created from one (split uses its store)
+        self._unique_id = unique_id   # set when created from one (split and register use its store)
+        self._group = group
         self._registry: Registry | None = None
         self._splits = 0
         self._ctx = runtime.get_context(backend, device, context_options)
@@ -377,21 +290,12 @@ class Communicator:
         self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
         self._plans = 0
-        self._closed = False
-        self._forked_from = 0   # in a forked child: the pid of the process this communicator belongs to
-        self._fault_reported = False   # its device failed and its peers were told (liveness.py)
-        # Held by whoever reads this rank's arena or its mappings of the
-        # peers' from another thread (the liveness monitor, liveness.py; the
-        # diagnostics that explain a failure, diagnostics.py), and by close()
-        # while it marks the communicator closed, before any of that memory
-        # goes.  Reentrant: the monitor reads through the diagnostics.
-        self._teardown_lock = threading.RLock()
-        self._aborted = False
-        self._lost_rank: int | None = None
-        self._lost_why = ""
         self._diag: EndpointDiagnostics | None = None
         self._flight = FlightRecorder(rank=rank, world_size=world_size, comm_key=comm_key, backend=backend,
                                       device=device, maxlen=self._options.flight_events)
+        # Closed, aborted, a lost peer: shared with the threads that watch this rank.
+        self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
+                                context=self._ctx, flight=self._flight, peer_timeout=self._options.peer_timeout)
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
@@ -415,16 +319,14 @@ class Communicator:
         self._mode = mode
         self._direct = mode != "ring"
         self._staged = mode == "staged"
-        self._registry = Registry(self) if self._staged and self._unique_id is not None else None
+        self._registry = (Registry(self._endpoint, self._rank, self._size, self._unique_id)
+                          if self._staged and self._unique_id is not None else None)
         # Failures are explained from the peers' records; peers in other
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
-        self._diag.lock = self._teardown_lock
+        self._state.attach(self._diag)
         self._ctx.diagnostics[self._endpoint.id] = self._diag
-        me = weakref.ref(self)
-        self._diag.on_peer_lost = lambda peer: (c := me()) is not None and c._peer_lost(
-            peer, "a peer found it lost (its process died or stopped, or its device failed)")
-        liveness.register(self)
+        liveness.register(self, self._state)
 
     # -- properties --------------------------------------------------------------
     @property
@@ -464,15 +366,29 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._state.closed
 
     def __repr__(self) -> str:
         return (f"<dfccl.Communicator rank {self._rank}/{self._size} {self._backend}:{self._device} "
-                f"path={self.path}{' closed' if self._closed else ''}>")
+                f"path={self.path}{' closed' if self._state.closed else ''}>")
 
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
-        """recv[i] = op over ranks of send[i].  recv=None: in place."""
+        """recv[i] = op over ranks of send[i].
+
+        Args:
+            send: this rank's input (any array with the CUDA array
+                interface, the array interface or DLPack).
+            recv: the output, same shape; None: in place, into ``send``.
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         if recv is None and stream is None:
             work = self._all_reduce_kept(send, op, tag)
             if work is not None:
@@ -484,15 +400,38 @@ class Communicator:
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
-        In place when send is that slice of recv."""
+
+        Args:
+            send: this rank's piece; in place when it is its slice of ``recv``.
+            recv: the output, world_size x the size of ``send``.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_tag(tag, "all_gather")
         s, r = self._pair(send, recv, "all_gather")
         self._same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
         return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
 
     def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
-        """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv
-        size).  In place when recv is that slice of send."""
+        """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv size).
+
+        Args:
+            send: the input, world_size x the size of ``recv``.
+            recv: this rank's piece; in place when it is its slice of ``send``.
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_tag(tag, "reduce_scatter")
         s, r = self._pair(send, recv, "reduce_scatter")
         if s.count != r.count * self._size:
@@ -502,7 +441,20 @@ class Communicator:
         return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op, "reduce_scatter"), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
-        """recv = send of ``root``.  recv=None: in place (send is the buffer)."""
+        """recv = send of ``root``.
+
+        Args:
+            send: the root's data (read on the root only).
+            recv: the output, same shape; None: in place, into ``send``.
+            root: the rank whose data every rank receives.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_root(root, "broadcast")
         self._check_tag(tag, "broadcast")
         s, r = self._pair(send, recv, "broadcast")
@@ -510,8 +462,22 @@ class Communicator:
         return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
 
     def reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", root: int = 0, tag=None, stream=None) -> Work:
-        """recv on ``root`` = op over ranks of send; other ranks' recv is not
-        written (may be None).  recv=None on root: in place."""
+        """recv on ``root`` = op over ranks of send.
+
+        Args:
+            send: this rank's input.
+            recv: the output on ``root`` (None: in place there); not written
+                on other ranks (may be None).
+            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            root: the rank that receives the result.
+            tag: which collective this is: the k-th use of a tag on every rank
+                is one collective (None: the k-th untagged one).
+            stream: a CUDA stream (torch, CuPy or a handle) the collective
+                follows and that later work on it waits for; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once (nothing here waits for peers).
+        """
         self._check_root(root, "reduce")
         self._check_tag(tag, "reduce")
         # Only the root's recv is written: another rank's may be read-only.
@@ -524,15 +490,37 @@ class Communicator:
         """Registers ``buf`` so that peers in other processes read it in place
         instead of through the staged copy (like ncclCommRegister).
         Collective: every rank calls it (the k-th register of every rank is
-        one exchange).  Returns a handle; close it, or use it as a context
-        manager, once no pending collective uses the buffer.  See
-        dfccl/registration.py for what is mapped and when."""
+        one exchange).  See dfccl/registration.py for what is mapped and when.
+
+        Args:
+            buf: a device buffer (on the simulator: memory from
+                dfccl.registration.mem_alloc).
+            timeout: seconds the exchange with the peers may take.
+
+        Returns:
+            A handle: close it, or use it as a context manager, once no
+            pending collective uses the buffer.
+        """
         self._check_open()
         timeout = _check_seconds("register: timeout", timeout, positive=True)
-        return _register(self, buf, timeout)
+        try:
+            b = as_buffer(buf, "register")
+        except InvalidArgumentError as exc:
+            exc.rank = self._rank
+            raise
+        self._check_memory(b, "register")
+        if b.nbytes == 0:
+            raise InvalidArgumentError("register: the buffer is empty", rank=self._rank)
+        if self._registry is None:
+            return RegistrationHandle(None, b.ptr, b.nbytes)   # no staged path: nothing to map
+        return self._registry.register(b.ptr, b.nbytes, timeout)
 
     def deregister(self, handle: RegistrationHandle) -> None:
-        """``handle.close()``."""
+        """``handle.close()``.
+
+        Args:
+            handle: what register() returned.
+        """
         if not isinstance(handle, RegistrationHandle):
             raise InvalidArgumentError(f"deregister needs a RegistrationHandle, not {type(handle).__name__}",
                                        rank=self._rank)
@@ -547,22 +535,55 @@ class Communicator:
         k-th split of every rank is one split).  The child runs on the same
         daemon as this one, with the same options.  Ranks of a
         ``for_devices`` group must each call it on their own thread (or use
-        :meth:`split_all`).  Like ncclCommSplit."""
+        :meth:`split_all`).  Like ncclCommSplit.
+
+        Args:
+            color: the child this rank joins; None or negative: none.
+            key: this rank's order in its child (ties: parent rank); None: its rank.
+            timeout: seconds the agreement with the other ranks may take.
+
+        Returns:
+            The child communicator, or None for a rank without a color.
+        """
         self._check_open()
         color = check_color(color)
         key = check_key(key, self._rank)
         timeout = _check_seconds("split: timeout", timeout, positive=True)
         self._splits += 1
+        deadline = time.monotonic() + timeout
         if self._unique_id is None:
-            return split_local(self, color, key, timeout)
-        return split_through_store(self, color, key, timeout)
+            local = split_local(self._group, self._splits, self._rank, color, key, deadline, timeout)
+            if local is None:
+                return None
+            child = Communicator._create_local(self._backend, self._device, local.rank, local.size,
+                                               self._user_options, None, local.comm_key, local.group)
+            peers = local.group.rendezvous.exchange("describe", local.rank, child._endpoint.describe(), deadline,
+                                                    timeout)
+            child._finish_init(peers)
+            return child
+        joined = split_through_store(self._unique_id, self._splits, self._rank, self._size, color, key, deadline,
+                                     timeout)
+        if joined is None:
+            return None
+        return Communicator(joined.unique_id, joined.rank, joined.size, device=self._device, backend=self._backend,
+                            options=self._user_options, timeout=max(deadline - time.monotonic(), 0.05))
 
     @staticmethod
     def split_all(comms: Sequence["Communicator"], colors: Sequence[int | None],
                   keys: Sequence[int | None] | None = None, *,
                   timeout: float = DEFAULT_STARTUP_TIMEOUT) -> list["Communicator | None"]:
         """:meth:`split` for several ranks of this process at once (one thread
-        per rank): ``comms[i].split(colors[i], keys[i])`` for every i."""
+        per rank): ``comms[i].split(colors[i], keys[i])`` for every i.
+
+        Args:
+            comms: ranks of one communicator.
+            colors: each rank's color (None: it joins no child).
+            keys: each rank's key; None: their ranks.
+            timeout: seconds each split may take.
+
+        Returns:
+            Each rank's child (or None), in the order of ``comms``.
+        """
         comms, colors = list(comms), list(colors)
         keys = [None] * len(comms) if keys is None else list(keys)
         if not (len(comms) == len(colors) == len(keys)):
@@ -595,19 +616,49 @@ class Communicator:
         ``tag`` pairs with the k-th recv from this rank with ``tag`` on
         ``peer`` (untagged ones in call order per peer pair), whatever else
         either rank submits in between or in which order.  Completes once the
-        peer has taken the data (``buf`` may then be reused)."""
+        peer has taken the data (``buf`` may then be reused).
+
+        Args:
+            buf: the data.
+            peer: the receiving rank.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._p2p(KIND_SEND, buf, peer, tag, stream)
 
     def recv(self, buf, peer: int, *, tag=None, stream=None) -> Work:
         """Receives into ``buf`` what rank ``peer`` sends with ``tag``; the
         send must have the same element count and dtype (else MismatchError on
-        both ranks)."""
+        both ranks).
+
+        Args:
+            buf: where the data lands.
+            peer: the sending rank.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._p2p(KIND_RECV, buf, peer, tag, stream)
 
     def all_to_all(self, send, recv, *, tag=None, stream=None) -> Work:
         """Equal splits: rank r's send[p * n : (p + 1) * n] lands in rank p's
         recv[r * n : (r + 1) * n] (n = send size / world size; recv has the
-        same size)."""
+        same size).
+
+        Args:
+            send: world_size equal parts, part p for rank p.
+            recv: world_size equal parts, part r from rank r.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._all_to_all(send, recv, None, None, tag, stream, "all_to_all")
 
     def all_to_all_single(self, send, recv, *, send_splits: Sequence[int] | None = None,
@@ -618,7 +669,19 @@ class Communicator:
         ``recv_splits[p]`` from rank p, placed in rank order in ``recv``.
         Counts may differ per peer and be zero; each split list must sum to its
         buffer's size (None: equal parts).  ``send_splits[p]`` here must equal
-        ``recv_splits[rank]`` on rank p, else MismatchError on both."""
+        ``recv_splits[rank]`` on rank p, else MismatchError on both.
+
+        Args:
+            send: the parts for every rank, in rank order.
+            recv: the parts from every rank, in rank order.
+            send_splits: elements for each rank; None: equal parts.
+            recv_splits: elements from each rank; None: equal parts.
+            tag: which exchange this is (see above; None: call order).
+            stream: a CUDA stream the operation follows; None: run now.
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
         return self._all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
 
     def _check_peer(self, peer, what: str) -> int:
@@ -634,8 +697,8 @@ class Communicator:
         return peer
 
     def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
-        what = _KIND_NAMES[kind]
-        if self._forked_from:
+        what = KIND_NAMES[kind]
+        if self._state.forked_from:
             self._check_open()
         self._check_tag(tag, what)
         peer = self._check_peer(peer, what)
@@ -715,24 +778,77 @@ class Communicator:
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
+        """All-reduces of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type (a DataType, its name, a numpy or torch dtype).
+            op: the reduction.
+            tag: the tag every instance uses (None: the untagged sequence).
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_ALL_REDUCE, count, dtype, op, _UNUSED, tag)
 
     def prepare_all_gather(self, count: int, dtype, *, tag=None) -> "Plan":
-        """``count``: elements each rank contributes."""
+        """All-gathers of one shape, checked and planned once.
+
+        Args:
+            count: elements each rank contributes.
+            dtype: the element type.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_ALL_GATHER, count, dtype, _UNUSED, _UNUSED, tag)
 
     def prepare_reduce_scatter(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
-        """``count``: elements each rank receives."""
+        """Reduce-scatters of one shape, checked and planned once.
+
+        Args:
+            count: elements each rank receives.
+            dtype: the element type.
+            op: the reduction.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_REDUCE_SCATTER, count, dtype, op, _UNUSED, tag)
 
     def prepare_broadcast(self, count: int, dtype, *, root: int = 0, tag=None) -> "Plan":
+        """Broadcasts of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type.
+            root: the rank whose data every rank receives.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_BROADCAST, count, dtype, _UNUSED, root, tag)
 
     def prepare_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", root: int = 0, tag=None) -> "Plan":
+        """Reduces of one shape, checked and planned once.
+
+        Args:
+            count: elements of the buffer.
+            dtype: the element type.
+            op: the reduction.
+            root: the rank that receives the result.
+            tag: the tag every instance uses.
+
+        Returns:
+            A Plan: call it (or bind() it) with buffers to submit an instance.
+        """
         return self._prepare(KIND_REDUCE, count, dtype, op, root, tag)
 
     def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
-        what = f"prepare_{_KIND_NAMES[kind]}"
+        what = f"prepare_{KIND_NAMES[kind]}"
         self._check_open()
         if root is _UNUSED:
             root = 0
@@ -756,15 +872,19 @@ class Communicator:
         the daemon has not let go of by then fails at once all the same (its
         memory stays reserved until the daemon is done with it).  The
         communicator accepts no new collectives afterwards; a new one on the
-        same devices works."""
+        same devices works.
+
+        Args:
+            timeout: seconds to wait for the daemon to let go of this rank's collectives.
+        """
         timeout = _check_seconds("abort: timeout", timeout)
-        if self._closed:
+        if self._state.closed:
             return
-        if not self._aborted:
-            self._aborted = True
+        if not self._state.aborted:
+            self._state.aborted = True
             if not self._ctx.closed:
                 # Our daemon first, then the peers (who read the status).
-                if self._lost_rank is None:
+                if self._state.lost_rank is None:
                     self._endpoint.abort()
                 self._endpoint.write_status(RANK_ABORTED)
             self._flight.note("abort", detail=f"rank {self._rank} aborted")
@@ -788,41 +908,26 @@ class Communicator:
             time.sleep(1e-4)
         self._ctx.abandon_handles(ep.id)
 
-    def _peer_lost(self, peer: int, why: str) -> None:
-        """The monitor found ``peer``'s process dead or stopped, or its device
-        failed (liveness.py): every pending and later collective fails with
-        PeerLostError."""
-        if self._closed or self._lost_rank is not None:
-            return
-        self._lost_rank = peer
-        self._lost_why = why
-        if self._diag is not None:
-            self._diag.lost_why[peer] = why   # what the daemon's PeerLostErrors say
-        self._flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
-        _log.warning("rank %d: peer rank %d is lost: %s", self._rank, peer, why)
-        if not self._aborted and not self._ctx.closed:
-            self._endpoint.abort(lost_rank=peer)
-        self._aborted = True
-
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
         synchronize() first to finish them); peers waiting for this rank fail
-        with PeerAbortedError naming it.  Idempotent."""
+        with PeerAbortedError naming it.  Idempotent.
+
+        Args:
+            timeout: seconds an abort of pending collectives may take.
+        """
         timeout = _check_seconds("close: timeout", timeout)
-        if self._closed:
+        if self._state.closed:
             return
         ep = self._endpoint
         pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
         if pending or (ep.id is not None and not self._ctx.closed and self._ctx.pending_handles(ep.id)):
             self.abort(timeout)
-        elif not self._aborted and ep.id is not None and not self._ctx.closed:
+        elif not self._state.aborted and ep.id is not None and not self._ctx.closed:
             ep.write_status(RANK_CLOSED)
         self._flight.note("close", detail=f"rank {self._rank} closed")
-        with self._teardown_lock:
-            self._closed = True
-            if self._diag is not None:
-                self._diag.closed = True
+        self._state.mark_closed()
         # Abandoned collectives keep their slot (and our memory) until the daemon
         # lets go, whether this close or an earlier abort() abandoned them.
         unfinished = ep.id is not None and not self._ctx.closed and self._ctx.held_by_daemon(ep.id) > 0
@@ -833,27 +938,16 @@ class Communicator:
         last = self._group.leave()
         # Free the arena only when no peer can touch it: every in-process rank
         # of the communicator has closed and nothing is left in flight.
-        free = last and self._group_closes_memory and not self._group.held
+        free = last and self._group.closes_memory and not self._group.held
         self._endpoint.release(free_memory=free)
         if free:
             for ep in self._group.endpoints:
                 ep.release(free_memory=True)
             self._group.endpoints = []
-        elif self._group_closes_memory:
+        elif self._group.closes_memory:
             self._group.endpoints.append(self._endpoint)
         if not self._ctx.closed:
             self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
-
-    def _forked(self, parent_pid: int) -> None:
-        """In a forked child (liveness.py): this communicator is the parent's.
-        It counts as closed, and closing it does nothing: its memory, its
-        status and its peers are the parent's."""
-        self._forked_from = parent_pid
-        self._closed = True
-        self._teardown_lock = threading.RLock()   # another thread may have held it at the fork
-        if self._diag is not None:
-            self._diag.lock = self._teardown_lock
-            self._diag.closed = True
 
     def __enter__(self) -> "Communicator":
         return self
@@ -863,17 +957,18 @@ class Communicator:
 
     # -- internals -------------------------------------------------------------------
     def _check_open(self):
-        if self._lost_rank is not None and not self._closed:
-            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {self._lost_rank} "
-                                f"({self._lost_why}); close it", rank=self._rank, origin=self._lost_rank)
-        if self._closed:
-            if self._forked_from:
-                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {self._forked_from}, "
+        state = self._state
+        if state.lost_rank is not None and not state.closed:
+            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {state.lost_rank} "
+                                f"({state.lost_why}); close it", rank=self._rank, origin=state.lost_rank)
+        if state.closed:
+            if state.forked_from:
+                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {state.forked_from}, "
                                   "which forked this process; a forked child cannot use its parent's communicators "
                                   "(create new ones in the child; on GPUs, start it with the 'spawn' method)",
                                   rank=self._rank)
             raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
-        if self._aborted:
+        if state.aborted:
             raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
 
     def _check_root(self, root, what):
@@ -899,7 +994,7 @@ class Communicator:
             raise InvalidArgumentError(f"{what + ': ' if what else ''}op: {exc}", rank=self._rank) from None
 
     def _pair(self, send, recv, what, writes_recv: bool = True) -> tuple[Buffer, Buffer]:
-        if self._forked_from:
+        if self._state.forked_from:
             self._check_open()   # before the buffers: in a forked child, CUDA cannot tell what they are
         try:
             s = as_buffer(send, f"{what} send")
@@ -952,9 +1047,9 @@ class Communicator:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
         if flags & TASK_STAGED and self._has_registered_memory():
-            flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
+            flags, staging, send_reg = self._registry.task_fields(kind, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
-            kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
+            kind=KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset, kind_code=kind,
             dtype=int(s.dtype), op=int(op),
             path=geometry.path, root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
@@ -965,7 +1060,7 @@ class Communicator:
     def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
                 geometry: Geometry | None = None, key=None) -> Work:
         self._check_open()
-        name = _KIND_NAMES[kind]
+        name = KIND_NAMES[kind]
         if count == 0:
             return Work.completed(name, tag, self._rank)
         _check_overlap(kind, s, r, count, self._rank, self._size, name)
@@ -1008,7 +1103,7 @@ class Communicator:
         (_plain_task), checked as the general path checks it and submitted
         without a Buffer.  None where anything else holds: the general path
         then does, and explains, everything."""
-        if self._closed or self._aborted or self._lost_rank is not None or self._forked_from:
+        if self._state.closed or self._state.aborted or self._state.lost_rank is not None or self._state.forked_from:
             return None
         if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not _is_simple_tag(tag) \
                 or self._has_registered_memory():
@@ -1031,7 +1126,7 @@ class Communicator:
         caller has checked is this communicator's kind and device (the torch
         backend's path for one contiguous tensor: no Buffer, no argument
         parsing)."""
-        if self._closed or self._aborted or self._lost_rank is not None:
+        if self._state.closed or self._state.aborted or self._state.lost_rank is not None:
             self._check_open()
         if count == 0:
             return Work.completed("all_reduce", None, self._rank)
@@ -1058,17 +1153,21 @@ class Communicator:
         """What this rank is doing now: every pending collective, how long
         it has been pending, whom it waits for (the ranks that have not
         joined it, else the rank whose data it waits for), and the last
-        events of the flight recorder.  ``print(comm.status())`` formats it."""
-        if self._lost_rank is not None:
-            state = f"peer rank {self._lost_rank} lost"
+        events of the flight recorder.
+
+        Returns:
+            A CommStatus (``print(comm.status())`` formats it).
+        """
+        if self._state.lost_rank is not None:
+            state = f"peer rank {self._state.lost_rank} lost"
         else:
-            state = "closed" if self._closed else "aborted" if self._aborted else "open"
-        if not self._closed and self._ctx.device_fault:
+            state = "closed" if self._state.closed else "aborted" if self._state.aborted else "open"
+        if not self._state.closed and self._ctx.device_fault:
             state = f"device failed ({self._ctx.backend.fault_name(self._ctx.device_fault)})"
         st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
                         path=getattr(self, "_mode", "?"), state=state)
         ep = self._endpoint
-        if not self._closed and ep.id is not None and not self._ctx.closed:
+        if not self._state.closed and ep.id is not None and not self._ctx.closed:
             now = time.monotonic_ns()
             for w in self._ctx.pending_works(ep.id):
                 if w.done():
@@ -1119,9 +1218,9 @@ class Plan:
     on every rank, or pass a tag."""
 
     def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
-        count = _check_int(f"prepare_{_KIND_NAMES[kind]}: count", count, 0)
+        count = _check_int(f"prepare_{KIND_NAMES[kind]}: count", count, 0)
         self._comm = comm
-        self.kind = _KIND_NAMES[kind]
+        self.kind = KIND_NAMES[kind]
         self._kind = kind
         self.count = int(count)
         self.dtype: DataType = as_data_type(dtype)
@@ -1143,8 +1242,17 @@ class Plan:
                          self._key)
 
     def bind(self, send, recv=None, *, stream=None) -> "BoundPlan":
-        """Fixes the buffers (and stream) too: calling the result submits one
-        instance with no argument parsing or validation left to do."""
+        """Fixes the buffers (and stream) too.
+
+        Args:
+            send: the input of every instance.
+            recv: the output (None: in place, where the kind allows it).
+            stream: the CUDA stream every instance follows; None: run now.
+
+        Returns:
+            A BoundPlan: calling it submits one instance with no argument
+            parsing or validation left to do.
+        """
         return BoundPlan(self, send, recv, stream)
 
     def _check(self, s: Buffer, r: Buffer):
@@ -1180,7 +1288,7 @@ class BoundPlan:
 
     def __call__(self) -> Work:
         c = self._comm
-        if c._closed or c._aborted:
+        if c._state.closed or c._state.aborted:
             c._check_open()
         task = self._task
         if task is None:

@@ -13,7 +13,7 @@ import numpy as np
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl import scenarios as sc
 
 __all__ = ["main"]
 
@@ -89,10 +89,3 @@ def run_demo(backend: str | None = None, devices: list[int] | None = None, path:
             c.close()
     print("\nall scenarios completed with correct results", file=out)
     return True
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``dfccl`` command (kept here for callers of ``dfccl.demo.main``)."""
-    from dfccl.cli import main as cli_main
-
-    return cli_main(argv)

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.descriptor import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_HEADER_BYTES,
-                                      instance_token)
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_HEADER_BYTES,
+                                  instance_token)
 from dfccl.errors import ClosedError, MismatchError
 from dfccl.tags import home_bucket
-from dfccl.types import DataType, ReduceOp
+from dfccl.types import KIND_NAMES, DataType, ReduceOp
 
 if TYPE_CHECKING:
     from dfccl.endpoint import Endpoint
@@ -35,12 +35,6 @@ READ_TIMEOUT_S = 0.5
 # Seconds a mismatch report waits for ranks that have not published yet.
 _PUBLISH_GRACE = 0.2
 
-# dfccl_kind (abi.h), in code order.
-_KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv", "all_to_all")
-
-
-
-
 #: Fields of a published instance, in the order a mismatch is reported:
 #: what the user passed first, then what the plan derived from it.
 SIGNATURE_FIELDS = ("kind", "dtype", "op", "root", "count", "ranks", "path", "channels", "one_shot", "staged",
@@ -52,7 +46,7 @@ def decode_signature(signature: int, count: int, slice_bytes: int) -> dict:
     kind = signature & 0xF
     flags = signature >> 48
     return {
-        "kind": _KIND_NAMES[kind] if kind < len(_KIND_NAMES) else kind,
+        "kind": KIND_NAMES.get(kind, kind),
         "dtype": _name(DataType, (signature >> 4) & 0xF),
         "op": _name(ReduceOp, (signature >> 8) & 0xF),
         "path": ("direct", "ring")[(signature >> 12) & 0xF] if (signature >> 12) & 0xF < 2 else (signature >> 12) & 0xF,
@@ -84,7 +78,7 @@ class EndpointDiagnostics:
         self._capacity = endpoint.capacity
         self._stride = endpoint.record_stride
         self._buf = np.zeros(14, np.uint64)
-        self.on_peer_lost = None   # set by the communicator: called with the lost rank
+        self.on_peer_lost = None   # set by the rank's RankState: called with the lost rank
         self.lost_why: dict[int, str] = {}   # lost rank -> why, where this host found out
         self.lock = None           # the communicator's teardown lock (reentrant)
         self.closed = False        # set under that lock before the memory goes

@@ -17,10 +17,9 @@ import socket
 import numpy as np
 
 from dfccl import runtime
-from dfccl._native.descriptor import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
-                                      RECORD_HEADER_BYTES)
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
+                                  RECORD_HEADER_BYTES, REG_SLOTS)
 from dfccl.errors import BackendError
-from dfccl.registration import REG_SLOTS
 from dfccl.planning import ll_region_bytes
 from dfccl.processes import start_time
 from dfccl.staging import StagingPool

@@ -216,10 +216,21 @@ def init_from_env(*, backend: str | None = None, device: int | None = None, opti
                   context_options: ContextOptions | None = None, timeout: float | None = None,
                   environ: Mapping[str, str] | None = None):
     """A communicator of every process of the job, this process as its rank
-    (see the module docstring for the variables read).  ``device``: default
-    DFCCL_DEVICE, else the local rank (modulo the visible GPUs on the CUDA
-    backend).  ``timeout``: start-up deadline in seconds (default
-    communicator.DEFAULT_STARTUP_TIMEOUT)."""
+    (see the module docstring for the variables read).
+
+    Args:
+        backend: "cuda", "sim" or None (cuda where a GPU is visible).
+        device: default DFCCL_DEVICE, else the local rank (modulo the visible
+            GPUs on the CUDA backend).
+        options: how the communicator moves data.
+        context_options: how the device's daemon runs.
+        timeout: start-up deadline in seconds (default
+            communicator.DEFAULT_STARTUP_TIMEOUT).
+        environ: the variables to read (default os.environ).
+
+    Returns:
+        The Communicator of this process's rank.
+    """
     from dfccl import runtime
     from dfccl.communicator import DEFAULT_STARTUP_TIMEOUT, Communicator
 

@@ -26,12 +26,15 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
+from dfccl._native import layout
 from dfccl.errors import collective_name
+from dfccl.types import DataType
 
 __all__ = ["FlightRecorder", "CommStatus", "PendingStatus", "recorders"]
 
-_DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16")
-_STATUS = {0: "ok", 1: "mismatch", 2: "peer_aborted", 3: "aborted", 4: "bad_task", 5: "peer_lost"}
+_DTYPES = {int(d): d.name.lower() for d in DataType}
+_STATUS = {layout.STATUS_OK: "ok", layout.STATUS_MISMATCH: "mismatch", layout.STATUS_PEER_ABORTED: "peer_aborted",
+           layout.STATUS_ABORTED: "aborted", layout.STATUS_BAD_TASK: "bad_task", layout.STATUS_PEER_LOST: "peer_lost"}
 
 _registry_lock = threading.Lock()
 _registry: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
@@ -74,7 +77,7 @@ class FlightRecorder:
         out = []
         for work, count, dtype in list(self._works):
             base = {"kind": work.kind, "tag": _jsonable(work.tag), "instance": work.instance, "count": count,
-                    "dtype": _DTYPES[dtype] if dtype < len(_DTYPES) else dtype,
+                    "dtype": _DTYPES.get(dtype, dtype),
                     "bytes": count * _itemsize(dtype)}
             out.append({"event": "submit", "t_ns": work.submitted_ns, **base})
             if not work.done():

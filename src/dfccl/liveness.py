@@ -10,7 +10,7 @@ Every `INTERVAL` seconds, for every open communicator of this process:
   `CommOptions.peer_timeout` is set, its heartbeat must have moved within
   that many seconds (a stopped or hung process).  A peer that fails either
   is *lost*: the communicator fails every pending and later collective with
-  PeerLostError naming it (Communicator._peer_lost);
+  PeerLostError naming it (RankState.peer_lost);
 - reports a rank whose device has failed under its daemon
   (Context.device_fault): it is lost to its peers like a process that died,
   at once for those in this process, through `RANK_FAILED` in its status
@@ -25,7 +25,8 @@ monitor starts writing and when it sees a peer's process exit (and by
 that a reused pid or a live process of another namespace keeps its file.
 
 Ranks in this process are never checked (they cannot die alone).  The
-monitor holds communicators weakly and stops when none is left."""
+monitor holds communicators weakly and stops when none is left; it touches
+a rank only through its RankState (rank_state.py) and its public status()."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ import time
 import weakref
 
 from dfccl import status_page
-from dfccl._native.descriptor import RANK_FAILED as _RANK_FAILED
+from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
+from dfccl.rank_state import RankState
 from dfccl.termination import on_sigterm
 
 __all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive",
@@ -117,11 +119,12 @@ def sweep() -> None:
 class _PeerWatch:
     """Liveness state of one communicator's peers in other processes."""
 
-    def __init__(self, comm):
-        ep = comm._endpoint
+    def __init__(self, comm, state: RankState):
+        ep = state.endpoint
         me = ep.peers[ep.rank]
-        self.comm = weakref.ref(comm)
-        self.timeout = comm._options.peer_timeout
+        self.comm = weakref.ref(comm)   # watched while the communicator lives
+        self.state = state
+        self.timeout = state.peer_timeout
         self.remote = [p for p, info in enumerate(ep.peers)
                        if p != ep.rank and (info["pid"] != me["pid"] or info["host"] != me["host"])]
         now = time.monotonic()
@@ -130,30 +133,29 @@ class _PeerWatch:
 
     def step(self, now: float) -> bool:
         """One check; False once the communicator is gone or closed."""
-        comm = self.comm()
-        if comm is None:
+        if self.comm() is None:
             return False
+        state = self.state
         # The arena and the peers' mappings are only touched under the
-        # communicator's teardown lock: close() frees them once it has marked
-        # the communicator closed, and a write into unmapped memory is a crash,
-        # not an exception.
-        with comm._teardown_lock:
-            if comm._closed:
+        # rank's lock: close() frees them once it has marked the rank closed,
+        # and a write into unmapped memory is a crash, not an exception.
+        with state.lock:
+            if state.closed:
                 return False
-            lost = self._check(comm, now)
+            lost = self._check(state, now)
             if lost is not None:
-                comm._peer_lost(*lost)
+                state.peer_lost(*lost)
         return True
 
-    def _check(self, comm, now: float) -> tuple[int, str] | None:
+    def _check(self, state: RankState, now: float) -> tuple[int, str] | None:
         """Bumps this rank's heartbeat and checks the peers; the lost peer and
         why, or None."""
-        ep = comm._endpoint
+        ep = state.endpoint
         try:
             ep.write_status()
         except Exception:
             return None
-        if comm._lost_rank is not None or comm._aborted:
+        if state.lost_rank is not None or state.aborted:
             return None
         for p in self.remote:
             info = ep.peers[p]
@@ -181,18 +183,18 @@ class _Monitor:
     def __init__(self):
         self._lock = threading.Lock()
         self._watches: list[_PeerWatch] = []
-        self._comms: "weakref.WeakSet" = weakref.WeakSet()
+        self._ranks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # communicator -> RankState
         self._thread: threading.Thread | None = None
         self._next_status = 0.0
         self._wrote_status = False
         self._stopping = False   # set at interpreter exit or SIGTERM: write nothing more
         self._identity: dict | None = None   # this process's, in its status file
 
-    def register(self, comm) -> None:
+    def register(self, comm, state: RankState) -> None:
         with self._lock:
-            self._comms.add(comm)
-            if comm._endpoint.peers:
-                w = _PeerWatch(comm)
+            self._ranks[comm] = state
+            if state.endpoint.peers:
+                w = _PeerWatch(comm, state)
                 if w.remote:
                     self._watches.append(w)
             if self._thread is None or not self._thread.is_alive():
@@ -204,7 +206,7 @@ class _Monitor:
             now = time.monotonic()
             with self._lock:
                 watches = list(self._watches)
-                comms = [c for c in list(self._comms) if not c._closed]
+                ranks = [(c, s) for c, s in list(self._ranks.items()) if not s.closed]
             alive = []
             for w in watches:
                 try:
@@ -219,34 +221,34 @@ class _Monitor:
                     w.saw_exit = False
                 _sweep_quietly()
             try:
-                _report_faults(comms)
+                _report_faults([s for _, s in ranks])
             except Exception:
                 pass   # never let the monitor die; try again next time
             if now >= self._next_status:
                 self._next_status = now + STATUS_INTERVAL
-                self._write_status(comms)
-            del comms
+                self._write_status(ranks)
+            del ranks
             with self._lock:
-                if not self._watches and not any(not c._closed for c in self._comms):
+                if not self._watches and not any(not s.closed for s in self._ranks.values()):
                     self._thread = None
                     self._write_status([])
                     return
             time.sleep(INTERVAL)
 
-    def _write_status(self, comms) -> None:
+    def _write_status(self, ranks) -> None:
         path = status_path()
         if path is None or self._stopping:
             return
-        if not comms:
+        if not ranks:
             if self._wrote_status:
                 _remove(path)
                 self._wrote_status = False
             return
         entries = []
-        for c in comms:
+        for c, state in ranks:
             try:
-                with c._teardown_lock:   # status() reads the arenas (see _PeerWatch.step)
-                    if c._closed:
+                with state.lock:   # status() reads the arenas (see _PeerWatch.step)
+                    if state.closed:
                         continue
                     entries.append(c.status().to_dict())
             except Exception:
@@ -290,28 +292,28 @@ def _sweep_quietly() -> None:
         pass   # never let the monitor die over a file of another process
 
 
-def _report_faults(comms) -> None:
+def _report_faults(states: list[RankState]) -> None:
     """A rank whose device failed (Context.device_fault: every collective of
     it fails with BackendError) is lost to its peers, like a process that
     died, instead of leaving them to their timeouts: the ranks of its
     communicator in this process are told at once, those in other processes
     read RANK_FAILED in its status page (_PeerWatch._check)."""
-    for c in comms:
-        ctx = c._ctx
-        if not ctx.device_fault or c._fault_reported or c._closed:
+    for s in states:
+        ctx = s.context
+        if not ctx.device_fault or s.fault_reported or s.closed:
             continue
-        c._fault_reported = True
+        s.fault_reported = True
         try:
-            c._endpoint.write_status(_RANK_FAILED)
+            s.endpoint.write_status(_RANK_FAILED)
         except Exception:
             pass   # its peers still see the process exit
-        why = f"its device {c.backend}:{c.device} failed under its daemon ({ctx.backend.fault_name(ctx.device_fault)})"
-        for other in comms:
-            if other is c or other._comm_key != c._comm_key or other._ctx.device_fault:
+        why = f"its device {s.where} failed under its daemon ({ctx.backend.fault_name(ctx.device_fault)})"
+        for other in states:
+            if other is s or other.comm_key != s.comm_key or other.context.device_fault:
                 continue
-            with other._teardown_lock:
-                if not other._closed:
-                    other._peer_lost(c._rank, why)
+            with other.lock:
+                if not other.closed:
+                    other.peer_lost(s.rank, why)
 
 
 _monitor = _Monitor()
@@ -323,8 +325,8 @@ def _forget_in_child() -> None:
     # the parent's, so that using it says so, and the child's monitor starts
     # empty (its lock new: another thread may have held it at the fork).
     parent = os.getppid()
-    for comm in list(_monitor._comms):
-        comm._forked(parent)
+    for state in list(_monitor._ranks.values()):
+        state.forked(parent)
     _monitor.__init__()
 
 
@@ -332,9 +334,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def register(comm) -> None:
-    """Watches ``comm``'s peers and publishes its status (Communicator calls this)."""
-    _monitor.register(comm)
+def register(comm, state: RankState) -> None:
+    """Watches the peers of ``comm``'s rank (``state``) and publishes its
+    status (Communicator calls this)."""
+    _monitor.register(comm, state)
     on_sigterm(_remove_status_file_on_sigterm)
 
 

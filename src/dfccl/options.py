@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from dfccl._native.layout import LINK_AHEAD_MAX
 from dfccl.errors import InvalidArgumentError
 
 __all__ = ["ContextOptions", "CommOptions", "LL_MAX_BYTES_LIMIT"]
@@ -25,8 +26,6 @@ def _check_ints(obj, names: tuple[str, ...]) -> None:
             raise InvalidArgumentError(f"{cls}.{name} must be an int, not {type(value).__name__} ({value!r})")
 
 
-#: Largest ContextOptions.link_ahead (DFCCL_LINK_AHEAD_MAX, abi.h).
-LINK_AHEAD_MAX = 3
 LINK_AHEAD_ENV = "DFCCL_LINK_AHEAD"
 DEFAULT_LINK_AHEAD = 0
 LINK_BLOCK_ENV = "DFCCL_LINK_BLOCK"
@@ -99,7 +98,7 @@ class ContextOptions:
         the same round trip as the submission tail, before it knows they are
         there (0..3; docs/architecture.md, "The host link").  More saves a
         round trip per burst of submissions and costs host-memory reads on
-        every poll (on one H200 in a VM, 0 was fastest: benchmarks/NOTES.md).
+        every poll (on one H200 in a VM, 0 was fastest: docs/performance-log.md).
         None: ``DFCCL_LINK_AHEAD`` from the environment, else 0.  A link
         block reads as far ahead as it can whatever this says.
     link_block: one more daemon block that does nothing but read the host

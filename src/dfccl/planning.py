@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING,
-                                      TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
+from dfccl._native import layout
+from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, LL_HEADER_LINES, LL_MAX_RANKS,
+                                  PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
@@ -34,11 +35,9 @@ __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable"
 #: Collectives LL runs: the symmetric ones (every rank receives from every
 #: rank), whose instance order alone keeps two parities of areas safe.
 LL_KINDS = (KIND_ALL_REDUCE, KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
-#: Most ranks LL serves: a receiver finds its peers' buckets in its record
-#: header's cache, which holds 8 (DFCCL_PEER_CACHE), and LL's per-peer pushes
-#: stop paying beyond a host's GPUs.
-LL_MAX_RANKS = 8
-_LL_HEADER_LINES = 2
+# LL_MAX_RANKS (layout.h): a receiver finds its peers' buckets in its record
+# header's cache (DFCCL_PEER_CACHE), and LL's per-peer pushes stop paying
+# beyond a host's GPUs.
 _DEFAULT_LL_CAP = 4096
 
 
@@ -93,20 +92,18 @@ def ll_capable(nranks: int, direct: bool) -> bool:
 
 
 def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
-    """Bytes of the LL region of one rank's arena (cuda/daemon/transfer_ll.cuh):
-    receive areas [bucket][sender][parity] of 16 x (2 + ceil(ll_max_bytes / 8))
-    bytes, then acks [bucket][receiver] of 8 bytes (256-aligned)."""
-    if ll_max_bytes <= 0:
-        return 0
-    area = 16 * (_LL_HEADER_LINES + _ceil_div(ll_max_bytes, 8))
-    return capacity * nranks * 2 * area + _round_up(capacity * nranks * 8, 256)
+    """Bytes of the LL region of one rank's arena (layout.h,
+    dfccl_ll_region_bytes): receive areas [bucket][sender][parity] of
+    16 x (2 + ceil(ll_max_bytes / 8)) bytes, then acks [bucket][receiver] of
+    8 bytes (256-aligned)."""
+    return layout.ll_region_bytes(capacity, nranks, ll_max_bytes) if ll_max_bytes > 0 else 0
 
 
 def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
     """The largest multiple of 16 up to 4096 whose LL region fits ``budget``
     (0 if not even 16 does)."""
     per_area = budget // max(1, capacity * nranks * 2)
-    lines = per_area // 16 - _LL_HEADER_LINES
+    lines = per_area // 16 - LL_HEADER_LINES
     best = min(_DEFAULT_LL_CAP, max(0, lines * 8) // 16 * 16)
     while best > 0 and ll_region_bytes(capacity, nranks, best) > budget:
         best -= 16

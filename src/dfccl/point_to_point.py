@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dfccl._native.descriptor import PATH_DIRECT, PATH_RING, TASK_STAGED
+from dfccl._native.layout import PATH_DIRECT, PATH_RING, STAGE_ALIGN, TASK_STAGED, a2a_copy_offset, a2a_words
 from dfccl.errors import InvalidArgumentError
 from dfccl.planning import Geometry, _ceil_div, _round_up
 from dfccl.tags import tag_key
@@ -129,7 +129,7 @@ class AllToAllPlan:
 
 def table_words(nranks: int, nchannels: int) -> int:
     """Words of a split table (abi.h, DFCCL_A2A_WORDS)."""
-    return 4 * nranks + nchannels * nranks
+    return a2a_words(nranks, nchannels)
 
 
 def plan_all_to_all(layout: SplitLayout, dtype: DataType, nranks: int, max_channels: int, mode: str,
@@ -143,9 +143,9 @@ def plan_all_to_all(layout: SplitLayout, dtype: DataType, nranks: int, max_chann
     else:
         count, nch = 0, max_channels
     staged = mode != "direct"
-    copy_offset = _round_up(table_words(nranks, nch) * 8, 256)
+    copy_offset = a2a_copy_offset(nranks, nch)
     extent = max((o + c for o, c in zip(layout.send_offsets, layout.send_counts)), default=0)
-    aux = copy_offset + (_round_up(extent * esize, 256) if staged else 0)
+    aux = copy_offset + (_round_up(extent * esize, STAGE_ALIGN) if staged else 0)
     return AllToAllPlan(Geometry(PATH_DIRECT, nch, flags=TASK_STAGED if staged else 0), count, aux, copy_offset)
 
 

@@ -74,7 +74,7 @@ INFINITE_NS = 1 << 62
 #: kept resident holds its SMs' register files from other kernels, and a
 #: device-wide synchronisation (torch.cuda.synchronize), cuMemFree or a
 #: kernel's first launch waits until it leaves.  A relaunch costs the next
-#: collective 25-29 us on an H200 (benchmarks/NOTES.md, section 19); 50 us
+#: collective 25-29 us on an H200 (docs/performance-log.md, section 19); 50 us
 #: keeps a loop of collectives waited for one at a time (the next submitted
 #: within microseconds) on one launch.
 EMPTY_QUIT_GPU_NS = 50 * US

@@ -37,22 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
-
-from dfccl._native.descriptor import KIND_ALL_REDUCE
-from dfccl.buffers import as_buffer
+from dfccl._native.layout import KIND_ALL_REDUCE, REG_BIT, REG_SLOT_SHIFT, REG_SLOTS, TASK_SEND_REGISTERED
+from dfccl.bootstrap import gather_through_store
 from dfccl.errors import BackendError, InvalidArgumentError, ResourceError
-
-if TYPE_CHECKING:
-    from dfccl.communicator import Communicator
+from dfccl.unique_id import UniqueId
 
 __all__ = ["RegistrationHandle", "Registry", "mem_alloc", "mem_free", "allocation_of", "REG_SLOTS"]
 
-REG_SLOTS = 256            # DFCCL_REG_SLOTS (abi.h)
-_REG_BIT = 1 << 63         # DFCCL_REG_BIT
-_SLOT_SHIFT = 40           # DFCCL_REG_SLOT_SHIFT
-_MAX_OFFSET = 1 << _SLOT_SHIFT
-TASK_SEND_REGISTERED = 8   # DFCCL_TASK_SEND_REGISTERED
+_MAX_OFFSET = 1 << REG_SLOT_SHIFT
 
 
 def mem_alloc(nbytes: int, *, backend: str | None = None, device: int = 0) -> int:
@@ -139,12 +131,17 @@ class _Export:
 
 
 class Registry:
-    """One rank's registrations on one communicator with a staged path."""
+    """One rank's registrations on one communicator with a staged path:
+    ``endpoint`` is the rank's (its registration table and backend), and
+    register() exchanges through the store of ``unique_id``."""
 
-    def __init__(self, comm: "Communicator"):
-        self.comm = comm
-        self.backend = comm._endpoint.backend
-        self.table = comm._endpoint.reg_table
+    def __init__(self, endpoint, rank: int, nranks: int, unique_id: UniqueId):
+        self.endpoint = endpoint
+        self.rank = rank
+        self.nranks = nranks
+        self.unique_id = unique_id
+        self.backend = endpoint.backend
+        self.table = endpoint.reg_table
         self.exports: dict[tuple[int, str], _Export] = {}
         self.free_slots = list(range(REG_SLOTS - 1, -1, -1))
         self.imports: dict[tuple[int, int], tuple[int, str, int, bool]] = {}  # (rank, slot) -> base, id, local, ours
@@ -153,35 +150,33 @@ class Registry:
 
     # -- register (collective) -------------------------------------------------------
     def register(self, ptr: int, nbytes: int, timeout: float) -> RegistrationHandle:
-        from dfccl.split import gather_through_store
-
-        comm = self.comm
+        rank = self.rank
         base, size, alloc_id = allocation_of(self.backend, ptr)
         if ptr + nbytes > base + size:
             raise InvalidArgumentError(f"register: the buffer [0x{ptr:x}, +{nbytes}) runs past its allocation "
-                                       f"[0x{base:x}, +{size})", rank=comm._rank)
+                                       f"[0x{base:x}, +{size})", rank=rank)
         exp = self.exports.get((base, alloc_id))
         if exp is None:
             if not self.free_slots:
                 raise ResourceError(f"all {REG_SLOTS} registration slots of this rank are in use; close handles of "
-                                    "buffers no longer needed", rank=comm._rank)
+                                    "buffers no longer needed", rank=rank)
             exp = _Export(self.free_slots.pop(), base, size, alloc_id, self.backend.export_memory(base))
             self.exports[(base, alloc_id)] = exp
         exp.refs += 1
         try:
             self.rounds += 1
-            uid = comm._unique_id
+            uid = self.unique_id
             prefix = f"comm/{uid.comm_key():016x}/reg/{self.rounds}"
-            me = comm._endpoint.describe_process()
+            me = self.endpoint.describe_process()
             entry = {"slot": exp.slot, "base": base, "alloc_id": alloc_id, "export": exp.desc, **me}
             deadline = time.monotonic() + timeout
             with uid.connect(timeout=max(deadline - time.monotonic(), 0.05)) as store:
-                entries = gather_through_store(store, prefix + "/entry", comm._rank, comm._size, entry, deadline,
+                entries = gather_through_store(store, prefix + "/entry", rank, self.nranks, entry, deadline,
                                                timeout, what="register")
                 for p, e in enumerate(entries):
-                    if p != comm._rank:
+                    if p != rank:
                         self._map(p, e, me)
-                gather_through_store(store, prefix + "/mapped", comm._rank, comm._size, {}, deadline, timeout,
+                gather_through_store(store, prefix + "/mapped", rank, self.nranks, {}, deadline, timeout,
                                      what="register (mapping peers' buffers)")
         except BaseException:
             self._unref(exp)
@@ -223,8 +218,19 @@ class Registry:
                 offset = ptr - h.base
                 if offset >= _MAX_OFFSET:
                     return 0
-                return _REG_BIT | (h.slot << _SLOT_SHIFT) | offset
+                return REG_BIT | (h.slot << REG_SLOT_SHIFT) | offset
         return 0
+
+    def task_fields(self, kind: int, send_ptr: int, send_nbytes: int, flags: int,
+                    staging_bytes: int) -> tuple[int, int, int]:
+        """(flags, staging bytes, send word) of a staged collective whose
+        input may be registered."""
+        word = self.send_word(send_ptr, send_nbytes)
+        if not word:
+            return flags, staging_bytes, 0
+        # Only a two-shot all-reduce still stages (its reduced segment); the
+        # input copy is not made, but the layout keeps its place.
+        return flags | TASK_SEND_REGISTERED, staging_bytes if kind == KIND_ALL_REDUCE else 0, word
 
     # -- release -------------------------------------------------------------------------
     def release(self, handle: RegistrationHandle) -> None:
@@ -252,30 +258,3 @@ class Registry:
                 except Exception:
                     pass
         self.imports = {}
-
-
-def register(comm: "Communicator", buf, timeout: float) -> RegistrationHandle:
-    """Communicator.register: validates ``buf`` and registers its allocation."""
-    try:
-        b = as_buffer(buf, "register")
-    except InvalidArgumentError as exc:
-        exc.rank = comm._rank
-        raise
-    comm._check_memory(b, "register")
-    if b.nbytes == 0:
-        raise InvalidArgumentError("register: the buffer is empty", rank=comm._rank)
-    if comm._registry is None:
-        return RegistrationHandle(None, b.ptr, b.nbytes)   # no staged path: nothing to map
-    return comm._registry.register(b.ptr, b.nbytes, timeout)
-
-
-def registered_task_fields(comm: "Communicator", kind: int, send_ptr: int, send_nbytes: int, flags: int,
-                           staging_bytes: int) -> tuple[int, int, int]:
-    """(flags, staging bytes, send word) of a staged collective whose input
-    may be registered."""
-    word = comm._registry.send_word(send_ptr, send_nbytes)
-    if not word:
-        return flags, staging_bytes, 0
-    # Only a two-shot all-reduce still stages (its reduced segment); the
-    # input copy is not made, but the layout keeps its place.
-    return flags | TASK_SEND_REGISTERED, staging_bytes if kind == KIND_ALL_REDUCE else 0, word

@@ -52,8 +52,12 @@ def cuda_device_count() -> int:
 
 
 def default_backend() -> str:
-    """"cuda" when a GPU is visible (and the CUDA backend was built), else "sim".
-    DFCCL_BACKEND overrides."""
+    """The backend used where none is named.
+
+    Returns:
+        "cuda" when a GPU is visible (and the CUDA backend was built), else
+        "sim"; DFCCL_BACKEND overrides.
+    """
     env = os.environ.get("DFCCL_BACKEND")
     if env:
         return resolve_backend(env)
@@ -72,8 +76,15 @@ def resolve_backend(name: str | None) -> str:
 
 
 def device_count(backend: str | None = None) -> int:
-    """GPUs visible (cuda), or the simulated GPUs the demo uses (sim:
-    DFCCL_SIM_DEVICES, default 4; any device number works in the simulator)."""
+    """How many devices a backend offers.
+
+    Args:
+        backend: "cuda", "sim" or None (the default backend).
+
+    Returns:
+        The GPUs visible (cuda), or the simulated GPUs the demo uses (sim:
+        DFCCL_SIM_DEVICES, default 4; any device number works in the simulator).
+    """
     backend = resolve_backend(backend)
     if backend == "cuda":
         return cuda_device_count()
@@ -313,7 +324,12 @@ def device_synchronize(backend: str, device: int) -> None:
     """A device-wide synchronisation (cuCtxSynchronize; in the simulator: wait
     until the daemon is not running).  Returns once the daemon has left the
     device, which it does when it makes no progress: that is what keeps such
-    syncs from deadlocking with peers."""
+    syncs from deadlocking with peers.
+
+    Args:
+        backend: "cuda" or "sim".
+        device: the device to synchronise.
+    """
     be = get_backend(backend, device)
     if backend == "cuda":
         be.context_synchronize()

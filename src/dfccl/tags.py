@@ -19,7 +19,7 @@ import hashlib
 import struct
 
 # The daemon's hashes, from the same C (cuda/include/dfccl/hash.h).
-from dfccl._native.descriptor import home_bucket
+from dfccl._native.layout import home_bucket
 from dfccl._native.tag_table import TagTable
 from dfccl.errors import InvalidArgumentError
 

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["DataType", "ReduceOp", "as_data_type", "as_reduce_op"]
+from dfccl._native import layout
+
+__all__ = ["DataType", "ReduceOp", "KIND_NAMES", "as_data_type", "as_reduce_op"]
 
 
 class DataType(enum.IntEnum):
     """Element types; the values are the daemon's (abi.h, dfccl_dtype)."""
 
-    INT8 = 0
-    UINT8 = 1
-    INT32 = 2
-    UINT32 = 3
-    INT64 = 4
-    UINT64 = 5
-    FLOAT16 = 6
-    FLOAT32 = 7
-    FLOAT64 = 8
-    BFLOAT16 = 9
+    INT8 = layout.DTYPE_INT8
+    UINT8 = layout.DTYPE_UINT8
+    INT32 = layout.DTYPE_INT32
+    UINT32 = layout.DTYPE_UINT32
+    INT64 = layout.DTYPE_INT64
+    UINT64 = layout.DTYPE_UINT64
+    FLOAT16 = layout.DTYPE_FLOAT16
+    FLOAT32 = layout.DTYPE_FLOAT32
+    FLOAT64 = layout.DTYPE_FLOAT64
+    BFLOAT16 = layout.DTYPE_BFLOAT16
 
     @property
     def itemsize(self) -> int:
@@ -30,17 +32,21 @@ class ReduceOp(enum.IntEnum):
     """Reductions; the values are the daemon's (abi.h, dfccl_op).  AVG sums and
     divides once by the number of ranks (integer division for integer types)."""
 
-    SUM = 0
-    PROD = 1
-    MIN = 2
-    MAX = 3
-    AVG = 4
+    SUM = layout.OP_SUM
+    PROD = layout.OP_PROD
+    MIN = layout.OP_MIN
+    MAX = layout.OP_MAX
+    AVG = layout.OP_AVG
 
 
-_ITEMSIZE = {
-    DataType.INT8: 1, DataType.UINT8: 1, DataType.INT32: 4, DataType.UINT32: 4, DataType.INT64: 8,
-    DataType.UINT64: 8, DataType.FLOAT16: 2, DataType.FLOAT32: 4, DataType.FLOAT64: 8, DataType.BFLOAT16: 2,
-}
+#: Collective kinds (abi.h, dfccl_kind) by code, as the API names them.
+KIND_NAMES = {layout.KIND_ALL_REDUCE: "all_reduce", layout.KIND_ALL_GATHER: "all_gather",
+              layout.KIND_REDUCE_SCATTER: "reduce_scatter", layout.KIND_BROADCAST: "broadcast",
+              layout.KIND_REDUCE: "reduce", layout.KIND_SEND: "send", layout.KIND_RECV: "recv",
+              layout.KIND_ALL_TO_ALL: "all_to_all"}
+
+# Element sizes, as the daemon computes them (layout.h), looked up once.
+_ITEMSIZE = {dtype: layout.dtype_size(dtype) for dtype in DataType}
 
 # Names as numpy, torch, cupy and DLPack spell them.
 _BY_NAME = {

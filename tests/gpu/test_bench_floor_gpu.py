@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dfccl import bench_floor
+from dfccl.bench import floor as bench_floor
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -18,7 +18,8 @@ import pytest
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays, scenarios as sc
+from dfccl.bench import arrays
+from dfccl_support import scenarios as sc
 
 pytestmark = pytest.mark.gpu
 
@@ -183,7 +184,7 @@ print("RESULT", f"{took:.4f}")
 @pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
 def test_first_launch_while_a_stream_waits(loading):
     """A kernel's first launch in a process waits for the device to drain,
-    in both module-loading modes (benchmarks/module_loading_probe.py): here
+    in both module-loading modes (benchmarks/probes/module_loading_probe.py): here
     for a collective a stream waits for, whose peer another thread submits a
     second later.  Meanwhile status() reads device memory; a driver call
     made with the GIL held would block there too and keep the submitting
@@ -459,7 +460,7 @@ def test_device_synchronize_while_collective_waits(comms2, path, rng):
 _SYNC_AFTER_LAST = r"""
 import sys, time, numpy as np, dfccl
 from dfccl import runtime
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 n = runtime.cuda_device_count()
 empty = int(sys.argv[1])
 opts = dfccl.ContextOptions(idle_quit_ns=30 * 10**9, empty_quit_ns=empty or None)
@@ -507,7 +508,7 @@ def test_device_synchronize_after_the_last_collective(empty_quit):
 _NVRTC_ALL_REDUCE = r"""
 import numpy as np, dfccl
 from dfccl import runtime
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 n = runtime.cuda_device_count()
 comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda")
 hosts = [np.full(1 << 16, r + 1, np.float32) for r in range(2)]
@@ -595,7 +596,7 @@ def test_control_without_preemption_hangs():
     code = r"""
 import numpy as np, dfccl, sys
 from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 n = runtime.cuda_device_count()
 comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda",
         context_options=dfccl.ContextOptions(preemption=False, blocks=1), options=dfccl.CommOptions(path="direct"))
@@ -628,7 +629,7 @@ def test_nccl_stream_ordered_inconsistent_order_hangs():
     """NCCL on the canonical case dfccl completes above (test_inconsistent_order):
     two communicators whose collectives share one stream per GPU, issued in
     opposite orders (NCCL through CuPy, one thread per GPU).  NCCL hangs."""
-    from dfccl.testing import nccl_reference
+    from dfccl_support import nccl_reference
 
     if not nccl_reference.cupy_nccl_available(2):
         pytest.skip("CuPy with NCCL and two GPUs are needed (pip install cupy-cuda13x)")
@@ -646,7 +647,7 @@ def test_nccl_through_torch_on_same_scenario(scenario):
     stream, so opposite orders on two groups can run concurrently and
     complete; a synchronise between the collectives hangs, and opposite
     orders within one communicator reduce A with B."""
-    ref = pytest.importorskip("dfccl.testing.nccl_reference")
+    ref = pytest.importorskip("dfccl_support.nccl_reference")
     if not ref.available("nccl"):
         pytest.skip("torch.distributed with NCCL is not available")
     verdict = ref.run_nccl_scenario(scenario, world_size=2, timeout=10.0)
@@ -664,7 +665,7 @@ def test_forked_child_on_gpu():
     clearly (the parent's communicators and pending collectives are not its
     own; CUDA is refused with the 'spawn' advice), its exit handlers return
     at once and make no CUDA call, and the parent's collectives go on."""
-    from dfccl.testing.forking import outcomes, run_in_forked_child
+    from dfccl_support.forking import outcomes, run_in_forked_child
 
     comms = dfccl.Communicator.for_devices(gpu_devices(2), backend="cuda")
     try:

@@ -13,8 +13,9 @@ import pytest
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays, scenarios as sc
-from dfccl._native.descriptor import KIND_ALL_REDUCE, TASK_LL
+from dfccl.bench import arrays
+from dfccl_support import scenarios as sc
+from dfccl._native.layout import KIND_ALL_REDUCE, TASK_LL
 from dfccl.planning import plan_geometry
 from dfccl.types import as_data_type
 

@@ -14,7 +14,8 @@ import pytest
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays, scenarios as sc
+from dfccl.bench import arrays
+from dfccl_support import scenarios as sc
 
 pytestmark = pytest.mark.gpu
 TIMEOUT = 60

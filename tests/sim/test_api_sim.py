@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 from dfccl.errors import ErrorCode
 from reference import KINDS
 

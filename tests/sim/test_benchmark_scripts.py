@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dfccl
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 LATENCY = BENCHMARKS / "bench_latency.py"
 
@@ -35,9 +37,12 @@ def test_latency_breakdown_on_the_simulator(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "# Out of bounds values : 0 OK" in proc.stdout
-    [path] = glob.glob(os.path.join(tmp_path, "latency-*-sim-2gpu-2rank.json"))
-    doc = json.load(open(path))
-    assert doc["machine"]["backend"] == "sim" and doc["machine"]["ranks"] == 2 and doc["wrong_total"] == 0
+    [line] = (tmp_path / "latency.jsonl").read_text().splitlines()
+    rec = json.loads(line)
+    assert rec["suite"] == "latency" and rec["machine"]["backend"] == "sim" and rec["machine"]["devices"] == [0, 1]
+    assert rec["versions"]["dfccl"] == dfccl.__version__ and "revision" in rec and rec["args"]["iters"] == 5
+    doc = rec["results"]
+    assert doc["setup"]["ranks"] == 2 and doc["wrong_total"] == 0
     timed = [r for r in doc["rows"] if "dfccl" in r]
     sweeps = [r for r in doc["rows"] if "depth_sweep" in r]
     assert [(r["kind"], r["size"]) for r in timed] == [(k, s) for k in ("all_reduce", "reduce_scatter")
@@ -102,7 +107,7 @@ def test_latency_bad_arguments_are_one_line(args, tmp_path):
 
 
 def test_host_timeline_on_the_simulator():
-    script = BENCHMARKS / "host_timeline.py"
+    script = BENCHMARKS / "probes" / "host_timeline.py"
     proc = subprocess.run([sys.executable, str(script), "--backend", "sim", "--device", "7300", "--bytes", "64",
                            "--iters", "20", "--warmup", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -115,12 +120,14 @@ def test_host_timeline_on_the_simulator():
 
 def test_ddp_benchmark_on_cpu(tmp_path):
     pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ddp.py"), "--steps", "4", "--warmup", "1",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_ddp.py"), "--iters", "4", "--warmup", "1",
                            "--rounds", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [path] = glob.glob(os.path.join(tmp_path, "ddp-*-0gpu-2proc.json"))
-    doc = json.load(open(path))
+    [line] = (tmp_path / "ddp.jsonl").read_text().splitlines()
+    rec = json.loads(line)
+    assert rec["suite"] == "ddp" and rec["args"]["iters"] == 4 and rec["machine"]["backend"] == "sim"
+    doc = rec["results"]
     assert doc["reference"] == "gloo" and doc["ratio_dfccl_to_reference"] > 0
     assert len(doc["losses"]["dfccl"]) == 4 and doc["max_rel_loss_diff"] < 1e-6
 
@@ -131,7 +138,7 @@ def test_ddp_step_probe_on_cpu(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "probe.jsonl"
     for config in ("gloo", "dfccl,blocks=2,empty_us=1000"):
-        proc = subprocess.run([sys.executable, str(BENCHMARKS / "ddp_step_probe.py"), config, "--steps", "4",
+        proc = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "ddp_step_probe.py"), config, "--steps", "4",
                                "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -146,7 +153,7 @@ def test_ddp_ab_probe_on_cpu(tmp_path):
     models alike: same losses, a ratio for each step pair."""
     pytest.importorskip("torch")
     out = tmp_path / "ab.jsonl"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ddp_ab_probe.py"), "--steps", "4", "--warmup", "1",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "ddp_ab_probe.py"), "--steps", "4", "--warmup", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -159,7 +166,7 @@ def test_ddp_ab_probe_on_cpu(tmp_path):
 def test_relaunch_gap_probe_on_the_simulator():
     """A gap longer than the empty quit (2 ms in the simulator) relaunches
     the daemon at every collective; back to back it stays."""
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "relaunch_gap_probe.py"), "--backend", "sim",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "relaunch_gap_probe.py"), "--backend", "sim",
                            "--iters", "10", "--warmup", "2", "--gaps-us", "0,8000"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

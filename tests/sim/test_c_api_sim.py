@@ -22,8 +22,8 @@ import pytest
 
 import dfccl
 from dfccl import capi
-from dfccl._native.descriptor import STATUS_ABORTED
-from dfccl.testing import scenarios as sc
+from dfccl._native.layout import STATUS_ABORTED
+from dfccl_support import scenarios as sc
 
 DEV = 4400          # device ids of this module: 4400..4499
 TIMEOUT = 30.0
@@ -330,8 +330,8 @@ def test_submissions_run_while_another_thread_holds_the_gil(calls, make):
 
 
 def test_probe_runs_on_the_simulator():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "c_api_probe.py"), "--backend", "sim", "--devices",
-                        f"{DEV + 92},{DEV + 93}", "--n", "20", "--reps", "2"], stdout=subprocess.PIPE,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "c_api_probe.py"), "--backend", "sim",
+                        "--devices", f"{DEV + 92},{DEV + 93}", "--n", "20", "--reps", "2"], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-4000:]
     rows = [line for line in r.stdout.splitlines() if " cpu " in line]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dfccl import bench
+from dfccl.bench import harness, report
 
 SWEEP = ["--backend", "sim", "-b", "8", "-e", "1M", "-f", "8", "-n", "2", "-w", "1", "--no-progress"]
 SIZES = [8, 64, 512, 4096, 32768, 262144]
@@ -97,7 +98,7 @@ def test_blocking_timing_waits_for_every_collective(monkeypatch):
     """-z 1 waits after every submission and reports the median and p90 of
     the iterations; -z 0 submits back to back and waits once."""
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(harness, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
     log: list[str] = []
     durations = iter([0.0] * 2 + [1e-3 * i for i in range(1, 11)])  # 2 warm-up, then 1..10 ms
 
@@ -108,14 +109,14 @@ def test_blocking_timing_waits_for_every_collective(monkeypatch):
     def finish() -> None:
         log.append("finish")
 
-    timing = bench._measure(submit, finish, bench.BenchConfig(iters=10, warmup=2, blocking=True))
+    timing = harness.measure(submit, finish, bench.BenchConfig(iters=10, warmup=2, blocking=True))
     assert log == ["submit", "finish"] * 12
     assert timing["time_us"] == pytest.approx(5500)  # median of 1..10 ms
     assert timing["p90_us"] == pytest.approx(9100)   # numpy's linear interpolation
 
     log.clear()
     durations = iter([1e-3] * 12)
-    timing = bench._measure(submit, lambda: log.append("finish"), bench.BenchConfig(iters=10, warmup=2))
+    timing = harness.measure(submit, lambda: log.append("finish"), bench.BenchConfig(iters=10, warmup=2))
     assert log == ["submit"] * 2 + ["finish"] + ["submit"] * 10 + ["finish"]
     assert timing == {"time_us": pytest.approx(1000)}
 
@@ -279,7 +280,7 @@ def test_plot_title_clears_the_panels(kinds):
 
     rows = _plot_rows(kinds, nccl=True)
     title = bench.plot_title(rows, ranks=8, gpu="NVIDIA H200", mode="process", dtype="bfloat16", blocking=True)
-    fig = bench._plot_figure(plt, rows, title)
+    fig = report.plot_figure(plt, rows, title)
     try:
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
@@ -337,9 +338,9 @@ def test_inputs_are_the_same_in_every_process():
     case = bench.Case.for_size("all_reduce", 64, 2, "int32", "sum", 0)
     code = ("import numpy as np; from dfccl import bench; "
             "c = bench.Case.for_size('all_reduce', 64, 2, 'int32', 'sum', 0); "
-            "print(c.inputs(bench._seed(5, 'all_reduce', c, 'oop'))[1].tolist())")
+            "print(c.inputs(bench.config.case_seed(5, 'all_reduce', c, 'oop'))[1].tolist())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(other) == case.inputs(bench._seed(5, "all_reduce", case, "oop"))[1].tolist()
+    assert json.loads(other) == case.inputs(bench.config.case_seed(5, "all_reduce", case, "oop"))[1].tolist()
 
 
 def test_submitter_waits_for_the_oldest_when_resources_run_out():
@@ -369,7 +370,7 @@ def test_submitter_waits_for_the_oldest_when_resources_run_out():
             pending.append(w)
             return w
 
-    sub = bench._Submitter([FakePlan()])
+    sub = harness.Submitter([FakePlan()])
     for _ in range(4):
         sub.submit()
     assert log == ["wait 1", "wait 2"]
@@ -379,7 +380,7 @@ def test_submitter_waits_for_the_oldest_when_resources_run_out():
     # With nothing of ours pending, the error is real.
     pending.extend([FakeWork(-1), FakeWork(-2)])
     with pytest.raises(ResourceError):
-        bench._Submitter([FakePlan()]).submit()
+        harness.Submitter([FakePlan()]).submit()
 
 
 def test_kernel_resources_parses_cuobjdump(monkeypatch):

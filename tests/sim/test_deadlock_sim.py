@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl._native.descriptor import first_block
+from dfccl._native.layout import first_block
 from dfccl.tags import tag_key
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 PATHS = ("direct", "ring")
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
-from dfccl.testing.forking import outcomes, run_in_forked_child
+from dfccl_support import scenarios as sc
+from dfccl_support.forking import outcomes, run_in_forked_child
 
 DEV = 4200          # device ids of this module: 4200..4299
 TIMEOUT = 30.0

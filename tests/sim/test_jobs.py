@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 from dfccl.environment import job_from_env
 
 TESTS = Path(__file__).resolve().parent.parent   # tests/: the rank scripts live there

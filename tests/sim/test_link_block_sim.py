@@ -15,7 +15,7 @@ import pytest
 import dfccl
 from dfccl.errors import InvalidArgumentError
 from dfccl.options import LINK_BLOCK_ENV, link_block
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 LINKED = dfccl.ContextOptions(link_block=True)
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
-from dfccl._native.descriptor import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
-from dfccl._native.descriptor import TASK_LL
+from dfccl_support import scenarios as sc
+from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE, KIND_REDUCE_SCATTER
+from dfccl._native.layout import TASK_LL
 from dfccl.options import CommOptions
 from dfccl.planning import default_ll_max_bytes, ll_region_bytes, plan_geometry
 from dfccl.tags import home_bucket, tag_key
@@ -222,7 +222,7 @@ def test_preempted_while_polling_is_bit_identical():
                 w.synchronize(timeout=TIMEOUT)
             if late:
                 assert works[0].stats["preemptions"] > 0
-            results.append([dfccl.testing.arrays.to_numpy(i.recv).tobytes() for i in insts])
+            results.append([dfccl.bench.arrays.to_numpy(i.recv).tobytes() for i in insts])
         assert results[0] == results[1]
         assert len(set(results[0])) == 1  # every rank holds the same bits
     finally:

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
+from dfccl import bootstrap
 from dfccl import communicator as comm_mod
 from dfccl.shared_files import shared_directory
 from reference import KINDS
@@ -386,7 +387,7 @@ def _start(uid, ranks, n, timeout, base, results):
 
 
 def test_startup_names_missing_ranks_within_one_deadline(monkeypatch, caplog):
-    monkeypatch.setattr(comm_mod, "STARTUP_LOG_INTERVAL", 0.3)
+    monkeypatch.setattr(bootstrap, "STARTUP_LOG_INTERVAL", 0.3)
     caplog.set_level(logging.INFO, logger="dfccl")
     uid = dfccl.UniqueId.create()
     results = {}

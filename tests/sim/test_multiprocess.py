@@ -23,7 +23,7 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             results) -> None:
     try:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        from dfccl.testing import scenarios as sc
+        from dfccl_support import scenarios as sc
 
         # The LL scenarios: a larger LL limit than the default, in fewer buckets.
         ll = {"ll_max_bytes": 1024, "max_tags": 64} if scenario.startswith("ll") else {}
@@ -102,7 +102,7 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             # (LL) and one larger (staged), skewed start times, and a close
             # the moment this rank's part is done: a rank that took part and
             # then left must not fail the slower ones.
-            from dfccl.testing import arrays
+            from dfccl.bench import arrays
             rng = np.random.default_rng(seed + rank)
             for i in range(20):
                 child = comm.split(0, key=-rank)    # ranks reversed in the child
@@ -129,8 +129,8 @@ def _point_to_point(comm, seed: int) -> int:
     """Sends around the ring (recvs posted after the sends; sizes across the
     FIFO's slices and channels), a collective in opposite orders around them,
     a queue on one pair tag, and all-to-alls even and uneven (with zeros)."""
-    from dfccl.testing import arrays
-    from dfccl.testing import scenarios as sc
+    from dfccl.bench import arrays
+    from dfccl_support import scenarios as sc
 
     r, n = comm.rank, comm.world_size
     nxt, prv = (r + 1) % n, (r - 1) % n

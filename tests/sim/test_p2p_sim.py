@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 PATHS = ("direct", "ring")
 TIMEOUT = 60

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 from dfccl import trace
-from dfccl._native.descriptor import NUM_DTYPES, NUM_KINDS, NUM_OPS, NUM_PATHS
+from dfccl._native.layout import NUM_DTYPES, NUM_KINDS, NUM_OPS, NUM_PATHS
 
 DEV = 3300          # device ids of this module: 3300..3499
 TIMEOUT = 30.0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 DEV = 2800          # device ids of this module: 2800..2999
 TIMEOUT = 30.0

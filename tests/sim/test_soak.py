@@ -16,7 +16,7 @@ import pytest
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 DEV = 3900          # simulator device ids of this module: 3900..3999
 TIMEOUT = 60.0

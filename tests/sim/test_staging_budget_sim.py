@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import scenarios as sc
-from dfccl._native.descriptor import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, KIND_BROADCAST
+from dfccl_support import scenarios as sc
+from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, KIND_BROADCAST
 from dfccl.planning import PATH_RING, plan_geometry
 from dfccl.tags import tag_key
 from dfccl.types import DataType

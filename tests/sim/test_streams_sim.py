@@ -15,7 +15,7 @@ import pytest
 
 import dfccl
 from dfccl import runtime
-from dfccl.testing import scenarios as sc
+from dfccl_support import scenarios as sc
 
 DEV = 4300          # device ids of this module: 4300..4399
 TIMEOUT = 30.0

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from dfccl import bench
-from dfccl.bench_floor import (FLOOR_SIMULATOR, FLOOR_SKIPPED, DoorbellTiming, Floor, floor_doc, floor_for_timing,
+from dfccl.bench import report
+from dfccl.bench.floor import (FLOOR_SIMULATOR, FLOOR_SKIPPED, DoorbellTiming, Floor, floor_doc, floor_for_timing,
                                floor_ratio, format_floor_line, format_ratio, measure_floor)
 
 HOST = DoorbellTiming(median_us=2.5, min_us=2.25, max_us=3.0, reps_us=(2.5, 2.25, 3.0, 2.5, 2.75), answered=5100,
@@ -63,7 +64,7 @@ def test_measure_floor_rejects_empty_runs():
 def _row(floor_us: float | None) -> dict:
     case = bench.Case.for_size("all_reduce", 1024, 2, "float32", "sum", 0)
     measured = {"oop": {"time_us": 12.0, "wrong": 0}, "ip": {"time_us": 8.0, "wrong": 0}}
-    return bench._finish_row("all_reduce", case, measured, floor_us)
+    return report.finish_row("all_reduce", case, measured, floor_us)
 
 
 def test_rows_carry_the_ratio_to_their_floor():

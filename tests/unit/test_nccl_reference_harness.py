@@ -1,4 +1,4 @@
-"""Mechanics of the NCCL reference harness (dfccl.testing.nccl_reference), checked on
+"""Mechanics of the NCCL reference harness (dfccl_support.nccl_reference), checked on
 CPU with torch's gloo backend: completion, hang detection with the whole
 process tree killed, wrong-result detection, error reporting and the
 "unavailable" answer for NCCL without GPUs.
@@ -26,8 +26,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-# The installed module's file, found without importing the dfccl package.
-_PATH = Path(next(iter(importlib.util.find_spec("dfccl").submodule_search_locations))) / "testing" / "nccl_reference.py"
+# The module's file, loaded by path: it never imports the dfccl package.
+_PATH = Path(__file__).resolve().parents[2] / "support" / "dfccl_support" / "nccl_reference.py"
 _spec = importlib.util.spec_from_file_location("_nccl_reference_under_test", _PATH)
 nr = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = nr
@@ -153,7 +153,7 @@ def test_cli_prints_one_line_per_verdict(capsys):
 
 def test_importable_as_package_module():
     try:
-        mod = importlib.import_module("dfccl.testing.nccl_reference")
+        mod = importlib.import_module("dfccl_support.nccl_reference")
     except ImportError as exc:  # dfccl's compiled extensions are not built here
         pytest.skip(f"dfccl is not importable: {exc}")
     assert mod.SCENARIOS == nr.SCENARIOS and callable(mod.run_nccl_scenario)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dfccl import tags as tags_mod
-from dfccl._native.descriptor import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                      KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT, mix64)
+from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
+                                  KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT, mix64)
 from dfccl.buffers import Buffer, as_buffer
 from dfccl.errors import InvalidArgumentError, ResourceError
 from dfccl.options import CommOptions
@@ -59,7 +59,7 @@ def test_mix64_zero_and_bijective_sample():
 
 
 def test_instance_token_and_first_block_from_the_header():
-    from dfccl._native.descriptor import first_block, instance_token
+    from dfccl._native.layout import first_block, instance_token
     # instance_token: mix of key + instance * golden ratio, never zero.
     for key, inst in [(1, 1), (0xDEADBEEF, 7), (M64, 3)]:
         assert instance_token(key, inst) == splitmix64_finaliser((key + inst * GOLDEN) & M64) | 1

@@ -23,6 +23,11 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_DAEMON_EPOCH_SHIFT, DFCCL_DAEMON_STATE_MASK
     unsigned int DFCCL_RECORD_HEADER_BYTES
     unsigned int DFCCL_LINK_AHEAD_MAX
+    int DFCCL_INT8, DFCCL_UINT8, DFCCL_INT32, DFCCL_UINT32, DFCCL_INT64, DFCCL_UINT64
+    int DFCCL_FLOAT16, DFCCL_FLOAT32, DFCCL_FLOAT64, DFCCL_BFLOAT16
+    int DFCCL_SUM, DFCCL_PROD, DFCCL_MIN, DFCCL_MAX, DFCCL_AVG
+    unsigned int DFCCL_TASK_SEND_REGISTERED, DFCCL_REG_SLOTS, DFCCL_REG_SLOT_SHIFT
+    uint64_t DFCCL_REG_BIT
 
     ctypedef struct dfccl_task_desc:
         uint64_t send_addr
@@ -176,6 +181,16 @@ cdef extern from "dfccl/hash.h":
     uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
     uint32_t dfccl_first_block(uint64_t key, uint32_t offset, uint32_t nblocks) nogil
     uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) nogil
+
+
+cdef extern from "dfccl/layout.h":
+    unsigned int DFCCL_STAGE_ALIGN, DFCCL_LL_HEADER_LINES, DFCCL_LL_LINE_BYTES, DFCCL_LL_LINE_PAYLOAD
+    unsigned int DFCCL_LL_MAX_RANKS
+    uint32_t dfccl_dtype_size(int dtype) nogil
+    uint64_t dfccl_ll_area_bytes(uint64_t ll_max_bytes) nogil
+    uint64_t dfccl_ll_region_bytes(uint32_t capacity, uint32_t nranks, uint64_t ll_max_bytes) nogil
+    uint64_t dfccl_a2a_words(uint32_t nranks, uint32_t nchannels) nogil
+    uint64_t dfccl_a2a_copy_offset(uint32_t nranks, uint32_t nchannels) nogil
 
 
 cdef extern from "dfccl/dfccl_api.h":

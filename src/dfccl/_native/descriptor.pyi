@@ -2,46 +2,6 @@ from typing import Any
 
 from dfccl._native.tag_table import TagTable
 
-STATUS_OK: int
-STATUS_MISMATCH: int
-STATUS_PEER_ABORTED: int
-STATUS_ABORTED: int
-STATUS_BAD_TASK: int
-STATUS_PEER_LOST: int
-NUM_KINDS: int
-NUM_DTYPES: int
-NUM_OPS: int
-NUM_PATHS: int
-ARENA_STATUS_BYTES: int
-RANK_LIVE: int
-RANK_ABORTED: int
-RANK_CLOSED: int
-RANK_FAILED: int
-KIND_ALL_REDUCE: int
-KIND_ALL_GATHER: int
-KIND_REDUCE_SCATTER: int
-KIND_BROADCAST: int
-KIND_REDUCE: int
-KIND_SEND: int
-KIND_RECV: int
-KIND_ALL_TO_ALL: int
-PATH_DIRECT: int
-PATH_RING: int
-TASK_ONE_SHOT: int
-TASK_STAGED: int
-TASK_LL: int
-MAX_CHANNELS: int
-MAX_RANKS: int
-RECORD_HEADER_BYTES: int
-CHAN_INSTANCE_OFFSET: int
-CHAN_STATE_BYTES: int
-
-# The daemon's hashes (cuda/include/dfccl/hash.h), on the low 64 bits of their arguments.
-def mix64(x: int) -> int: ...
-def home_bucket(key: int, capacity: int) -> int: ...
-def instance_token(key: int, instance: int) -> int: ...
-def first_block(key: int, offset: int, nblocks: int) -> int: ...
-
 class TaskDescriptor:
     kind: str
     tag: object

@@ -1,7 +1,6 @@
 # cython: language_level=3
-"""The descriptor and ABI layer of the host runtime: the constants of
-cuda/include/dfccl/abi.h for Python, the daemon's hashes (hash.h) from the
-same C, and TaskDescriptor, one collective as the daemon runs it."""
+"""TaskDescriptor, one collective as the daemon runs it (the constants and
+hashes it is built from are dfccl._native.layout's)."""
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memset
@@ -10,83 +9,6 @@ from cpython.ref cimport PyObject
 from dfccl._native.abi cimport *
 
 from dfccl.errors import InvalidArgumentError
-
-# Status codes of dfccl_result (abi.h), for Python.
-STATUS_OK = DFCCL_STATUS_OK
-STATUS_MISMATCH = DFCCL_STATUS_MISMATCH
-STATUS_PEER_ABORTED = DFCCL_STATUS_PEER_ABORTED
-STATUS_ABORTED = DFCCL_STATUS_ABORTED
-STATUS_BAD_TASK = DFCCL_STATUS_BAD_TASK
-STATUS_PEER_LOST = DFCCL_STATUS_PEER_LOST
-NUM_KINDS = DFCCL_NUM_KINDS
-NUM_DTYPES = DFCCL_NUM_DTYPES
-NUM_OPS = DFCCL_NUM_OPS
-NUM_PATHS = DFCCL_NUM_PATHS
-# The rank status at the start of every arena (abi.h, dfccl_rank_status).
-ARENA_STATUS_BYTES = DFCCL_ARENA_STATUS_BYTES
-RANK_LIVE = DFCCL_RANK_LIVE
-RANK_ABORTED = DFCCL_RANK_ABORTED
-RANK_CLOSED = DFCCL_RANK_CLOSED
-RANK_FAILED = DFCCL_RANK_FAILED
-
-KIND_ALL_REDUCE = DFCCL_ALL_REDUCE
-KIND_ALL_GATHER = DFCCL_ALL_GATHER
-KIND_REDUCE_SCATTER = DFCCL_REDUCE_SCATTER
-KIND_BROADCAST = DFCCL_BROADCAST
-KIND_REDUCE = DFCCL_REDUCE
-KIND_SEND = DFCCL_SEND
-KIND_RECV = DFCCL_RECV
-KIND_ALL_TO_ALL = DFCCL_ALL_TO_ALL
-PATH_DIRECT = DFCCL_PATH_DIRECT
-PATH_RING = DFCCL_PATH_RING
-TASK_ONE_SHOT = DFCCL_TASK_ONE_SHOT
-TASK_STAGED = DFCCL_TASK_STAGED
-TASK_LL = DFCCL_TASK_LL
-MAX_CHANNELS = DFCCL_MAX_CHANNELS
-MAX_RANKS = DFCCL_MAX_RANKS
-RECORD_HEADER_BYTES = DFCCL_RECORD_HEADER_BYTES
-
-
-cdef size_t _chan_instance_offset():
-    cdef dfccl_chan_state cs
-    return <size_t>(<char *>&cs.instance - <char *>&cs)
-
-
-# Where a channel state names the instance it published (host diagnostics
-# probe as the daemon does).
-CHAN_INSTANCE_OFFSET = _chan_instance_offset()
-CHAN_STATE_BYTES = sizeof(dfccl_chan_state)
-
-
-_MASK64 = (1 << 64) - 1
-
-
-# The daemon's hashes (dfccl/hash.h) from the same C, for Python; they work
-# on the low 64 bits of their arguments, like the C.
-def mix64(x):
-    """splitmix64's finaliser."""
-    return dfccl_mix64(<uint64_t>(x & _MASK64))
-
-
-def home_bucket(key, uint32_t capacity):
-    """Where probing for a tag's record starts."""
-    if capacity == 0:
-        raise ValueError("capacity must be positive")
-    return dfccl_home_bucket(<uint64_t>(key & _MASK64), capacity)
-
-
-def instance_token(key, instance):
-    """The daemon's name of one instance of a tag."""
-    return dfccl_instance_token(<uint64_t>(key & _MASK64), <uint64_t>(instance & _MASK64))
-
-
-def first_block(key, uint32_t offset, uint32_t nblocks):
-    """The daemon block that runs channel 0 of the tag's instances on a rank
-    whose block offset is ``offset`` (dfccl/hash.h; set when a descriptor is
-    bound to its context)."""
-    if nblocks == 0:
-        raise ValueError("nblocks must be positive")
-    return dfccl_first_block(<uint64_t>(key & _MASK64), offset, nblocks)
 
 
 cdef class TaskDescriptor:
