@@ -929,7 +929,7 @@ class Communicator:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
         if flags & TASK_STAGED and self._has_registered_memory():
-            flags, staging, send_reg = registered_task_fields(self, kind, s.ptr, s.nbytes, flags, staging)
+            flags, staging, send_reg = registered_task_fields(self, s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=_KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             flight=self._flight.ring, endpoint=self._endpoint.id, kind_code=kind, dtype=int(s.dtype), op=int(op),

@@ -39,7 +39,6 @@ import ctypes
 import time
 from typing import TYPE_CHECKING
 
-from dfccl._native.descriptor import KIND_ALL_REDUCE
 from dfccl.buffers import as_buffer
 from dfccl.errors import BackendError, InvalidArgumentError, ResourceError
 
@@ -269,7 +268,7 @@ def register(comm: "Communicator", buf, timeout: float) -> RegistrationHandle:
     return comm._registry.register(b.ptr, b.nbytes, timeout)
 
 
-def registered_task_fields(comm: "Communicator", kind: int, send_ptr: int, send_nbytes: int, flags: int,
+def registered_task_fields(comm: "Communicator", send_ptr: int, send_nbytes: int, flags: int,
                            staging_bytes: int) -> tuple[int, int, int]:
     """(flags, staging bytes, send word) of a staged collective whose input
     may be registered."""
@@ -277,5 +276,7 @@ def registered_task_fields(comm: "Communicator", kind: int, send_ptr: int, send_
     if not word:
         return flags, staging_bytes, 0
     # Only a two-shot all-reduce still stages (its reduced segment); the
-    # input copy is not made, but the layout keeps its place.
-    return flags | TASK_SEND_REGISTERED, staging_bytes if kind == KIND_ALL_REDUCE else 0, word
+    # input copy is not made, but the layout keeps its place, and the
+    # staging stays: it is the FIFO of the ring the collective falls back
+    # to when a peer could not stage (docs/architecture.md, "Staging budget").
+    return flags | TASK_SEND_REGISTERED, staging_bytes, word

@@ -23,6 +23,9 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_DAEMON_EPOCH_SHIFT, DFCCL_DAEMON_STATE_MASK
     unsigned int DFCCL_RECORD_HEADER_BYTES
     unsigned int DFCCL_LINK_AHEAD_MAX
+    unsigned int DFCCL_FIFO_UNIT_SHIFT, DFCCL_FIFO_UNIT_BYTES, DFCCL_FIFO_UNIT_MAX, DFCCL_FIFO_SLOTS_SHIFT
+    unsigned int DFCCL_FIFO_SLOTS_MAX
+    unsigned long long DFCCL_FIFO_OFFSET_MASK, DFCCL_FIFO_NO_STAGE
 
     ctypedef struct dfccl_task_desc:
         uint64_t send_addr
