@@ -90,7 +90,7 @@ def test_tags_beyond_the_budget_loop_through_reserved_fifos(nranks):
     comms = dfccl.Communicator.for_devices(sc.fresh_sim_devices(nranks), backend="sim", options=dfccl.CommOptions(
         path="ring", staging_bytes=1 << 20, ring_tags=4, max_tags=64))
     try:
-        ntags, count = 40, 50_001
+        ntags, count = 24, 20_001
         kinds = ("all_reduce", "broadcast", "reduce")
         bufs = [[np.arange(count, dtype=np.int64) + 10 * r + t for t in range(ntags)] for r in range(nranks)]
         works = []
