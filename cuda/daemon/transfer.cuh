@@ -34,8 +34,14 @@ DFCCL_DEV int run_transfer(BlockEnv &env, TaskRun &run) {
   }
   if (run.d->kind == DFCCL_SEND || run.d->kind == DFCCL_RECV) return run_p2p(env, run);
   if (run.d->kind == DFCCL_ALL_TO_ALL) return run_all_to_all(env, run);
-  if (run.d->path == DFCCL_PATH_DIRECT) return run_direct(env, run);
-  return run_ring(env, run);
+  if (run.d->path == DFCCL_PATH_DIRECT) {
+    if (run.step < D_RING) {
+      const int rc = run_direct(env, run);
+      if (run.step < D_RING || rc != RUN_DONE) return rc;
+    }
+    return run_ring(env, run, D_RING);  // a staged collective fell back to the ring
+  }
+  return run_ring(env, run, 0);
 }
 
 }  // namespace dfccl

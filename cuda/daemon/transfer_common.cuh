@@ -7,6 +7,9 @@
 
 namespace dfccl {
 
+// The peer a wait names when it waits for several (diagnostics).
+constexpr uint32_t kAnyPeer = 0xfffeu;
+
 DFCCL_DEV uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 DFCCL_DEV uint64_t ceil_div(uint64_t x, uint64_t a) { return (x + a - 1) / a; }
 
@@ -24,6 +27,41 @@ DFCCL_DEV Range split(uint64_t total, uint32_t parts, uint32_t i, uint64_t align
   uint64_t b = per * i < total ? per * i : total;
   uint64_t e = b + per < total ? b + per : total;
   return Range{b, e - b};
+}
+
+// The ring's steps (transfer_ring.cuh); a staged direct collective that falls
+// back to the ring enters at R_ADOPT (transfer_direct.cuh).
+enum RingStep { R_PUBLISH = 0, R_MEET = 1, R_PRIMS = 2, R_DRAIN = 3, R_FINISH = 4, R_DONE = 5, R_ADOPT = 6 };
+
+// A receive FIFO as a fifo word names it (abi.h, DFCCL_FIFO_*), the planned
+// shape filled in (its offsets are 16-byte aligned: the low bits are flags).
+struct FifoShape {
+  uint64_t offset;      // in the owner's arena
+  uint64_t unit;        // the word's size field (0: the planned slice)
+  uint64_t slot_bytes;
+  uint64_t slots;
+};
+
+DFCCL_DEV FifoShape fifo_shape(const dfccl_task_desc *d, uint64_t word) {
+  FifoShape f;
+  f.offset = word & DFCCL_FIFO_OFFSET_MASK & ~DFCCL_FIFO_FLAG_MASK;
+  f.unit = (word >> DFCCL_FIFO_UNIT_SHIFT) & DFCCL_FIFO_UNIT_MAX;
+  f.slot_bytes = f.unit != 0 ? f.unit * DFCCL_FIFO_UNIT_BYTES : d->slice_bytes;
+  f.slots = word >> DFCCL_FIFO_SLOTS_SHIFT;
+  if (f.slots == 0) f.slots = d->fifo_slots;
+  return f;
+}
+
+// This rank's receive FIFO on this channel, as the word peers read.
+DFCCL_DEV uint64_t own_fifo_word(const TaskRun &run, uint32_t channel) {
+  const FifoShape f = fifo_shape(run.d, run.d->fifo_offset);
+  return (f.slots << DFCCL_FIFO_SLOTS_SHIFT) | (f.unit << DFCCL_FIFO_UNIT_SHIFT) |
+         (f.offset + channel * f.slots * f.slot_bytes);
+}
+
+// Slices of `slice_bytes` a FIFO of this shape holds.
+DFCCL_DEV uint64_t fifo_slices(const FifoShape &f, uint64_t slice_bytes) {
+  return f.slots * f.slot_bytes / slice_bytes;
 }
 
 // One data move from the address lists the leader wrote into sm->srcs/dsts.

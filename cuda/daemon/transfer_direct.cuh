@@ -18,6 +18,12 @@
 // (which every peer maps), and publishes offsets there; a two-shot all-reduce
 // also writes its reduced segment there for the peers' WORK2.  Peers read the
 // copies, so this rank may write its output in place whenever it likes.
+//
+// A staged rank whose staging had no room for the copies got a FIFO instead
+// (DFCCL_FIFO_NO_STAGE) and publishes that; every rank also publishes its
+// staging as a ring FIFO.  After MEET every rank has seen every rank's word,
+// so all of them take the same turn: if any rank could not stage, all run the
+// collective as a ring (transfer_ring.cuh, from R_ADOPT) through those FIFOs.
 #pragma once
 
 #include "transfer_common.cuh"
@@ -25,8 +31,8 @@
 namespace dfccl {
 
 enum DirectStep { D_PUBLISH = 0, D_MEET = 1, D_WORK1 = 2, D_WAIT1 = 3, D_WORK2 = 4, D_WAIT2 = 5, D_DONE = 6 };
-
-constexpr uint32_t kAnyPeer = 0xfffeu;
+// A staged collective that fell back to the ring runs ring step s as D_RING + s.
+constexpr uint32_t D_RING = 8;
 
 struct DirectGeometry {
   uint32_t n, r, c, nch, esize;
@@ -58,10 +64,13 @@ DFCCL_DEV bool two_shot(const TaskRun &run) {
 // Staged: offsets in this rank's arena of the input copy and of the output
 // copy (two-shot all-reduce); the host sized the staging the same way
 // (planning.py, staged_bytes).
-DFCCL_DEV uint64_t stage_in_offset(const TaskRun &run) { return run.d->fifo_offset; }
+DFCCL_DEV uint64_t stage_in_offset(const TaskRun &run) {
+  return run.d->fifo_offset & DFCCL_FIFO_OFFSET_MASK & ~DFCCL_FIFO_FLAG_MASK;
+}
+DFCCL_DEV bool has_stage(const TaskRun &run) { return (run.d->fifo_offset & DFCCL_FIFO_NO_STAGE) == 0; }
 DFCCL_DEV uint64_t stage_out_offset(const TaskRun &run, const DirectGeometry &g) {
   const uint64_t in_elems = run.d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)g.n * run.d->count : run.d->count;
-  return run.d->fifo_offset + round_up(in_elems * g.esize, 256);
+  return stage_in_offset(run) + round_up(in_elems * g.esize, 256);
 }
 DFCCL_DEV uint64_t own_arena(const TaskRun &run) { return run.ep->peer_arena[run.ep->rank]; }
 
@@ -231,15 +240,25 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
   for (;;) {
     switch (run.step) {
       case D_PUBLISH:
-        if (staged(run) && send_registered(run)) {
-          // Peers read the input itself: in place counts, as on the direct path.
-          const uint64_t in_place = run.d->send_addr == run.d->recv_addr ? 1 : 0;
-          publish_instance(run, in_place, run.d->send_reg, stage_out_offset(run, g));
-          run.pos[1] = in_place;
-        } else if (staged(run)) {
-          stage_input(env, run, g);
-          publish_instance(run, 0, stage_in_offset(run), stage_out_offset(run, g));
-          run.pos[1] = 0;
+        if (staged(run)) {
+          // pos[3]: the smallest FIFO slot of the ranks met (the fallback
+          // ring's slice); pos[2]: the next rank's word.
+          const uint64_t ring = own_fifo_word(run, g.c);
+          run.pos[2] = 0;
+          run.pos[3] = fifo_shape(run.d, run.d->fifo_offset).slot_bytes;
+          if (!has_stage(run)) {
+            publish_instance(run, ring | DFCCL_FIFO_NO_STAGE, 0, 0);
+            run.pos[1] = DFCCL_FIFO_NO_STAGE;
+          } else if (send_registered(run)) {
+            // Peers read the input itself: in place counts, as on the direct path.
+            const uint64_t in_place = run.d->send_addr == run.d->recv_addr ? DFCCL_FIFO_IN_PLACE : 0;
+            publish_instance(run, ring | in_place, run.d->send_reg, stage_out_offset(run, g));
+            run.pos[1] = in_place;
+          } else {
+            stage_input(env, run, g);
+            publish_instance(run, ring, stage_in_offset(run), stage_out_offset(run, g));
+            run.pos[1] = 0;
+          }
         } else {
           publish_instance(run, run.d->send_addr == run.d->recv_addr ? 1 : 0, run.d->send_addr, run.d->recv_addr);
           run.pos[1] = run.d->send_addr == run.d->recv_addr ? 1 : 0;
@@ -251,12 +270,22 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
       case D_MEET:
         while (run.pos[0] + 1 < g.n) {
           uint32_t i = (uint32_t)run.pos[0];
-          uint64_t peer_in_place = 0;
-          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i, &peer_in_place);
+          uint64_t word = 0;
+          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i, &word);
           if (w != WAIT_OK) return stop_run(w);
-          run.pos[1] |= from_leader(peer_in_place) & 1u;
+          word = from_leader(word);
+          run.pos[1] |= word & DFCCL_FIFO_FLAG_MASK;
+          if (staged(run)) {
+            const uint64_t slot_bytes = fifo_shape(run.d, word).slot_bytes;
+            if (slot_bytes < run.pos[3]) run.pos[3] = slot_bytes;
+            if (i == 0) run.pos[2] = word;
+          }
           run.pos[0] += 1;
           run.progressed = true;
+        }
+        if (run.pos[1] & DFCCL_FIFO_NO_STAGE) {
+          run.step = D_RING + R_ADOPT;
+          return RUN_DONE;  // with this step, run_transfer goes on in the ring
         }
         run.step = D_WORK1;
         break;

@@ -11,13 +11,24 @@
 // fully moved and posted or not started, and resume continues at the saved
 // primitive index.  Before completing, a rank waits until the next rank has
 // consumed every slice it sent, so no peer writes into its record afterwards.
+//
+// Each rank's FIFO has its own shape (abi.h, DFCCL_FIFO_*): the planned one,
+// or a smaller one when its staging was short.  Every rank therefore meets
+// every peer, not only its neighbours, and the ring runs with the smallest
+// slot size of all as its slice (every rank computes the same from the same
+// published words); each FIFO holds at least two such slices, which is all
+// the ring needs.  Each rank then marks in its own record that it has met
+// every peer (phase1, a plain store: ring peers need no atomics) and
+// completes only once every peer has marked so or moved on to a later
+// instance, so no peer still looks for this instance in its record when it
+// publishes the next (a rank of a broadcast or reduce chain could otherwise
+// finish before a rank further down met it).
 #pragma once
 
 #include "transfer_common.cuh"
 
 namespace dfccl {
 
-enum RingStep { R_PUBLISH = 0, R_MEET = 1, R_PRIMS = 2, R_DRAIN = 3, R_DONE = 4 };
 
 // What one primitive does.
 enum PrimFlags : uint32_t {
@@ -33,6 +44,7 @@ struct RingGeometry {
   uint32_t nprims;   // primitives per loop
   uint32_t q;        // position in the chain (broadcast, reduce)
   uint64_t align, slice;
+  uint64_t slice_bytes;
   uint64_t nloops;
   Range chan;        // this channel's part of [0, count)
   bool in_place;
@@ -43,7 +55,8 @@ struct Prim {
   uint64_t in_off, out_off, len;  // elements
 };
 
-DFCCL_DEV RingGeometry ring_geometry(const TaskRun &run) {
+// `slice_bytes`: the slice the ring runs with (known once every peer is met).
+DFCCL_DEV RingGeometry ring_geometry(const TaskRun &run, uint64_t slice_bytes) {
   const dfccl_task_desc *d = run.d;
   RingGeometry g;
   g.n = run.ep->nranks;
@@ -52,7 +65,8 @@ DFCCL_DEV RingGeometry ring_geometry(const TaskRun &run) {
   g.nch = d->nchannels;
   g.esize = dtype_size(d->dtype);
   g.align = pack_elems(g.esize);
-  g.slice = d->slice_bytes / g.esize;
+  g.slice_bytes = slice_bytes;
+  g.slice = slice_bytes / g.esize;
   g.prev = (g.r + g.n - 1) % g.n;
   g.next = (g.r + 1) % g.n;
   g.chan = split(d->count, g.nch, g.c, g.align);
@@ -165,10 +179,9 @@ DFCCL_DEV Prim ring_prim(const RingGeometry &g, const dfccl_task_desc *d, uint64
   return p;
 }
 
-// This rank's receive FIFO on this channel: (slots << 48) | arena offset.
-DFCCL_DEV uint64_t own_fifo_word(const TaskRun &run, uint32_t channel) {
-  const uint64_t chan_bytes = (uint64_t)run.d->fifo_slots * run.d->slice_bytes;
-  return ((uint64_t)run.d->fifo_slots << 48) | (run.d->fifo_offset + channel * chan_bytes);
+// The peer met `i`-th: the previous rank, the next, then the others.
+DFCCL_DEV uint32_t ring_peer(const RingGeometry &g, uint64_t i) {
+  return i == 0 ? g.prev : i == 1 ? g.next : (uint32_t)((g.r + i) % g.n);
 }
 
 DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
@@ -177,6 +190,7 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   const uint64_t sent = run.pos[2], recvd = run.pos[3];
   const uint64_t inst = d->instance;
   const uint32_t nbr_slots = run.ctx->nbr_slots;
+  const uint64_t own_slots = fifo_slices(fifo_shape(d, d->fifo_offset), g.slice_bytes);
   dfccl_chan_state *m = run.mine;
   int w = block_wait(env, run, (p.flags & P_RECV) ? g.prev : g.next, [&]() -> int {
     if ((p.flags & P_RECV) && count_for(load_acquire(&m->recv_posted), inst) < recvd + 1) return 0;
@@ -188,10 +202,10 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   uint32_t nsrcs = 0, ndsts = 0;
   if (is_leader()) {
     const uint64_t my_fifo = run.ep->peer_arena[g.r] + (own_fifo_word(run, g.c) & DFCCL_FIFO_OFFSET_MASK);
-    if (p.flags & P_RECV) env.sm->srcs[nsrcs++] = my_fifo + (recvd % d->fifo_slots) * d->slice_bytes;
+    if (p.flags & P_RECV) env.sm->srcs[nsrcs++] = my_fifo + (recvd % own_slots) * g.slice_bytes;
     if (p.flags & P_WITH_IN) env.sm->srcs[nsrcs++] = d->send_addr + p.in_off * g.esize;
     if (p.flags & P_OUT) env.sm->dsts[ndsts++] = d->recv_addr + p.out_off * g.esize;
-    if (p.flags & P_SEND) env.sm->dsts[ndsts++] = run.ctx->nbr_fifo + (sent % nbr_slots) * d->slice_bytes;
+    if (p.flags & P_SEND) env.sm->dsts[ndsts++] = run.ctx->nbr_fifo + (sent % nbr_slots) * g.slice_bytes;
   } else {
     nsrcs = ((p.flags & P_RECV) ? 1u : 0u) + ((p.flags & P_WITH_IN) ? 1u : 0u);
     ndsts = ((p.flags & P_OUT) ? 1u : 0u) + ((p.flags & P_SEND) ? 1u : 0u);
@@ -212,40 +226,75 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   return WAIT_OK;
 }
 
-DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run) {
-  const RingGeometry g = ring_geometry(run);
-  const int kind = run.d->kind;
+// Enters the ring with every peer met: the slice the ring runs with, the
+// next rank's FIFO (its word), and this rank's mark that it met them all.
+DFCCL_DEV void start_ring(TaskRun &run, const RingGeometry &g, uint64_t slice_bytes, uint64_t next_word) {
+  if (is_leader()) {
+    const FifoShape next = fifo_shape(run.d, next_word);
+    run.ctx->nbr_slots = (uint32_t)fifo_slices(next, slice_bytes);
+    run.ctx->nbr_fifo = run.ep->peer_arena[g.next] + next.offset;
+    store_relaxed(&run.mine->phase1, tagged_count(run.d->instance, 1));
+  }
+  run.pos[0] = slice_bytes;
+  run.pos[1] = run.pos[2] = run.pos[3] = 0;
+  run.progressed = true;
+}
+
+// `base`: where the ring's steps start in run.step (0; D_RING for a staged
+// direct collective that fell back to the ring).
+DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run, uint32_t base) {
+  const dfccl_task_desc *d = run.d;
+  // Before every peer is met the slice is not known yet: the planned one
+  // stands in (nothing before R_PRIMS uses it).
+  const uint32_t step = run.step - base;
+  RingGeometry g = ring_geometry(run, step >= R_PRIMS && step < R_DONE ? run.pos[0] : d->slice_bytes);
+  // With two ranks the previous and the next are one peer, met twice.
+  const uint64_t meets = g.n == 2 ? 2 : g.n - 1;
   for (;;) {
-    switch (run.step) {
+    switch (run.step - base) {
       case R_PUBLISH:
-        publish_instance(run, own_fifo_word(run, g.c), run.d->send_addr, run.d->recv_addr);
+        publish_instance(run, own_fifo_word(run, g.c), d->send_addr, d->recv_addr);
         run.pos[0] = 0;
-        run.step = R_MEET;
+        run.pos[3] = fifo_shape(d, d->fifo_offset).slot_bytes;
+        run.step = base + R_MEET;
         run.progressed = true;
         break;
       case R_MEET: {
-        // pos[0]: 0 = meet the previous rank next, 1 = the next rank, 2 = met.
-        uint64_t word = 0;
-        if (run.pos[0] == 0) {
-          if (receives(g, kind)) {
-            int w = meet_peer(env, run, g.prev, 0, &word);
-            if (w != WAIT_OK) return stop_run(w);
-          }
-          run.pos[0] = 1;
+        // pos[0]: peers met so far (ring_peer order); pos[3]: the smallest
+        // slot size seen, ours included; pos[2]: the next rank's word.
+        while (run.pos[0] < meets) {
+          uint64_t word = 0;
+          int w = meet_peer(env, run, ring_peer(g, run.pos[0]), (uint32_t)run.pos[0], &word);
+          if (w != WAIT_OK) return stop_run(w);
+          word = from_leader(word);
+          const uint64_t slot_bytes = fifo_shape(d, word).slot_bytes;
+          if (slot_bytes < run.pos[3]) run.pos[3] = slot_bytes;
+          if (run.pos[0] == 1) run.pos[2] = word;
+          run.pos[0] += 1;
+          run.progressed = true;
         }
-        if (run.pos[0] == 1) {
-          if (sends(g, kind)) {
-            int w = meet_peer(env, run, g.next, 1, &word);
-            if (w != WAIT_OK) return stop_run(w);
-            if (is_leader()) {
-              run.ctx->nbr_slots = (uint32_t)(word >> 48);
-              run.ctx->nbr_fifo = run.ep->peer_arena[g.next] + (word & DFCCL_FIFO_OFFSET_MASK);
-            }
+        start_ring(run, g, run.pos[3], run.pos[2]);
+        g = ring_geometry(run, run.pos[0]);
+        run.step = base + R_PRIMS;
+        break;
+      }
+      case R_ADOPT: {
+        // A staged direct collective met every peer in its own order
+        // (peer r + 1 + i at cache index i; pos[3], pos[2] as in R_MEET):
+        // the ring's cache holds the previous rank at 0, the next at 1,
+        // rank r + i at i.
+        if (is_leader()) {
+          uint64_t direct[DFCCL_PEER_CACHE];
+          for (uint32_t i = 0; i < DFCCL_PEER_CACHE; ++i) direct[i] = run.ctx->peer_rec[i];
+          for (uint32_t i = 0; i < meets && i < DFCCL_PEER_CACHE; ++i) {
+            const uint32_t j = i == 0 ? g.n - 2 : i == 1 ? 0 : i - 1;
+            const uint64_t rec = j < DFCCL_PEER_CACHE ? direct[j] : 0;
+            run.ctx->peer_rec[i] = rec != 0 ? rec : probe_record(run.ep, ring_peer(g, i), d->tag_key, g.c, d->instance);
           }
-          run.pos[0] = 2;
         }
-        run.step = R_PRIMS;
-        run.progressed = true;
+        start_ring(run, g, run.pos[3], run.pos[2]);
+        g = ring_geometry(run, run.pos[0]);
+        run.step = base + R_PRIMS;
         break;
       }
       case R_PRIMS: {
@@ -254,19 +303,40 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run) {
           int w = ring_step(env, run, g);
           if (w != WAIT_OK) return stop_run(w);
         }
-        run.step = R_DRAIN;
+        run.step = base + R_DRAIN;
         break;
       }
       case R_DRAIN: {
         // Every slice we posted has been consumed: nobody writes into our
         // record for this instance any more.
-        const uint64_t sent = run.pos[2], inst = run.d->instance;
+        const uint64_t sent = run.pos[2], inst = d->instance;
         dfccl_chan_state *m = run.mine;
         int w = block_wait(env, run, g.next, [&]() -> int {
           return count_for(load_acquire(&m->send_credit), inst) >= sent ? 1 : 0;
         });
         if (w != WAIT_OK) return stop_run(w);
-        run.step = R_DONE;
+        run.step = base + R_FINISH;
+        run.progressed = true;
+        break;
+      }
+      case R_FINISH: {
+        // Every peer has met every rank, this one included (R_MEET's mark),
+        // or is past this instance: it published a later one, or its record
+        // went to another tag (either only once it completed this one).
+        const uint64_t inst = d->instance;
+        int w = block_wait(env, run, kAnyPeer, [&]() -> int {
+          for (uint32_t i = 0; i + 1 < g.n; ++i) {
+            const uint64_t rec = peer_record(run, i, ring_peer(g, i));
+            if (rec == 0) return 0;
+            dfccl_chan_state *pc = record_chan(rec, g.c);
+            if (count_for(load_acquire(&pc->phase1), inst) != 0) continue;
+            if (load_relaxed(&ptr<dfccl_record_header>(rec)->key) != d->tag_key) continue;
+            if (load_relaxed(&pc->instance) <= inst) return 0;
+          }
+          return 1;
+        });
+        if (w != WAIT_OK) return stop_run(w);
+        run.step = base + R_DONE;
         run.progressed = true;
         break;
       }

@@ -1047,7 +1047,7 @@ class Communicator:
             key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
         flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
         if flags & TASK_STAGED and self._has_registered_memory():
-            flags, staging, send_reg = self._registry.task_fields(kind, s.ptr, s.nbytes, flags, staging)
+            flags, staging, send_reg = self._registry.task_fields(s.ptr, s.nbytes, flags, staging)
         return TaskDescriptor(
             kind=KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
             flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset, kind_code=kind,

@@ -17,10 +17,10 @@ import socket
 import numpy as np
 
 from dfccl import runtime
-from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, MAX_CHANNELS, RANK_LIVE,
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, FIFO_OFFSET_MASK, MAX_CHANNELS, RANK_LIVE,
                                   RECORD_HEADER_BYTES, REG_SLOTS)
-from dfccl.errors import BackendError
-from dfccl.planning import ll_region_bytes
+from dfccl.errors import BackendError, InvalidArgumentError
+from dfccl.planning import fifo_blocks, ll_region_bytes, reserved_staging_bytes
 from dfccl.processes import start_time
 from dfccl.staging import StagingPool
 from dfccl.status_page import StatusPage
@@ -50,9 +50,17 @@ class Endpoint:
         self.ll_bytes = _align(ll_region_bytes(self.capacity, nranks, self.ll_max_bytes), 4096)
         staging_base = self.ll_offset + self.ll_bytes
         self.arena_size = staging_base + options.staging_bytes
+        if self.arena_size > FIFO_OFFSET_MASK:
+            raise InvalidArgumentError(f"an arena of {self.arena_size} bytes is beyond the {FIFO_OFFSET_MASK + 1} "
+                                       "bytes a FIFO word addresses; lower CommOptions.staging_bytes or max_tags")
         self.arena = self.backend.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
-        self.staging = StagingPool(staging_base, options.staging_bytes)
+        # A reserved block for every tag that can be pending here at once
+        # (bounded by the records and by the context's slots), for a FIFO of
+        # up to this context's channels.
+        channels = min(ctx.nblocks, options.channels or ctx.nblocks)
+        block_bytes, blocks = fifo_blocks(reserved_staging_bytes(options), min(self.capacity, ctx.nslots), channels)
+        self.staging = StagingPool(staging_base, options.staging_bytes, block_bytes=block_bytes, blocks=blocks)
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []

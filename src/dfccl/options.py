@@ -167,7 +167,9 @@ class CommOptions:
         the default ContextOptions.max_outstanding.  A property of the
         communicator, equal on every rank whatever each device's context
         options.
-    staging_bytes: ring-path FIFO memory per rank.
+    staging_bytes: staging per rank (ring FIFOs, staged copies): a quarter
+        reserved as a minimum FIFO for every tag that can be pending, the
+        rest shared (docs/architecture.md, "Staging budget").
     ring_slots: FIFO slots per channel (pipelining depth of the ring), >= 2.
     max_slice_bytes: largest FIFO slot (a multiple of 16).
     one_shot_bytes: direct all-reduces up to this size (out of place) read
@@ -177,9 +179,10 @@ class CommOptions:
     staged_max_bytes: largest collective (bytes one rank moves) that takes
         the direct path across processes; larger ones take the ring.  Each
         tag holds up to twice this much staging while it is bound.
-    ring_tags: tags whose ring-path collectives fit in staging_bytes at once
-        whatever their size: a tag's FIFO (channels x ring_slots x slice) is
-        at most staging_bytes // ring_tags, its slices shrinking to fit
+    ring_tags: tags whose ring-path collectives get their planned FIFOs at
+        once whatever their size: a tag's FIFO (channels x ring_slots x
+        slice) is at most the shared staging // ring_tags, its slices
+        shrinking to fit; more tags loop through reserved minimum FIFOs
         (docs/architecture.md, "Staging budget").
     peer_timeout: seconds after which a peer in another process whose
         heartbeat has stopped is declared lost (PeerLostError on every pending

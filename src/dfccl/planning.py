@@ -25,12 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dfccl._native import layout
-from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER, LL_HEADER_LINES, LL_MAX_RANKS,
-                                  PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
+from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER,
+                                  LL_HEADER_LINES, LL_MAX_RANKS, PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT,
+                                  TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
-           "default_ll_max_bytes"]
+           "default_ll_max_bytes", "reserved_staging_bytes", "fifo_blocks"]
 
 #: Collectives LL runs: the symmetric ones (every rank receives from every
 #: rank), whose instance order alone keeps two parities of areas safe.
@@ -53,8 +54,10 @@ class Geometry:
     @property
     def fifo_bytes(self) -> int:
         """Staging the collective needs in this rank's arena: ring FIFOs, or
-        the staged direct path's copies."""
-        return self.nchannels * self.fifo_slots * self.slice_bytes + self.stage_bytes
+        the staged direct path's copies (a staged collective's slice and
+        slots are the ring it falls back to, through the same staging or a
+        reserved FIFO: docs/architecture.md, "Staging budget")."""
+        return self.stage_bytes or self.nchannels * self.fifo_slots * self.slice_bytes
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -74,14 +77,40 @@ def staged_bytes(kind: int, count: int, itemsize: int, nranks: int) -> int:
     return _round_up(in_bytes, 256) + _round_up(out_bytes, 256)
 
 
+#: One part in this many of CommOptions.staging_bytes is reserved for the
+#: minimum FIFOs of the tags that can be pending at once (fifo_blocks).
+RESERVED_STAGING_DIVISOR = 4
+_STAGING_ALIGN = 256
+
+
+def reserved_staging_bytes(options) -> int:
+    """Staging of a rank reserved for minimum FIFOs (the rest is shared)."""
+    return options.staging_bytes // RESERVED_STAGING_DIVISOR // _STAGING_ALIGN * _STAGING_ALIGN
+
+
+def fifo_blocks(reserved: int, tags: int, channels: int) -> tuple[int, int]:
+    """(block bytes, blocks): the reserved staging cut into one block per
+    tag that can be pending at once (``tags``), each at least the minimum
+    FIFO of a collective of up to ``channels`` channels (two 16-byte slots
+    per channel; any message loops through it).  Fewer blocks when
+    ``reserved`` cannot hold that many."""
+    least = _round_up(channels * 2 * FIFO_UNIT_BYTES, _STAGING_ALIGN)
+    block = reserved // max(1, tags) // _STAGING_ALIGN * _STAGING_ALIGN
+    if block >= least:
+        return block, tags
+    return least, reserved // least
+
+
 def ring_slice_cap(nchannels: int, options) -> int:
     """Largest ring slice: max_slice_bytes, and small enough that a tag's
-    FIFO (nchannels x ring_slots slices) is at most staging_bytes //
-    ring_tags, so that ring_tags tags fit in the staging at once whatever
-    their message sizes (the ring loops over a message through its FIFO)."""
+    FIFO (nchannels x ring_slots slices) is at most the shared staging //
+    ring_tags, so that ring_tags tags get their planned FIFOs at once
+    whatever their message sizes (the ring loops over a message through its
+    FIFO)."""
     # A multiple of the staging pool's 256-byte allocation unit, so that
     # ring_tags FIFOs fit even after rounding up.
-    per_tag = options.staging_bytes // (options.ring_tags or 1) // 256 * 256
+    shared = options.staging_bytes - reserved_staging_bytes(options)
+    per_tag = shared // (options.ring_tags or 1) // _STAGING_ALIGN * _STAGING_ALIGN
     return max(256, min(options.max_slice_bytes, per_tag // (nchannels * options.ring_slots)) // 16 * 16)
 
 
@@ -131,10 +160,18 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
         # rank turns out to be in place (it learns that while meeting peers).
         flags = TASK_ONE_SHOT if (kind == KIND_ALL_REDUCE and total <= options.one_shot_bytes) else 0
         if staged:
-            return Geometry(PATH_DIRECT, nch, flags=flags | TASK_STAGED,
-                            stage_bytes=staged_bytes(kind, count, esize, nranks))
+            # At least a minimum FIFO: the staging is also the ring's if the
+            # collective falls back to it.
+            stage = max(staged_bytes(kind, count, esize, nranks), _round_up(nch * 2 * FIFO_UNIT_BYTES, _STAGING_ALIGN))
+            return Geometry(PATH_DIRECT, nch, _ring_slice(kind, count, esize, nranks, nch, options), options.ring_slots,
+                            flags=flags | TASK_STAGED, stage_bytes=stage)
         return Geometry(PATH_DIRECT, nch, flags=flags)
-    # Ring: slices are cut from the largest channel part (the daemon splits
+    return Geometry(PATH_RING, nch, _ring_slice(kind, count, esize, nranks, nch, options), options.ring_slots)
+
+
+def _ring_slice(kind: int, count: int, esize: int, nranks: int, nch: int, options) -> int:
+    """The ring's planned slice (bytes per FIFO slot)."""
+    # Slices are cut from the largest channel part (the daemon splits
     # `count` into nch pack-aligned parts, cuda/daemon/transfer_common.cuh).
     align = max(1, 16 // esize)
     chan_elems = _round_up(_ceil_div(count, nch), align)
@@ -144,5 +181,4 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     slice_bytes = _round_up(_ceil_div(chan_bytes, pieces), 16)
     # FIFO slots hold whole 16-byte packs: the daemon cuts chunks on pack
     # boundaries, so a slot must be a multiple of 16 bytes.
-    slice_bytes = max(256, min(ring_slice_cap(nch, options), slice_bytes))
-    return Geometry(PATH_RING, nch, slice_bytes, options.ring_slots)
+    return max(256, min(ring_slice_cap(nch, options), slice_bytes))

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dfccl._native.layout import KIND_ALL_REDUCE, REG_BIT, REG_SLOT_SHIFT, REG_SLOTS, TASK_SEND_REGISTERED
+from dfccl._native.layout import REG_BIT, REG_SLOT_SHIFT, REG_SLOTS, TASK_SEND_REGISTERED
 from dfccl.bootstrap import gather_through_store
 from dfccl.errors import BackendError, InvalidArgumentError, ResourceError
 from dfccl.unique_id import UniqueId
@@ -221,7 +221,7 @@ class Registry:
                 return REG_BIT | (h.slot << REG_SLOT_SHIFT) | offset
         return 0
 
-    def task_fields(self, kind: int, send_ptr: int, send_nbytes: int, flags: int,
+    def task_fields(self, send_ptr: int, send_nbytes: int, flags: int,
                     staging_bytes: int) -> tuple[int, int, int]:
         """(flags, staging bytes, send word) of a staged collective whose
         input may be registered."""
@@ -229,8 +229,10 @@ class Registry:
         if not word:
             return flags, staging_bytes, 0
         # Only a two-shot all-reduce still stages (its reduced segment); the
-        # input copy is not made, but the layout keeps its place.
-        return flags | TASK_SEND_REGISTERED, staging_bytes if kind == KIND_ALL_REDUCE else 0, word
+        # input copy is not made, but the layout keeps its place, and the
+        # staging stays: it is the FIFO of the ring the collective falls back
+        # to when a peer could not stage (docs/architecture.md, "Staging budget").
+        return flags | TASK_SEND_REGISTERED, staging_bytes, word
 
     # -- release -------------------------------------------------------------------------
     def release(self, handle: RegistrationHandle) -> None:

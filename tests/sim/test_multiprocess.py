@@ -27,8 +27,17 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
 
         # The LL scenarios: a larger LL limit than the default, in fewer buckets.
         ll = {"ll_max_bytes": 1024, "max_tags": 64} if scenario.startswith("ll") else {}
+        # The depth scenario: staging for a handful of its collectives at
+        # their planned sizes (staged up to 16 KiB, ring FIFOs of up to a
+        # quarter of 3/4 of the staging).
+        if scenario == "depth":
+            ll = {"staging_bytes": 512 << 10, "max_tags": 64, "staged_max_bytes": 16 << 10, "ring_tags": 4}
+        # 10,000 tags pending at once: records and slots for them.
+        deep = scenario == "deep_queues"
         comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend=backend, device=device,
-                                  options=dfccl.CommOptions(path=path, **ll), timeout=TIMEOUT)
+                                  options=dfccl.CommOptions(path=path, **ll, **({"max_tags": 16384} if deep else {})),
+                                  context_options=dfccl.ContextOptions(max_outstanding=16384) if deep else None,
+                                  timeout=TIMEOUT)
         out = {"path": comm.path, "ll_max_bytes": comm.ll_max_bytes}
         if scenario == "collectives":
             # Sizes on both sides of the staged limit; odd counts; every kind.
@@ -115,6 +124,10 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             out["checked"] = 40
         elif scenario == "p2p":
             out["checked"] = _point_to_point(comm, seed)
+        elif scenario == "depth":
+            out["checked"], out["reserved_fifos"] = _queue_depth(comm, seed)
+        elif scenario == "deep_queues":
+            out["checked"] = deep_queues(comm, ((1000, 2 << 20), (10_000, 1024)))
         comm.close()
         results.put((rank, "ok", out))
     except BaseException:
@@ -167,6 +180,77 @@ def _point_to_point(comm, seed: int) -> int:
         want = np.concatenate([_message(p, r, seed + 200, counts[p][r]) for p in range(n)])
         assert np.array_equal(arrays.to_numpy(recv), want), f"all-to-all {form}"
         checked += 1
+    return checked
+
+
+def _queue_depth(comm, seed: int, ntags: int = 60, queued: int = 60) -> int:
+    """Collectives queued before any wait, far beyond what the staging holds
+    at their planned sizes: ``ntags`` distinct tags (odd ranks in the
+    opposite order) of staged direct and ring sizes, then ``queued`` on one
+    tag.  Staged ones without room fall back to the ring, ring ones loop
+    through reserved FIFOs; none raises, every result is exact."""
+    from dfccl.testing import arrays
+
+    r, n = comm.rank, comm.world_size
+    dev = (comm.backend, comm.device)
+    limit = comm._options.staged_max_bytes
+    counts = (501, limit // 8 + 5, limit // 4 + 1001)    # staged, staged, ring (int32)
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+    def submit(i: int, tag):
+        kind, count = kinds[i % len(kinds)], counts[i % len(counts)] // (n if i % len(kinds) in (1, 2) else 1)
+        x = np.arange(count, dtype=np.int32) + 7 * r + i
+        s = arrays.from_numpy(*dev, x)
+        if kind == "all_reduce":
+            return comm.all_reduce(s, tag=tag), s, sum(np.arange(count, dtype=np.int64) + 7 * p + i for p in range(n))
+        if kind == "all_gather":
+            o = arrays.empty(*dev, count * n, "int32", fill=0)
+            return comm.all_gather(s, o, tag=tag), o, np.concatenate(
+                [np.arange(count, dtype=np.int64) + 7 * p + i for p in range(n)])
+        if kind == "reduce_scatter":
+            s = arrays.from_numpy(*dev, np.arange(count * n, dtype=np.int32) + 7 * r + i)
+            o = arrays.empty(*dev, count, "int32", fill=0)
+            total = sum(np.arange(count * n, dtype=np.int64) + 7 * p + i for p in range(n))
+            return comm.reduce_scatter(s, o, tag=tag), o, total[r * count:(r + 1) * count]
+        root = i % n
+        if kind == "broadcast":
+            return comm.broadcast(s, root=root, tag=tag), s, np.arange(count, dtype=np.int64) + 7 * root + i
+        want = sum(np.arange(count, dtype=np.int64) + 7 * p + i for p in range(n)) if r == root else x
+        return comm.reduce(s, root=root, tag=tag), s, want
+
+    pool = comm._endpoint.staging
+    reserved = 0     # the most reserved FIFOs held at once
+    pending = {}
+    for i in range(ntags) if r % 2 == 0 else reversed(range(ntags)):
+        pending[i] = submit(i, ("depth", i))
+        reserved = max(reserved, pool.blocks - pool.free_blocks)
+    one = [submit(len(kinds) * i, "one") for i in range(queued)]
+    for i, (work, out, want) in list(pending.items()) + list(enumerate(one)):
+        work.synchronize(timeout=TIMEOUT)
+        assert np.array_equal(arrays.to_numpy(out).astype(np.int64), want), f"collective {i}"
+    return ntags + queued, reserved
+
+
+def deep_queues(comm, sizes) -> int:
+    """For each (n, count) of ``sizes``: n all-reduces of ``count`` float32
+    on distinct tags and n on one tag, all submitted before any wait, exact
+    results (small integers)."""
+    from dfccl.testing import arrays
+
+    r, size = comm.rank, comm.world_size
+    dev = (comm.backend, comm.device)
+    checked = 0
+    for n, count in sizes:
+        bufs = [arrays.from_numpy(*dev, np.full(count, r + 1 + i % 7, np.float32)) for i in range(2 * n)]
+        works = [comm.all_reduce(b, tag=("deep", count, i) if i < n else ("deep", count))
+                 for i, b in enumerate(bufs)]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        for i, b in enumerate(bufs):
+            want = size * (size + 1) // 2 + size * (i % 7)
+            assert (arrays.to_numpy(b) == want).all(), (count, i)
+        checked += 2 * n
+        del bufs, works
     return checked
 
 
@@ -223,6 +307,13 @@ def test_point_to_point_across_processes_sim(path, nranks):
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
+def test_queue_depth_beyond_the_staging_across_processes_sim(nranks):
+    outs = run_ranks(nranks, "sim", "auto", "depth")
+    assert all(o["path"] == "staged" and o["checked"] == 120 for o in outs)
+    assert all(o["reserved_fifos"] > 5 for o in outs), "the staging held most of them at their planned sizes"
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
 def test_ll_across_processes_sim(nranks):
     outs = run_ranks(nranks, "sim", "auto", "ll")
     assert all(o["path"] == "staged" and o["ll_max_bytes"] == 1024 for o in outs)
@@ -251,6 +342,16 @@ def test_collectives_one_process_per_gpu(path):
 @pytest.mark.gpu
 def test_divergent_order_one_process_per_gpu():
     run_ranks(2, "cuda", "auto", "divergent", devices=_gpus())
+
+
+@pytest.mark.gpu
+def test_deep_queues_two_processes_on_one_gpu():
+    """Two processes on one GPU (the GPU suite runs them under MPS where it
+    can): 1,000 all-reduces of 8 MiB queued on distinct tags and 1,000 on one
+    tag, then 10,000 of 4 KiB each way, before any wait (docs/architecture.md,
+    "Staging budget": once the 16th raised ResourceError)."""
+    outs = run_ranks(2, "cuda", "auto", "deep_queues", devices=[0], timeout=600)
+    assert all(o["path"] == "staged" and o["checked"] == 22_000 for o in outs)
 
 
 @pytest.mark.gpu

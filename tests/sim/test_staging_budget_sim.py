@@ -1,8 +1,9 @@
 """Staging bounded independently of message size (docs/architecture.md,
 "Staging budget"): a tag's ring FIFO is a fixed ring of slots per channel
 that every instance of the tag reuses and that the ring loops over; at most
-staging_bytes // ring_tags per tag, so ring_tags tags fit at once whatever
-their sizes."""
+the shared staging // ring_tags per tag, so ring_tags tags get their planned
+FIFOs at once whatever their sizes, and any number more loop through
+reserved minimum FIFOs."""
 
 from __future__ import annotations
 
@@ -79,17 +80,49 @@ def test_hundred_distinct_tags_of_large_messages_fit(options):
         sc.settle(comms)
 
 
-def test_tags_beyond_the_budget_raise_resource_error_not_wait():
-    comms = _pair(staging_bytes=1 << 20, ring_tags=4)
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_tags_beyond_the_budget_loop_through_reserved_fifos(nranks):
+    """More tags pending at once than the shared staging holds at their
+    planned FIFOs: the rest loop through reserved minimum FIFOs (once the
+    fifth raised ResourceError).  Ranks queue them in opposite orders, so
+    a tag's FIFO is planned on one rank and reserved on another: the ring
+    runs with the smallest slot of all (broadcast and reduce chains too)."""
+    comms = dfccl.Communicator.for_devices(sc.fresh_sim_devices(nranks), backend="sim", options=dfccl.CommOptions(
+        path="ring", staging_bytes=1 << 20, ring_tags=4, max_tags=64))
     try:
-        xs = [np.ones(1 << 18, np.float32) for _ in range(4)]
-        works = [comms[0].all_reduce(x, tag=("b", i)) for i, x in enumerate(xs)]
-        with pytest.raises(dfccl.ResourceError, match="staging"):
-            comms[0].all_reduce(np.ones(1 << 18, np.float32), tag="fifth")
-        works += [comms[1].all_reduce(np.ones(1 << 18, np.float32), tag=("b", i)) for i in range(4)]
+        ntags, count = 24, 20_001
+        kinds = ("all_reduce", "broadcast", "reduce")
+        bufs = [[np.arange(count, dtype=np.int64) + 10 * r + t for t in range(ntags)] for r in range(nranks)]
+        works = []
+        for r, c in enumerate(comms):
+            for t in (range(ntags) if r % 2 == 0 else reversed(range(ntags))):
+                kind, root = kinds[t % 3], t % nranks
+                works.append(getattr(c, kind)(bufs[r][t], tag=("b", t)) if kind == "all_reduce"
+                             else getattr(c, kind)(bufs[r][t], root=root, tag=("b", t)))
+            pool = c._endpoint.staging
+            assert pool.free_blocks < pool.blocks - ntags // 2, "most tags hold reserved FIFOs"
+            assert pool.in_use <= pool.size
         for w in works:
             w.synchronize(timeout=TIMEOUT)
-        assert all((x == 2).all() for x in xs)
+        total = [sum(np.arange(count, dtype=np.int64) + 10 * r + t for r in range(nranks)) for t in range(ntags)]
+        for t in range(ntags):
+            root = t % nranks
+            for r in range(nranks):
+                want = {"all_reduce": total[t], "broadcast": np.arange(count, dtype=np.int64) + 10 * root + t,
+                        "reduce": total[t] if r == root else np.arange(count, dtype=np.int64) + 10 * r + t}
+                assert np.array_equal(bufs[r][t], want[kinds[t % 3]]), (t, r)
+    finally:
+        sc.settle(comms)
+
+
+def test_instance_staging_beyond_the_budget_raises_resource_error_not_wait():
+    """Staging an instance needs whole on its own (an all-to-all's table
+    and copy) is not a FIFO to loop through: it raises when not free."""
+    comms = _pair(staging_bytes=1 << 20, ring_tags=4)
+    try:
+        tags = comms[0]._endpoint.tags
+        with pytest.raises(dfccl.ResourceError, match="staging"):
+            tags.alloc_instance_staging(1 << 20)
     finally:
         sc.settle(comms)
 

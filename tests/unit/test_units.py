@@ -16,7 +16,7 @@ from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCA
 from dfccl.buffers import Buffer, as_buffer
 from dfccl.errors import InvalidArgumentError, ResourceError
 from dfccl.options import CommOptions
-from dfccl.planning import plan_geometry
+from dfccl.planning import fifo_blocks, plan_geometry
 from dfccl.staging import ALIGN, StagingPool
 from dfccl.streams import stream_handle
 from dfccl.tags import TagTable, home_bucket, tag_key
@@ -323,6 +323,33 @@ def test_staging_random_against_model():
             used[first:first + n] = True
             live[off] = nbytes
         assert p.in_use == int(used.sum()) * ALIGN, f"step {step}: in_use {p.in_use}"
+
+
+def test_staging_pool_reserved_blocks_apart_from_the_shared_part():
+    """Reserved blocks (one per tag that can be pending) are never handed out
+    by alloc(), and alloc_block() never touches the shared part."""
+    base, bb = 1 << 20, 4 * ALIGN
+    p = StagingPool(base, 3 * bb + 10 * ALIGN, block_bytes=bb, blocks=3)
+    shared = p.alloc(10 * ALIGN)
+    assert shared == base + 3 * bb and p.alloc(1) is None
+    blocks = [p.alloc_block() for _ in range(3)]
+    assert blocks == [base, base + bb, base + 2 * bb] and p.alloc_block() is None
+    assert p.in_use == p.size and p.free_blocks == 0
+    p.free(blocks[1], bb)
+    assert p.alloc(1) is None and p.alloc_block() == blocks[1]
+    p.free(shared, 10 * ALIGN)
+    assert p.alloc(10 * ALIGN) == shared
+    with pytest.raises(ValueError):
+        StagingPool(base, bb, block_bytes=bb, blocks=2)
+
+
+@pytest.mark.parametrize("reserved,tags,channels", [(64 << 20, 4096, 32), (256 << 10, 4096, 2), (1 << 20, 8, 32),
+                                                    (256, 4096, 2), (0, 16, 1)])
+def test_fifo_blocks_hold_two_minimal_slots_per_channel(reserved, tags, channels):
+    block, blocks = fifo_blocks(reserved, tags, channels)
+    assert block % ALIGN == 0 and block >= channels * 2 * 16
+    assert blocks * block <= reserved and blocks <= tags
+    assert blocks == tags or block == -(-channels * 32 // ALIGN) * ALIGN, "fewer blocks only when the least do not fit"
 
 
 # ==========================================================================================

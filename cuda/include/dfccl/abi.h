@@ -120,14 +120,16 @@ typedef struct dfccl_task_desc {
   uint64_t tag_key;       /* 64-bit hash of (communicator, tag) */
   uint64_t instance;      /* this rank's k-th use of the tag, from 1 */
   uint64_t send_reg;      /* DFCCL_TASK_SEND_REGISTERED: the input's registered word; else zero */
-  uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena;
-                             staged direct path: its staging (input copy, then output copy) */
+  uint64_t fifo_offset;   /* ring path: this rank's receive FIFO in its arena, with its shape in
+                             the high bits as in a fifo word (DFCCL_FIFO_*: 0 there = slice_bytes
+                             x fifo_slots per channel); staged direct path: its staging (input
+                             copy, then output copy) */
   uint32_t endpoint;      /* index into the endpoint table */
   uint32_t bucket;        /* this rank's tag record index */
   uint32_t slot;          /* completion slot */
   uint32_t gen;           /* slot generation: done[slot] == gen on completion */
-  uint32_t slice_bytes;   /* ring path: bytes per FIFO slot */
-  uint32_t fifo_slots;    /* ring path: slots per channel in this rank's FIFO */
+  uint32_t slice_bytes;   /* ring path: the planned slice (bytes per FIFO slot), equal on every rank */
+  uint32_t fifo_slots;    /* ring path: planned slots per channel of a FIFO */
   uint32_t flags;         /* DFCCL_TASK_* */
   uint16_t root;
   uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
@@ -373,11 +375,11 @@ typedef struct dfccl_chan_state {
   uint64_t count;
   uint64_t send_addr;     /* direct path (staged: offset in the owner's arena) */
   uint64_t recv_addr;     /* direct path (staged: offset in the owner's arena) */
-  uint64_t fifo;          /* ring path: (slots << 48) | offset of this channel's FIFO;
+  uint64_t fifo;          /* ring path: this channel's FIFO as a fifo word (DFCCL_FIFO_*);
                              direct path: 1 if this rank's collective is in place */
   uint64_t chain_token;   /* owner's daemon only: token of the latest instance of
                              this tag pulled on this channel */
-  uint64_t slice_bytes;   /* ring path: FIFO slot size, must match the peers' */
+  uint64_t slice_bytes;   /* ring path: the planned slice, must match the peers' */
   /* peer-written, owner waits on */
   uint64_t recv_posted;   /* ring: (instance << 32) | slices posted into our FIFO */
   uint64_t send_credit;   /* ring: (instance << 32) | slices the next rank consumed */
@@ -404,7 +406,26 @@ typedef struct dfccl_chan_state {
  * buffer that peers read when they cannot map it (DFCCL_TASK_STAGED). */
 #define DFCCL_A2A_WORDS(nranks, nchannels) (4ull * (nranks) + (uint64_t)(nchannels) * (nranks))
 #define DFCCL_A2A_COPY_OFFSET(nranks, nchannels) ((DFCCL_A2A_WORDS(nranks, nchannels) * 8ull + 255ull) / 256ull * 256ull)
-#define DFCCL_FIFO_OFFSET_MASK ((1ull << 48) - 1ull)
+/* A fifo word names one channel's receive FIFO in its owner's arena and its
+ * shape: bits 0..39 the offset, 40..47 the slot size in 16-byte units, 48..63
+ * the slots.  A zero size is the collective's slice_bytes and zero slots its
+ * fifo_slots (the planned FIFO).  Every rank may own a FIFO of another shape
+ * (a smaller one when its staging is short: docs/architecture.md, "Staging
+ * budget"); the ring runs with the smallest slot size of all ranks as its
+ * slice, and each rank's FIFO holds at least two of those. */
+#define DFCCL_FIFO_OFFSET_MASK ((1ull << 40) - 1ull)
+#define DFCCL_FIFO_UNIT_SHIFT 40
+#define DFCCL_FIFO_UNIT_BYTES 16u
+#define DFCCL_FIFO_UNIT_MAX 255u
+#define DFCCL_FIFO_SLOTS_SHIFT 48
+#define DFCCL_FIFO_SLOTS_MAX 65535u
+/* The low bits of the word a staged direct rank publishes (its staging as
+ * the FIFO of the ring the collective falls back to): in place, and no
+ * staged copies (its staging was short: every rank runs the ring).  The
+ * host sets DFCCL_FIFO_NO_STAGE in such a rank's dfccl_task_desc.fifo_offset. */
+#define DFCCL_FIFO_IN_PLACE 1ull
+#define DFCCL_FIFO_NO_STAGE 2ull
+#define DFCCL_FIFO_FLAG_MASK 3ull
 
 #if !defined(__CUDACC_RTC__)
 #ifdef __cplusplus

@@ -28,6 +28,9 @@ cdef extern from "dfccl/abi.h":
     int DFCCL_SUM, DFCCL_PROD, DFCCL_MIN, DFCCL_MAX, DFCCL_AVG
     unsigned int DFCCL_TASK_SEND_REGISTERED, DFCCL_REG_SLOTS, DFCCL_REG_SLOT_SHIFT
     uint64_t DFCCL_REG_BIT
+    unsigned int DFCCL_FIFO_UNIT_SHIFT, DFCCL_FIFO_UNIT_BYTES, DFCCL_FIFO_UNIT_MAX, DFCCL_FIFO_SLOTS_SHIFT
+    unsigned int DFCCL_FIFO_SLOTS_MAX
+    unsigned long long DFCCL_FIFO_OFFSET_MASK, DFCCL_FIFO_NO_STAGE
 
     ctypedef struct dfccl_task_desc:
         uint64_t send_addr

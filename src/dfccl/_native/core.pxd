@@ -64,6 +64,7 @@ cdef struct tag_grant:
     int64_t bucket
     uint64_t instance
     uint64_t offset
+    uint64_t shape             # the FIFO's shape bits of a fifo word (abi.h, DFCCL_FIFO_*; 0: as planned)
     uint64_t after
     uint8_t keyed
 

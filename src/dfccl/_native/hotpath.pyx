@@ -136,7 +136,7 @@ cdef int _write_entry(ctx_core *c, plan_t *p, uint32_t slot, uint32_t gen, const
     d.send_addr = send_addr
     d.recv_addr = recv_addr
     d.instance = g.instance
-    d.fifo_offset = g.offset
+    d.fifo_offset = g.offset | g.shape
     d.bucket = <uint32_t>g.bucket
     if not g.keyed:
         d.flags = d.flags | DFCCL_TASK_KEY_BUCKET

@@ -19,7 +19,17 @@ probe sequence reaches it before a free one; idle staging is given back when
 the pool runs short.  Instances of one tag run one after the other on each
 channel (the daemon chains them, cuda/daemon/submit.cuh), so one FIFO
 serves all of them.  A bucket whose instance failed stays bound to its tag
-for good: peers may still read the abort marker in it."""
+for good: peers may still read the abort marker in it.
+
+No collective tag runs out of staging: when the shared staging cannot hold
+what a ring collective planned, it loops through the FIFO it has, or else
+through a reserved block, one of which exists for every tag that can be
+pending (staging.py); the FIFO's shape travels in the descriptor and the
+daemon adapts the slice (abi.h, DFCCL_FIFO_*).  A staged direct collective
+without room for its copies takes such a FIFO too and says so
+(DFCCL_FIFO_NO_STAGE): every rank then runs it as a ring.  Only staging an
+instance needs whole on its own (all-to-all tables and copies) raises
+ResourceError when it is not free."""
 
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_acquire_lock,
                                PyThread_release_lock, NOWAIT_LOCK, WAIT_LOCK)
@@ -28,7 +38,10 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcmp, memset
 
-from dfccl._native.abi cimport dfccl_add_fetch_u32, dfccl_home_bucket
+from dfccl._native.abi cimport (DFCCL_ALL_TO_ALL, DFCCL_FIFO_NO_STAGE, DFCCL_FIFO_SLOTS_MAX,
+                                DFCCL_FIFO_SLOTS_SHIFT, DFCCL_FIFO_UNIT_BYTES, DFCCL_FIFO_UNIT_MAX,
+                                DFCCL_FIFO_UNIT_SHIFT, DFCCL_PATH_DIRECT, DFCCL_PATH_RING, DFCCL_RECV,
+                                DFCCL_TASK_STAGED, dfccl_add_fetch_u32, dfccl_home_bucket)
 
 from dfccl.errors import ResourceError
 
@@ -108,6 +121,49 @@ cdef inline void _set_layout(tag_state *st, const tag_layout *layout, bint has_l
         st.layout = layout[0]
 
 
+cdef enum:
+    NO_FIT = 1     # _fifo_shape: the FIFO holds less than two 16-byte slots per channel
+
+
+cdef inline bint _staged(const tag_layout *layout, bint has_layout) noexcept nogil:
+    """Whether the collective is staged direct (tag_layout words as
+    descriptor.pyx writes them)."""
+    return (has_layout and (layout.w[1] >> 16) & 0xff == DFCCL_PATH_DIRECT
+            and (layout.w[2] & DFCCL_TASK_STAGED) != 0)
+
+
+cdef inline bint _loops(const tag_layout *layout, bint has_layout) noexcept nogil:
+    """Whether the collective can run through a FIFO of any shape: a ring
+    collective, or a staged direct one (which then falls back to the ring)."""
+    cdef uint64_t kind = layout.w[1] & 0xff
+    if _staged(layout, has_layout):
+        return True
+    return (has_layout and (layout.w[1] >> 16) & 0xff == DFCCL_PATH_RING
+            and kind != DFCCL_ALL_TO_ALL and kind != DFCCL_RECV)
+
+
+cdef inline uint64_t _fifo_shape(uint64_t fifo_bytes, const tag_layout *layout) noexcept nogil:
+    """The shape bits (abi.h, DFCCL_FIFO_*) of ``fifo_bytes`` of FIFO laid
+    out for ``layout``: 0 when it holds the planned slots, else as many
+    planned slices as fit (two at least), else at least two smaller slots;
+    NO_FIT when not even two 16-byte slots per channel fit."""
+    cdef uint64_t nch = layout.w[1] >> 32
+    cdef uint64_t planned = layout.w[2] >> 32
+    cdef uint64_t per_ch, unit
+    if nch == 0 or planned == 0:
+        return NO_FIT
+    per_ch = fifo_bytes // nch // DFCCL_FIFO_UNIT_BYTES * DFCCL_FIFO_UNIT_BYTES
+    if per_ch >= planned * layout.w[3]:
+        return 0
+    if per_ch >= 2 * planned:
+        return min(per_ch // planned, <uint64_t>DFCCL_FIFO_SLOTS_MAX) << DFCCL_FIFO_SLOTS_SHIFT
+    unit = min(per_ch // 2 // DFCCL_FIFO_UNIT_BYTES, <uint64_t>DFCCL_FIFO_UNIT_MAX)
+    if unit == 0:
+        return NO_FIT
+    return ((min(per_ch // (unit * DFCCL_FIFO_UNIT_BYTES), <uint64_t>DFCCL_FIFO_SLOTS_MAX) << DFCCL_FIFO_SLOTS_SHIFT)
+            | (unit << DFCCL_FIFO_UNIT_SHIFT))
+
+
 cdef void _take(tag_core *t, tag_state *st, uint64_t nbytes, const tag_layout *layout, bint has_layout,
                 tag_grant *g) noexcept nogil:
     """Under the lock, the tag bound and its staging (if it needs any) large
@@ -117,12 +173,19 @@ cdef void _take(tag_core *t, tag_state *st, uint64_t nbytes, const tag_layout *l
     pending instance still works, so it runs after the latest one is over
     everywhere (``after``)."""
     g.offset = 0
+    g.shape = 0
     g.after = 0
     if nbytes:
         if st.pending and not _same_layout(st, layout, has_layout):
             g.after = st.last_slot_gen
         _set_layout(st, layout, has_layout)
         g.offset = <uint64_t>st.fifo
+        if _staged(layout, has_layout):
+            # The staging is also the fallback ring's FIFO; without room
+            # for the copies, the ring is what runs.
+            g.shape = _fifo_shape(st.fifo_bytes, layout) | (DFCCL_FIFO_NO_STAGE if st.fifo_bytes < nbytes else 0)
+        elif st.fifo_bytes < nbytes:
+            g.shape = _fifo_shape(st.fifo_bytes, layout)
     if st.pending == 0 and not st.poisoned:
         _idle_remove(t, st)
         t.used += 1
@@ -342,7 +405,9 @@ cdef class TagTable:
 
     cdef int _reserve(self, tag_state *st, uint64_t nbytes, const tag_layout *layout, bint has_layout) except -1:
         """Makes the tag's staging at least ``nbytes`` (a new region: nothing
-        pending uses it, so its layout is the new one's)."""
+        pending uses it, so its layout is the new one's) if the shared
+        staging has it; a ring collective otherwise keeps a FIFO it can loop
+        through (the tag's own, else a reserved block)."""
         if st.fifo >= 0 and st.fifo_bytes >= nbytes:
             return 0
         off = self._staging.alloc(nbytes)
@@ -350,9 +415,18 @@ cdef class TagTable:
             # Give back the staging of idle tags, oldest first.
             self._evict(self.t.idle_head)
             off = self._staging.alloc(nbytes)
+        if off is None and _loops(layout, has_layout):
+            if st.fifo >= 0 and _fifo_shape(st.fifo_bytes, layout) != NO_FIT:
+                return 0
+            off = self._staging.alloc_block()
+            nbytes = self._staging.block_bytes
+            if off is not None and _fifo_shape(nbytes, layout) == NO_FIT:
+                self._staging.free(off, nbytes)
+                off = None
         if off is None:
             raise ResourceError(f"staging memory exhausted ({self._staging.in_use} of {self._staging.size} bytes "
-                                f"held by tags with pending collectives, {nbytes} more needed); raise "
+                                f"held by tags with pending collectives, {nbytes} more needed, "
+                                f"{self._staging.free_blocks} of {self._staging.blocks} reserved FIFOs free); raise "
                                 "CommOptions.staging_bytes or synchronize earlier collectives")
         if st.fifo >= 0:
             if st.pending:
