@@ -26,7 +26,9 @@ from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all
                              _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _point_to_point,
                              _timeouts_entry, _unsupported)
 
-pytestmark = pytest.mark.timeout(60)
+# A test's first use of a pool includes starting it (torch's import in four
+# processes: seconds, more on a busy machine).
+pytestmark = pytest.mark.timeout(180)
 
 
 # -- harness -------------------------------------------------------------------------
@@ -42,6 +44,7 @@ def _pool_worker(rank, commands, results, impl):
     os.environ["DFCCL_TORCH_IMPL"] = impl
     import dfccl.torch  # noqa: F401  (registers the backend)
 
+    results.put((rank, "ready"))
     while True:
         item = commands.get()
         if item is None:
@@ -77,6 +80,17 @@ class _Pool:
                       for r in range(POOL_SIZE)]
         for p in self.procs:
             p.start()
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float = 150.0) -> None:
+        """Waits until every process has imported torch and dfccl.torch, so
+        that a test's time limit covers the test and not the start-up."""
+        if self.ready:
+            return
+        for _ in self.procs:
+            rank, what = self.results.get(timeout=timeout_s)
+            assert what == "ready", f"pool process {rank}: {what}"
+        self.ready = True
 
     def close(self, force: bool = False):
         for q, p in zip(self.commands, self.procs):
@@ -108,6 +122,7 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 
     pool = _pools.get(impl)
     if pool is None:
         pool = _pools[impl] = _Pool(impl)
+    pool.wait_ready()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         for r in range(world_size):
@@ -262,3 +277,21 @@ def test_context_options_set_before_the_process_group_are_its_daemons():
     out = subprocess.run([sys.executable, "-c", _CONTEXT_OPTIONS_FIRST], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", DFCCL_TORCH_BACKEND="sim"))
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_without_a_compiler_the_python_backend_serves(tmp_path):
+    """No C++ compiler (and nothing cached): a warning naming what is
+    missing, and the Python backend; with DFCCL_TORCH_IMPL=compiled, an
+    error naming it instead."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CXX="no-such-c++-compiler", DFCCL_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    env.pop("DFCCL_TORCH_IMPL", None)
+    out = subprocess.run([sys.executable, "-m", "dfccl.torch"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "python backend" in out.stdout and "missing a C++ compiler" in out.stderr, out.stdout + out.stderr
+    env["DFCCL_TORCH_IMPL"] = "compiled"
+    out = subprocess.run([sys.executable, "-c", "import dfccl.torch"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode != 0 and "CompiledBackendUnavailable" in out.stderr and "no-such-c++-compiler" in out.stderr
