@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,6 +57,9 @@ def main() -> None:
     cpu: dict[str, list[float]] = {}   # the same calls' thread CPU time
     ctx = None
     if backend == "dfccl":
+        # The calls timed below are the Python backend's methods (the
+        # compiled backend's: torch_host_path_probe.py).
+        os.environ.setdefault("DFCCL_TORCH_IMPL", "python")
         import dfccl
         import dfccl.torch as dt
         from dfccl.options import ContextOptions

@@ -1,83 +1,97 @@
-"""Host time of the pieces of a torch all_reduce over dfccl, one process
-(world size 1) on GPU 0: torch's stream lookup, the tensor's dfccl view,
-dfccl's own submit and stream wait, the torch Work and future, and the
-whole calls (``pg.allreduce``, ``get_future``, ``dist.all_reduce``).
-Medians of 2,000 calls in microseconds.  Compare with
-``ddp_step_probe.py nccl``'s and NCCL's ``dist.all_reduce``.
+"""Host time of a torch all_reduce as DDP's reducer issues it
+(``pg.allreduce([t])`` then ``get_future()``), one process (world size 1):
+dfccl's compiled backend, dfccl's Python backend and torch's own backend
+(gloo on CPU, NCCL on GPU).  Medians of 2,000 calls in microseconds; each
+call's collective is waited for outside the timed region.
 
-    python benchmarks/torch_host_path_probe.py
+    python benchmarks/torch_host_path_probe.py            # CPU: gloo vs dfccl (simulator)
+    python benchmarks/torch_host_path_probe.py --cuda     # GPU 0: NCCL vs dfccl
+
+Each backend runs in its own process (dfccl.torch picks its implementation
+on import, DFCCL_TORCH_IMPL).
 """
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-import dfccl.torch as dt
+ELEMENTS = 1 << 16
 
 
-def median_us(fn, n: int = 2000) -> float:
-    for _ in range(100):
-        fn()
-    out = []
-    for _ in range(n):
-        s = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - s)
-    torch.cuda.synchronize()
-    return statistics.median(out) * 1e6
+def _measure(backend: str, cuda: bool, n: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "dfccl":
+        import dfccl.torch  # noqa: F401  (registers the backend)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    pg = dist.group.WORLD
+    t = torch.randn(ELEMENTS, device=device)
+
+    def median_us(call) -> float:
+        out = []
+        for i in range(n + 100):
+            s = time.perf_counter()
+            w = call()
+            e = time.perf_counter()
+            (w.wait() if hasattr(w, "wait") else None)
+            if i >= 100:
+                out.append(e - s)
+        if cuda:
+            torch.cuda.synchronize()
+        return statistics.median(out) * 1e6
+
+    def reducer_call():
+        w = pg.allreduce([t])
+        w.get_future()
+        return w
+
+    rows = {
+        "pg.allreduce": median_us(lambda: pg.allreduce([t])),
+        "pg.allreduce + get_future (DDP's reducer)": median_us(reducer_call),
+        "dist.all_reduce(async_op=True)": median_us(lambda: dist.all_reduce(t, async_op=True)),
+    }
+    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
-    faulthandler.dump_traceback_later(300, exit=True)   # a hang prints where it stopped
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a GPU visible to torch")
-    torch.cuda.set_device(0)
-    dist.init_process_group("dfccl", store=dist.HashStore(), rank=0, world_size=1)
-    pg = dist.group.WORLD
-    comm = pg.communicator()
-    t = torch.randn(1 << 18, device="cuda")
-    stream = torch.cuda.current_stream()
-    buf = dt._buffer(t, "probe")
-
-    def cuda_future():
-        f = torch.futures.Future(devices=[torch.device("cuda", 0)])
-        f.set_result([t])
-
-    def fresh(fn, n: int = 1500) -> float:
-        """fn(w) for a fresh pg.allreduce work w, made outside the timer."""
-        out = []
-        for i in range(n + 50):
-            w = pg.allreduce([t])
-            s = time.perf_counter()
-            fn(w)
-            e = time.perf_counter()
-            if i >= 50:
-                out.append(e - s)
-        torch.cuda.synchronize()
-        return statistics.median(out) * 1e6
-
-    rows = {
-        "torch.cuda.current_stream": median_us(lambda: torch.cuda.current_stream(0)),
-        "dfccl view of the tensor (_buffer)": median_us(lambda: dt._buffer(t, "probe")),
-        "Communicator.all_reduce(stream)": median_us(lambda: comm.all_reduce(buf, stream=stream)),
-        "  + Work.wait(stream)": median_us(lambda: comm.all_reduce(buf, stream=stream).wait(stream)),
-        "DfcclWork()": median_us(lambda: dt.DfcclWork([], [t], cuda=True, device=0)),
-        "CUDA Future + set_result": median_us(cuda_future),
-        "pg.allreduce": median_us(lambda: pg.allreduce([t])),
-        "pg.allreduce + get_future": median_us(lambda: pg.allreduce([t]).get_future()),
-        "dist.all_reduce(async_op) + get_future": median_us(lambda: dist.all_reduce(t, async_op=True).get_future()),
-        "get_future of a fresh work": fresh(lambda w: w.get_future()),
-        "wait() of a fresh work": fresh(lambda w: w.wait()),
-    }
-    for name, us in rows.items():
-        print(f"{name:>42}: {us:7.1f} us", flush=True)
-    dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cuda", action="store_true", help="CUDA tensors on GPU 0 (NCCL as the reference)")
+    ap.add_argument("-n", type=int, default=2000, help="calls per row")
+    ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: measure one configuration, print JSON
+    args = ap.parse_args()
+    if args.one:
+        faulthandler.dump_traceback_later(600, exit=True)   # a hang prints where it stopped
+        backend = args.one.split(":")[0]
+        print(json.dumps(_measure(backend, args.cuda, args.n)))
+        return
+    reference = "nccl" if args.cuda else "gloo"
+    configs = {reference: (reference, {}),
+               "dfccl compiled": ("dfccl", {"DFCCL_TORCH_IMPL": "compiled"}),
+               "dfccl Python": ("dfccl", {"DFCCL_TORCH_IMPL": "python"})}
+    results = {}
+    for name, (backend, env) in configs.items():
+        cmd = [sys.executable, __file__, "--one", backend, "-n", str(args.n)] + (["--cuda"] if args.cuda else [])
+        env = dict(os.environ, DFCCL_TORCH_BACKEND="cuda" if args.cuda else "sim", **env)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stdout}{out.stderr}")
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    names = list(results)
+    print(f"{'host time, median us':>44}" + "".join(f"{n:>16}" for n in names))
+    for row in results[names[0]]:
+        print(f"{row:>44}" + "".join(f"{results[n][row]:16.1f}" for n in names), flush=True)
 
 
 if __name__ == "__main__":

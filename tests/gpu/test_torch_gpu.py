@@ -41,7 +41,7 @@ def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_pa
     stacks = open(stacks_path, "w")
     faulthandler.dump_traceback_later(stacks_after_s, exit=False, file=stacks)
     try:
-        import dfccl.torch  # noqa: F401
+        import dfccl.torch as dt
 
         device = rank % torch.cuda.device_count()
         torch.cuda.set_device(device)
@@ -49,7 +49,7 @@ def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_pa
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("dfccl", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=30))
-        comm = dist.group.WORLD.communicator()
+        comm = dt.communicator()
 
         def status_before_stacks():
             # What dfccl says it waits for (needs the GIL: skipped if held).
@@ -209,7 +209,7 @@ def _timeout(rank, ws):
     t = torch.ones(64)
     if rank == 0:
         w = dist.all_reduce(t, async_op=True)
-        with pytest.raises(dt.TorchCollectiveTimeoutError, match="waiting for rank 1"):
+        with pytest.raises(dt.TorchCollectiveTimeoutError, match="did not complete within"):
             w.wait(timeout=timedelta(seconds=0.5))  # an explicit timeout blocks the host
         store.set("go", "1")
         w.wait(timeout=timedelta(seconds=30))
@@ -301,3 +301,29 @@ def test_point_to_point_gpu():
 
 def test_all_to_all_gpu():
     run_gpus(_all_to_all)
+
+
+_DEVICE_ID = r"""
+import torch, torch.distributed as dist
+import dfccl.torch as dt
+dist.init_process_group("dfccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+assert dt.backend_of(dist.group.WORLD, "cuda:0") is not None
+t = torch.ones(8, device="cuda:0")
+dist.all_reduce(t)
+g = dist.new_group([0])
+dist.all_reduce(t, group=g)
+torch.cuda.synchronize()
+assert bool((t == 1.0).all())
+dist.destroy_process_group()
+print("OK", dt.implementation())
+"""
+
+
+def test_init_with_device_id():
+    """init_process_group(device_id=...) (eager init): torch asks the group
+    for its CUDA backend, which the compiled backend registers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DEVICE_ID], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK compiled" in out.stdout, out.stdout + out.stderr

@@ -1,7 +1,8 @@
 """The torch.distributed backend (dfccl.torch) on the simulator: 2-4 spawned
 processes, CPU tensors, every collective and reduction checked against a
 reference computed locally (modelled on PyTorch's test_c10d_pypg.py and
-test_c10d_common.py)."""
+test_c10d_common.py).  The compiled backend runs every scenario; the Python
+backend (where no C++ compiler is available) a representative few."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
+# Builds the compiled backend now, if it is not cached, rather than inside a
+# timed test (a minute or two).
+import dfccl.torch as dt  # noqa: E402
 from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
                              _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _point_to_point,
                              _timeouts_entry, _unsupported)
 
-pytestmark = pytest.mark.timeout(60)
+# A test's first use of a pool includes starting it (torch's import in four
+# processes: seconds, more on a busy machine).
+pytestmark = pytest.mark.timeout(180)
 
 
 # -- harness -------------------------------------------------------------------------
@@ -33,10 +39,12 @@ pytestmark = pytest.mark.timeout(60)
 POOL_SIZE = 4
 
 
-def _pool_worker(rank, commands, results):
+def _pool_worker(rank, commands, results, impl):
     os.environ["DFCCL_TORCH_BACKEND"] = "sim"
+    os.environ["DFCCL_TORCH_IMPL"] = impl
     import dfccl.torch  # noqa: F401  (registers the backend)
 
+    results.put((rank, "ready"))
     while True:
         item = commands.get()
         if item is None:
@@ -63,14 +71,26 @@ def _pool_worker(rank, commands, results):
 
 
 class _Pool:
-    def __init__(self):
+    def __init__(self, impl: str):
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.commands = [self.ctx.Queue() for _ in range(POOL_SIZE)]
-        self.procs = [self.ctx.Process(target=_pool_worker, args=(r, self.commands[r], self.results), daemon=True)
+        self.procs = [self.ctx.Process(target=_pool_worker, args=(r, self.commands[r], self.results, impl),
+                                       daemon=True)
                       for r in range(POOL_SIZE)]
         for p in self.procs:
             p.start()
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float = 150.0) -> None:
+        """Waits until every process has imported torch and dfccl.torch, so
+        that a test's time limit covers the test and not the start-up."""
+        if self.ready:
+            return
+        for _ in self.procs:
+            rank, what = self.results.get(timeout=timeout_s)
+            assert what == "ready", f"pool process {rank}: {what}"
+        self.ready = True
 
     def close(self, force: bool = False):
         for q, p in zip(self.commands, self.procs):
@@ -83,53 +103,91 @@ class _Pool:
                 p.join()
 
 
-_pool: _Pool | None = None
+# The pools by implementation ("compiled", "python").
+_pools: dict[str, _Pool] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _pool_lifetime():
-    global _pool
-    if _pool is None:
-        _pool = _Pool()
     yield
-    if _pool is not None:
-        _pool.close()
-        _pool = None
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
 
 
-def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 40.0) -> None:
+def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 40.0, impl: str = "compiled") -> None:
     """Runs fn(rank, world_size) on world_size ranks of a fresh dfccl default
-    process group; fails with the ranks' tracebacks."""
-    global _pool
-    if _pool is None:
-        _pool = _Pool()
+    process group made by the ``impl`` backend; fails with the ranks'
+    tracebacks."""
+    pool = _pools.get(impl)
+    if pool is None:
+        pool = _pools[impl] = _Pool(impl)
+    pool.wait_ready()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         for r in range(world_size):
-            _pool.commands[r].put((fn, world_size, path, timeout_s))
+            pool.commands[r].put((fn, world_size, path, timeout_s))
         errors = {}
         try:
             for _ in range(world_size):
-                rank, err = _pool.results.get(timeout=join_s)
+                rank, err = pool.results.get(timeout=join_s)
                 if err is not None:
                     errors[rank] = err
         except Exception:
             errors["harness"] = f"a rank did not report within {join_s} s"
     if errors:
         # A failed rank may leave collectives pending: start the next test afresh.
-        _pool.close(force=True)
-        _pool = None
+        pool.close(force=True)
+        del _pools[impl]
     assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items(), key=str))
 
 
 # -- tests -------------------------------------------------------------------------------
 
 def test_registered_backend():
-    import dfccl.torch as dt
-
     assert "DFCCL" in dist.Backend._plugins
     assert dt.BACKEND_NAME == "dfccl"
     assert set(dt.__all__) <= set(dir(dt))
+
+
+def test_compiled_backend_where_a_compiler_is():
+    """With a C++ compiler and ninja (CI has both), "dfccl" makes the
+    compiled backend; its build is cached under dfccl's cache folder."""
+    assert dt.implementation() == "compiled"
+    assert dt.build_dir().is_dir()
+
+
+def _compiled_paths(rank, ws):
+    """The compiled backend submits the plain forms itself (no Python per
+    call) and hands the others to its Python side; both on one group, in
+    any mix across ranks, meet: rank 0's contiguous all-reduce meets rank
+    1's non-contiguous one of the same shape."""
+    pg = dist.group.WORLD
+    backend = dt.backend_of(pg, "cpu")
+    assert isinstance(backend.group, dt.ProcessGroupDfccl)
+    native, handed = backend.counts()
+    t = torch.full((6,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    out = torch.empty(6 * ws)
+    dist.all_gather_into_tensor(out, t)
+    assert backend.counts() == (native + 3, handed)
+    x = torch.arange(12.0).reshape(3, 4) + rank
+    x = x if rank == 0 else x.t().contiguous().t()    # same values, rank 1's not contiguous
+    assert x.is_contiguous() == (rank == 0)
+    dist.all_reduce(x)
+    torch.testing.assert_close(x, sum(torch.arange(12.0).reshape(3, 4) + r for r in range(ws)))
+    assert backend.counts()[1] == handed + (rank != 0)
+
+
+def test_compiled_paths_meet():
+    run_ranks(_compiled_paths, 2)
+
+
+@pytest.mark.parametrize("scenario", [_all_reduce_ops, _all_reduce_fast_path, _ddp_hook, _point_to_point,
+                                      _timeouts_entry], ids=lambda f: f.__name__.strip("_"))
+def test_python_backend(scenario):
+    run_ranks(scenario, 2, impl="python")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -196,7 +254,7 @@ from dfccl import runtime
 opts = dfccl.ContextOptions(empty_quit_ns=123_000, idle_quit_ns=30_000_000)
 ctx = runtime.get_context("sim", 0, opts)            # before the process group
 dist.init_process_group("dfccl", store=dist.HashStore(), rank=0, world_size=1)
-comm = dist.group.WORLD.communicator()
+comm = dfccl.torch.communicator()
 assert comm._ctx is ctx and runtime.get_context("sim", 0, opts) is ctx
 try:
     runtime.get_context("sim", 0, dfccl.ContextOptions())
@@ -219,3 +277,21 @@ def test_context_options_set_before_the_process_group_are_its_daemons():
     out = subprocess.run([sys.executable, "-c", _CONTEXT_OPTIONS_FIRST], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", DFCCL_TORCH_BACKEND="sim"))
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_without_a_compiler_the_python_backend_serves(tmp_path):
+    """No C++ compiler (and nothing cached): a warning naming what is
+    missing, and the Python backend; with DFCCL_TORCH_IMPL=compiled, an
+    error naming it instead."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CXX="no-such-c++-compiler", DFCCL_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    env.pop("DFCCL_TORCH_IMPL", None)
+    out = subprocess.run([sys.executable, "-m", "dfccl.torch"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "python backend" in out.stdout and "missing a C++ compiler" in out.stderr, out.stdout + out.stderr
+    env["DFCCL_TORCH_IMPL"] = "compiled"
+    out = subprocess.run([sys.executable, "-c", "import dfccl.torch"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode != 0 and "CompiledBackendUnavailable" in out.stderr and "no-such-c++-compiler" in out.stderr

@@ -1,25 +1,21 @@
-"""``torch.distributed`` backend: ``import dfccl.torch`` then
-``dist.init_process_group(backend="dfccl")``.
+"""dfccl.torch's process group in Python: the whole backend where the
+compiled one cannot be built (no C++ compiler), and the compiled backend's
+Python side everywhere (its communicators, the plans it submits, and the
+forms it hands over: lists, all-to-all, point-to-point, non-contiguous
+tensors, PREMUL_SUM, barrier).
 
-Each process group gets one dfccl :class:`~dfccl.Communicator` per kind of
-memory it moves: "cuda" for CUDA tensors (device = the tensor's ordinal) and
-"sim" for CPU tensors (simulated GPU = this process's global rank).  Ranks of a
-group share a :class:`~dfccl.UniqueId` through the group's store.
-
-Stream semantics (CUDA): a collective is ordered after the current stream at
-call time and never blocks the host; ``Work.wait()`` makes the current stream
-wait for it.  CPU tensors (the simulator) have no streams: ``wait()`` blocks
-until the collective completes.  See docs/torch.md.
+Each group gets one dfccl :class:`~dfccl.Communicator` per kind of memory it
+moves: "cuda" for CUDA tensors (device = the tensor's ordinal) and "sim" for
+CPU tensors (simulated GPU = this process's global rank).  Ranks of a group
+share a :class:`~dfccl.UniqueId` through the group's store.
 """
 
 # No "from __future__ import annotations": DDP inspects the hook's annotations
 # and wants the classes themselves.
 import hashlib
 import itertools
-import os
 import queue
 import threading
-import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -27,22 +23,13 @@ import torch
 import torch.distributed as dist
 
 import dfccl
-from dfccl.buffers import Buffer
-from dfccl.errors import (CollectiveTimeoutError, DfcclError, ErrorCode, InvalidArgumentError)
-from dfccl.types import ReduceOp, as_data_type, as_reduce_op
+from dfccl.errors import CollectiveTimeoutError, DfcclError, InvalidArgumentError
+from dfccl.torch._common import (DEFAULT_TIMEOUT, NotSupportedError, TorchCollectiveTimeoutError, as_buffer,
+                                 capture_error, capturing, contiguous_or_copy, current_stream_handle, data_type,
+                                 default_kind, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
+                                 status_error)
 
-__all__ = [
-    "BACKEND_NAME",
-    "DEVICE_TYPES",
-    "ProcessGroupDfccl",
-    "DfcclWork",
-    "TaggedAllreduceState",
-    "tagged_allreduce_hook",
-    "NotSupportedError",
-    "TorchCollectiveTimeoutError",
-    "create_process_group",
-    "premul_sum_supported",
-]
+__all__ = ["BACKEND_NAME", "DEVICE_TYPES", "DfcclWork", "ProcessGroupDfccl"]
 
 BACKEND_NAME = "dfccl"
 
@@ -50,132 +37,7 @@ BACKEND_NAME = "dfccl"
 #: CPU tensors on the simulator.
 DEVICE_TYPES = ("cuda", "cpu")
 
-#: Environment variable forcing the memory kind of a group's first
-#: communicator ("cuda" or "sim"); default: "cuda" where torch and dfccl see a
-#: GPU, else "sim".
-BACKEND_ENV = "DFCCL_TORCH_BACKEND"
-
 _UID_KEY = "dfccl/uid"
-_DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-
-class NotSupportedError(DfcclError, NotImplementedError):
-    """An operation torch.distributed offers that dfccl does not implement
-    (point-to-point, all-to-all, bitwise reductions, graph capture)."""
-
-    code = ErrorCode.INVALID_ARGUMENT
-
-
-class TorchCollectiveTimeoutError(CollectiveTimeoutError, dist.DistBackendError):
-    """A collective did not complete within the timeout: both dfccl's
-    :class:`~dfccl.CollectiveTimeoutError` and torch's ``DistBackendError``
-    (what torch's own backends raise on timeouts)."""
-
-
-# -- streams ---------------------------------------------------------------------
-
-# The raw cudaStream_t of the current stream, without building a torch Stream
-# object (3-4 us a call on the host path of every collective).
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream_handle(device: int) -> int:
-    """The CUstream handle of torch's current stream on ``device``."""
-    if _raw_stream is not None:
-        return _raw_stream(device)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-# -- reductions ------------------------------------------------------------------
-
-_OPS = {
-    dist.ReduceOp.RedOpType.SUM: "sum",
-    dist.ReduceOp.RedOpType.PRODUCT: "prod",
-    dist.ReduceOp.RedOpType.MIN: "min",
-    dist.ReduceOp.RedOpType.MAX: "max",
-    dist.ReduceOp.RedOpType.AVG: "avg",
-}
-
-
-# The same, as dfccl's ReduceOp, for the ops that need no premultiplication.
-_PLAIN_OPS: dict[Any, ReduceOp] = {kind: as_reduce_op(name) for kind, name in _OPS.items()}
-
-# Whether torch's current CUDA stream is capturing a graph, without the
-# Python wrapper's lazy-initialisation check (a CUDA tensor is in hand).
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-
-
-def premul_sum_supported() -> bool:
-    """Whether this torch shows a Python backend a PREMUL_SUM op's factor
-    (``ReduceOp.factor``; not every torch release does)."""
-    return hasattr(dist.ReduceOp, "factor")
-
-
-def _reduce_op(op: Any) -> tuple[str, float | None]:
-    """(dfccl op, premultiply factor or None) for a torch ReduceOp."""
-    kind = op.op if hasattr(op, "op") else op
-    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
-        if not premul_sum_supported():
-            raise NotSupportedError(f"PREMUL_SUM: torch {torch.__version__} does not give a Python backend the op's "
-                                    "factor (ReduceOp.factor); multiply the tensor by the factor and use SUM")
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            raise InvalidArgumentError("PREMUL_SUM needs a factor (use dist._make_nccl_premul_sum(factor))")
-        if isinstance(factor, torch.Tensor):
-            factor = factor.item()
-        return "sum", float(factor)
-    try:
-        return _OPS[kind], None
-    except (KeyError, TypeError):
-        raise NotSupportedError(f"reduction {kind} is not supported by dfccl (supported: SUM, PRODUCT, MIN, MAX, "
-                                "AVG, PREMUL_SUM; bitwise BAND/BOR/BXOR are not)") from None
-
-
-# -- tensors ---------------------------------------------------------------------
-
-_DATA_TYPES: dict[torch.dtype, Any] = {}   # torch dtype -> dfccl DataType, filled on first use
-
-
-def _buffer(t: torch.Tensor, what: str) -> Buffer:
-    """dfccl view of a contiguous tensor, built from data_ptr so that neither
-    DLPack's stream handshake nor a missing bfloat16 typestr gets in the way."""
-    dtype = _DATA_TYPES.get(t.dtype)
-    if dtype is None:
-        try:
-            dtype = _DATA_TYPES[t.dtype] = as_data_type(str(t.dtype))
-        except InvalidArgumentError:
-            raise InvalidArgumentError(f"{what}: dtype {t.dtype} is not supported by dfccl (supported: int8, uint8, "
-                                       "int32, uint32, int64, uint64, float16, bfloat16, float32, float64)") from None
-    device = t.device.index if t.is_cuda else None
-    return Buffer.from_pointer(t.data_ptr(), t.numel(), dtype, device=device, owner=t)
-
-
-def _contiguous(t: torch.Tensor, copy_back: list) -> torch.Tensor:
-    """``t`` itself when contiguous, else a contiguous copy; outputs that got a
-    copy are recorded in ``copy_back`` to be written back after completion."""
-    if t.is_contiguous():
-        return t
-    tmp = t.contiguous()
-    copy_back.append((t, tmp))
-    return tmp
-
-
-def _seconds(timeout: Any) -> float | None:
-    """Seconds of a timedelta; None for torch's 'unset' values (0 or negative)."""
-    if timeout is None:
-        return None
-    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return s if s > 0 else None
-
-
-def _map_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, CollectiveTimeoutError) and not isinstance(exc, TorchCollectiveTimeoutError):
-        mapped = TorchCollectiveTimeoutError(str(exc), rank=exc.rank, tag=exc.tag, waiting_on=exc.waiting_on,
-                                             missing_ranks=getattr(exc, "missing_ranks", None),
-                                             joined_ranks=getattr(exc, "joined_ranks", None))
-        mapped.__cause__ = exc
-        return mapped
-    return exc
 
 
 # -- completion thread -----------------------------------------------------------
@@ -255,19 +117,19 @@ class DfcclWork(dist._Work):
             for w in self._works:
                 w.synchronize(timeout)
         except BaseException as exc:
-            raise _map_error(exc) from exc.__cause__
+            raise map_error(exc) from exc.__cause__
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        seconds = _seconds(timeout)
-        if not self._cuda or self._host_blocking or seconds is not None:
-            self._synchronize(seconds if seconds is not None else self._timeout)
+        limit = seconds(timeout)
+        if not self._cuda or self._host_blocking or limit is not None:
+            self._synchronize(limit if limit is not None else self._timeout)
         if self._cuda:
             # The stream is released when a collective fails too; a failure
             # already seen is raised here rather than left to a later call.
             exc = self.exception()
             if exc is not None:
                 raise exc
-            stream = _current_stream_handle(self._device)
+            stream = current_stream_handle(self._device)
             for w in self._works:
                 w.wait(stream)
         self._run_finish()
@@ -293,7 +155,7 @@ class DfcclWork(dist._Work):
         for w in self._works:
             exc = w.exception()
             if exc is not None:
-                return _map_error(exc)
+                return map_error(exc)
         return None
 
     def result(self) -> list[torch.Tensor]:
@@ -360,21 +222,6 @@ def _derived_uid(uid: dfccl.UniqueId, kind: str) -> dfccl.UniqueId:
     return dfccl.UniqueId(uid.host, uid.port, uid.secret, sub)
 
 
-def _default_kind() -> str:
-    env = os.environ.get(BACKEND_ENV, "").strip()
-    if env:
-        if env not in ("cuda", "sim"):
-            raise InvalidArgumentError(f"{BACKEND_ENV} must be 'cuda' or 'sim', not {env!r}")
-        return env
-    if torch.cuda.is_available():
-        try:
-            if dfccl.runtime.cuda_device_count() > 0:
-                return "cuda"
-        except DfcclError:
-            pass
-    return "sim"
-
-
 class ProcessGroupDfccl(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on dfccl.
 
@@ -383,7 +230,8 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     is created at once (a collective rendezvous, as group creation is), the
     other kind's on first use."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta | None = None) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta | None = None, *,
+                 compiled: bool = False) -> None:
         # The (store, rank, size) constructor refuses Python subclasses in
         # torch 2.13 ("not an alias instance"); the store is kept here instead.
         super().__init__(rank, size)
@@ -391,7 +239,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         self._size = size
         self._store = store
         self._timeout = timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 \
-            else _DEFAULT_TIMEOUT
+            else DEFAULT_TIMEOUT
         self._group_name = ""
         self._group_desc = ""
         self._timeout_s = self._timeout.total_seconds()
@@ -401,8 +249,14 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         self._placed: dict[torch.device, tuple] = {}
         self._comm_lock = threading.Lock()
         self._closed = False
+        # Serving the compiled backend: the collectives it submits through
+        # plans are matched by shape tags (shape_tag), so the forms of those
+        # kinds handed over here use them too.
+        self._compiled = compiled
+        self._tag_ids: dict[Any, int] = {}
+        self._tags: list[Any] = [None]
         self._uid = self._exchange_uid()
-        self._default_kind = _default_kind()
+        self._default_kind = default_kind()
         self._communicator(self._default_kind, self._default_device(self._default_kind))
 
     # -- identity ------------------------------------------------------------------
@@ -530,20 +384,72 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         cuda = first.is_cuda
         kw: dict = {}
         if cuda:
-            if _capturing():
+            if capturing():
                 self._refuse_capture(name)
-            kw["stream"] = _current_stream_handle(first.device.index)
+            kw["stream"] = current_stream_handle(first.device.index)
         works = submit(comm, kw)
-        timeout = _seconds(getattr(opts, "timeout", None)) if opts is not None else None
+        timeout = seconds(getattr(opts, "timeout", None)) if opts is not None else None
         return DfcclWork(works, outputs, cuda=cuda, device=first.device.index if cuda else None, finish=finish,
                          keepalive=keepalive, timeout=timeout or self._timeout_s,
                          host_blocking=host_blocking, result=result)
 
     def _refuse_capture(self, name: str) -> None:
-        raise NotSupportedError(
-            f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its "
-            "own completion word, which a replayed graph would not renew); issue the collective outside "
-            "torch.cuda.graph", rank=self._rank)
+        raise capture_error(name, self._rank)
+
+    def _tag(self, kind: str, t: torch.Tensor, count: int, op: Any, root: int) -> tuple | None:
+        """The tag of a collective of a kind the compiled backend submits
+        through plans (shape_tag); None (call order) in the Python backend."""
+        if not self._compiled:
+            return None
+        return shape_tag(kind, t, count, op, root)
+
+    # -- the compiled backend's Python side ---------------------------------------------
+    def _c_plan(self, kind: str, send: torch.Tensor, recv: torch.Tensor, op: Any, root: int,
+                tag_id: int) -> tuple[int, Any]:
+        """(address, owner) of the C API plan of a collective of this shape:
+        the compiled backend submits it at each call's tensors.  Bound to
+        no memory of its own (every submission names its buffers)."""
+        count = recv.numel() if kind == "reduce_scatter" else send.numel()
+        name = op_name(dist.ReduceOp.RedOpType(op)) if kind in ("all_reduce", "reduce", "reduce_scatter") \
+            else "sum"
+        tag = self._tags[tag_id] if tag_id else shape_tag(kind, send, count, name, root)
+        comm = self._comm_for(send)
+        kw: dict = {"tag": tag}
+        if kind in ("all_reduce", "reduce", "reduce_scatter"):
+            kw["op"] = name
+        if kind in ("broadcast", "reduce"):
+            kw["root"] = root
+        plan = getattr(comm, f"prepare_{kind}")(count, data_type(send.dtype, kind), **kw)
+        s = as_buffer(send, kind, owner=None)
+        in_place = kind in ("all_reduce", "broadcast", "reduce") and send.data_ptr() == recv.data_ptr()
+        bound = plan.bind(s, s if in_place else as_buffer(recv, kind, owner=None))
+        return bound.c_plan, bound
+
+    def _tag_id(self, tag: Any) -> int:
+        """A small int naming ``tag`` for the compiled backend's plan cache."""
+        tag_id = self._tag_ids.get(tag)
+        if tag_id is None:
+            dfccl.tags.tag_key(0, tag)   # an invalid tag is refused here
+            tag_id = self._tag_ids[tag] = len(self._tags)
+            self._tags.append(tag)
+        return tag_id
+
+    def _tagged_allreduce_by_id(self, tensor: torch.Tensor, tag_id: int, op: Any) -> "DfcclWork":
+        return self.tagged_allreduce(tensor, self._tags[tag_id], op)
+
+    def _collective_error(self, what: str, status: int, detail: int) -> BaseException:
+        return map_error(status_error(self._rank, what, status, detail))
+
+    def _api_error(self, what: str, message: str) -> BaseException:
+        return DfcclError(f"rank {self._rank}: {what}: {message}", rank=self._rank)
+
+    def _timeout_error(self, what: str, timeout_s: float) -> BaseException:
+        return TorchCollectiveTimeoutError(
+            f"rank {self._rank}: {what} did not complete within {timeout_s:g} s (comm.status() of the group's "
+            "communicator on every rank shows what each waits for)", rank=self._rank)
+
+    def _capture_error(self, what: str) -> BaseException:
+        return capture_error(what, self._rank)
 
     @staticmethod
     def _copy_back(copy_back: list, extra: Callable[[], None] | None = None) -> Callable[[], None] | None:
@@ -566,15 +472,16 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     # -- all-reduce -------------------------------------------------------------------
     def _all_reduce(self, tensors: Sequence[torch.Tensor], op: Any, opts: Any, tag: Any = None,
                     name: str = "allreduce") -> DfcclWork:
-        dop, factor = _reduce_op(op)
+        dop, factor = reduce_op(op)
         copy_back: list = []
-        bufs = [_contiguous(t, copy_back) for t in tensors]
+        bufs = [contiguous_or_copy(t, copy_back) for t in tensors]
 
         def submit(comm, kw):
             if factor is not None:
                 for b in bufs:  # on the current stream, so before the collective
                     b.mul_(factor)
-            return [comm.all_reduce(_buffer(b, name), op=dop, tag=tag, **kw) for b in bufs]
+            return [comm.all_reduce(as_buffer(b, name), op=dop, tag=self._tag("all_reduce", b, b.numel(), dop, 0)
+                                    if tag is None else tag, **kw) for b in bufs]
         return self._launch(name, list(tensors), submit, list(tensors), opts, self._copy_back(copy_back),
                             keepalive=bufs)
 
@@ -587,18 +494,18 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         # inside a backward pass, where caches are cold, every Python layer
         # skipped counts several times over (docs/torch.md, "Host time").
         placed = self._placed.get(t.device)
-        if placed is not None and t.is_contiguous():
-            dop = _PLAIN_OPS.get(op.op if hasattr(op, "op") else op)
-            dtype = _DATA_TYPES.get(t.dtype)
+        if placed is not None and not self._compiled and t.is_contiguous():
+            dop = plain_ops.get(op.op if hasattr(op, "op") else op)
+            dtype = data_type(t.dtype, "allreduce")
             if dop is not None and dtype is not None:
                 comm, cuda, index = placed
                 stream = None
                 if cuda:
-                    if _capturing():
+                    if capturing():
                         self._refuse_capture("allreduce")
-                    stream = _current_stream_handle(index)
+                    stream = current_stream_handle(index)
                 work = comm._all_reduce_at(t.data_ptr(), t.numel(), dtype, dop, stream, t)
-                timeout = _seconds(opts.timeout) if opts is not None else None
+                timeout = seconds(opts.timeout) if opts is not None else None
                 return DfcclWork([work], tensors, cuda=cuda, device=index, timeout=timeout or self._timeout_s)
         return self._all_reduce([t], op, opts)
 
@@ -618,23 +525,25 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         t = self._one(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
         copy_back: list = []
-        b = _contiguous(t, copy_back)
+        b = contiguous_or_copy(t, copy_back)
 
         def submit(comm, kw):
-            return [comm.broadcast(_buffer(b, "broadcast"), root=root, **kw)]
+            return [comm.broadcast(as_buffer(b, "broadcast"), root=root,
+                                   tag=self._tag("broadcast", b, b.numel(), "sum", root), **kw)]
         return self._launch("broadcast", [t], submit, [t], opts, self._copy_back(copy_back), keepalive=b)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DfcclWork:
         t = self._one(tensors, "reduce")
         root = opts.rootRank if opts is not None else 0
-        dop, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        dop, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         copy_back: list = []
-        b = _contiguous(t, copy_back)
+        b = contiguous_or_copy(t, copy_back)
 
         def submit(comm, kw):
             if factor is not None:
                 b.mul_(factor)
-            return [comm.reduce(_buffer(b, "reduce"), op=dop, root=root, **kw)]
+            return [comm.reduce(as_buffer(b, "reduce"), op=dop, root=root,
+                                tag=self._tag("reduce", b, b.numel(), dop, root), **kw)]
         return self._launch("reduce", [t], submit, [t], opts, self._copy_back(copy_back), keepalive=b)
 
     # -- all-gather -------------------------------------------------------------------
@@ -646,10 +555,11 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             if out.numel() != inp.numel() * self._size:
                 raise InvalidArgumentError(f"{name}: output has {out.numel()} elements, expected world size "
                                            f"{self._size} x input ({inp.numel()})", rank=self._rank)
-            pairs.append((_contiguous(out, copy_back), inp.contiguous()))
+            pairs.append((contiguous_or_copy(out, copy_back), inp.contiguous()))
 
         def submit(comm, kw):
-            return [comm.all_gather(_buffer(i, name), _buffer(o, name), **kw) for o, i in pairs]
+            return [comm.all_gather(as_buffer(i, name), as_buffer(o, name),
+                                    tag=self._tag("all_gather", i, i.numel(), "sum", 0), **kw) for o, i in pairs]
         return self._launch(name, list(outputs) + list(inputs), submit, list(outputs), opts,
                             self._copy_back(copy_back), keepalive=pairs)
 
@@ -685,7 +595,8 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             flats.append((flat, inp.contiguous(), outs))
 
         def submit(comm, kw):
-            return [comm.all_gather(_buffer(i, name), _buffer(f, name), **kw) for f, i, _ in flats]
+            return [comm.all_gather(as_buffer(i, name), as_buffer(f, name),
+                                    tag=self._tag("all_gather", i, i.numel(), "sum", 0), **kw) for f, i, _ in flats]
 
         def finish():
             for flat, inp, outs in flats:
@@ -716,7 +627,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     # -- reduce-scatter ---------------------------------------------------------------
     def _scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                       name: str) -> DfcclWork:
-        dop, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        dop, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         pairs = []
         copy_back: list = []
         for out, inp in zip(outputs, inputs, strict=True):
@@ -725,14 +636,15 @@ class ProcessGroupDfccl(dist.ProcessGroup):
                                            f"{self._size} x output ({out.numel()})", rank=self._rank)
             # The premultiplied input is a copy: the caller's input stays intact.
             src = inp.contiguous() if factor is None else inp.contiguous().clone()
-            pairs.append((_contiguous(out, copy_back), src))
+            pairs.append((contiguous_or_copy(out, copy_back), src))
 
         def submit(comm, kw):
             works = []
             for o, i in pairs:
                 if factor is not None:
                     i.mul_(factor)
-                works.append(comm.reduce_scatter(_buffer(i, name), _buffer(o, name), op=dop, **kw))
+                works.append(comm.reduce_scatter(as_buffer(i, name), as_buffer(o, name), op=dop,
+                                                 tag=self._tag("reduce_scatter", o, o.numel(), dop, 0), **kw))
             return works
         return self._launch(name, list(outputs) + list(inputs), submit, list(outputs), opts,
                             self._copy_back(copy_back), keepalive=pairs)
@@ -780,7 +692,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             t = torch.zeros(1, dtype=torch.int32)
 
         def submit(comm, kw):
-            return [comm.all_reduce(_buffer(t, "barrier"), **kw)]
+            return [comm.all_reduce(as_buffer(t, "barrier"), tag=self._tag("all_reduce", t, 1, "sum", 0), **kw)]
         # A barrier blocks the host in wait(), as torch's other backends do.
         return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=True)
 
@@ -797,16 +709,16 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         b = t.contiguous()
 
         def submit(comm, kw):
-            return [comm.send(_buffer(b, "send"), dst, tag=tag or None, **kw)]
+            return [comm.send(as_buffer(b, "send"), dst, tag=tag or None, **kw)]
         return self._launch("send", [t], submit, [], None, keepalive=b)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> DfcclWork:
         t = self._one(tensors, "recv")
         copy_back: list = []
-        b = _contiguous(t, copy_back)
+        b = contiguous_or_copy(t, copy_back)
 
         def submit(comm, kw):
-            return [comm.recv(_buffer(b, "recv"), src, tag=tag or None, **kw)]
+            return [comm.recv(as_buffer(b, "recv"), src, tag=tag or None, **kw)]
         return self._launch("recv", [t], submit, [t], None, self._copy_back(copy_back), keepalive=b)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> DfcclWork:
@@ -826,11 +738,11 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         send_splits = self._rows_to_elements(input, list(input_split_sizes))
         recv_splits = self._rows_to_elements(output, list(output_split_sizes))
         copy_back: list = []
-        out = _contiguous(output, copy_back)
+        out = contiguous_or_copy(output, copy_back)
         inp = input.contiguous()
 
         def submit(comm, kw):
-            return [comm.all_to_all_single(_buffer(inp, "all_to_all_single"), _buffer(out, "all_to_all_single"),
+            return [comm.all_to_all_single(as_buffer(inp, "all_to_all_single"), as_buffer(out, "all_to_all_single"),
                                            send_splits=send_splits, recv_splits=recv_splits, **kw)]
         return self._launch("all_to_all_single", [output, input], submit, [output], opts,
                             self._copy_back(copy_back), keepalive=(out, inp))
@@ -856,7 +768,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         recv_splits = [t.numel() for t in output_tensors]
 
         def submit(comm, kw):
-            return [comm.all_to_all_single(_buffer(flat_in, "alltoall"), _buffer(flat_out, "alltoall"),
+            return [comm.all_to_all_single(as_buffer(flat_in, "alltoall"), as_buffer(flat_out, "alltoall"),
                                            send_splits=send_splits, recv_splits=recv_splits, **kw)]
 
         def finish():
@@ -901,67 +813,3 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupDfccl:
     """The creator torch calls for ``backend="dfccl"`` (registered on import)."""
     return ProcessGroupDfccl(store, rank, size, timeout)
-
-
-# -- DDP communication hook ------------------------------------------------------------
-
-_ddp_ids = itertools.count()
-
-
-class TaggedAllreduceState:
-    """State of :func:`tagged_allreduce_hook`: the process group, the DDP
-    instance id and the step counter.
-
-    ``ddp_id`` names the DDP model in the tags; by default the n-th state
-    created in this process gets n, so create states in the same order on all
-    ranks, or pass the same explicit ``ddp_id`` (an int or str) on all ranks."""
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None, ddp_id: int | str | None = None) -> None:
-        self.process_group = process_group
-        self.ddp_id = next(_ddp_ids) if ddp_id is None else ddp_id
-        self.step = 0
-
-
-# States for hooks registered with a process group (or None) as state.
-_implicit_states: "weakref.WeakKeyDictionary[Any, TaggedAllreduceState]" = weakref.WeakKeyDictionary()
-_implicit_default: dict[int, TaggedAllreduceState] = {}
-
-
-def _state_of(state: Any) -> TaggedAllreduceState:
-    if isinstance(state, TaggedAllreduceState):
-        return state
-    if state is None:
-        pg = dist.distributed_c10d._get_default_group()
-        st = _implicit_default.get(id(pg))
-        if st is None:
-            st = _implicit_default[id(pg)] = TaggedAllreduceState(pg, ddp_id="default")
-        return st
-    st = _implicit_states.get(state)
-    if st is None:
-        st = _implicit_states[state] = TaggedAllreduceState(state, ddp_id=f"pg:{state.group_name}")
-    return st
-
-
-def tagged_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: averages each gradient bucket with an
-    all-reduce tagged ``("ddp", ddp_id, step, bucket index)``, so buckets (and
-    other groups' collectives) may complete in any order.
-
-    ``state``: a :class:`TaggedAllreduceState` (recommended), a dfccl process
-    group or None (the default group).  Tags must be the same on all ranks,
-    which holds when every rank registers the hook on the same model in the
-    same order.  Returns a future resolving to the averaged flat bucket."""
-    st = _state_of(state)
-    pg = st.process_group if st.process_group is not None else dist.distributed_c10d._get_default_group()
-    if not isinstance(pg, ProcessGroupDfccl):
-        raise InvalidArgumentError(f"tagged_allreduce_hook needs a dfccl process group, got {type(pg).__name__} "
-                                   "(init_process_group(backend='dfccl'))")
-    tag = ("ddp", st.ddp_id, st.step, bucket.index())
-    if bucket.is_last():
-        st.step += 1
-    buf = bucket.buffer()
-    work = pg.tagged_allreduce(buf, tag, op=dist.ReduceOp.AVG)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICE_TYPES))

@@ -1,0 +1,211 @@
+"""What both backends (compiled and Python) share: dfccl.torch's errors,
+torch reductions and dtypes as dfccl's, tensors as dfccl buffers, the
+tags that match a collective across ranks."""
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dfccl
+from dfccl.buffers import Buffer
+from dfccl.errors import (AbortedError, CollectiveTimeoutError, DfcclError, ErrorCode, InvalidArgumentError,
+                          MismatchError, PeerAbortedError, PeerLostError)
+from dfccl.types import ReduceOp, as_data_type, as_reduce_op
+
+__all__ = ["BACKEND_ENV", "DEFAULT_TIMEOUT", "NotSupportedError", "TorchCollectiveTimeoutError",
+           "premul_sum_supported", "map_error", "reduce_op", "plain_ops", "op_name", "data_type", "as_buffer",
+           "contiguous_or_copy", "seconds", "current_stream_handle", "capturing", "capture_error", "default_kind",
+           "shape_tag", "status_error"]
+
+#: Environment variable forcing the memory kind of a group's first
+#: communicator ("cuda" or "sim"); default: "cuda" where torch and dfccl see a
+#: GPU, else "sim".
+BACKEND_ENV = "DFCCL_TORCH_BACKEND"
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class NotSupportedError(DfcclError, NotImplementedError):
+    """An operation torch.distributed offers that dfccl does not implement
+    (gather, scatter, recv from any source, bitwise reductions, graph capture)."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class TorchCollectiveTimeoutError(CollectiveTimeoutError, dist.DistBackendError):
+    """A collective did not complete within the timeout: both dfccl's
+    :class:`~dfccl.CollectiveTimeoutError` and torch's ``DistBackendError``
+    (what torch's own backends raise on timeouts)."""
+
+
+def map_error(exc: BaseException) -> BaseException:
+    """dfccl's timeout as a TorchCollectiveTimeoutError; others unchanged."""
+    if isinstance(exc, CollectiveTimeoutError) and not isinstance(exc, TorchCollectiveTimeoutError):
+        mapped = TorchCollectiveTimeoutError(str(exc), rank=exc.rank, tag=exc.tag, waiting_on=exc.waiting_on,
+                                             missing_ranks=getattr(exc, "missing_ranks", None),
+                                             joined_ranks=getattr(exc, "joined_ranks", None))
+        mapped.__cause__ = exc
+        return mapped
+    return exc
+
+
+def status_error(rank: int, what: str, status: int, detail: int) -> DfcclError:
+    """The error of a collective the C API reports failed with ``status``
+    (a dfccl_status) naming rank ``detail``: the class a dfccl Work raises
+    for that status."""
+    from dfccl._native import descriptor as abi
+
+    if status == abi.STATUS_MISMATCH:
+        return MismatchError(f"rank {rank}: {what} does not match rank {detail}'s submission of the same collective "
+                             "(kind, count, dtype, op or root differ)", rank=rank, peer=detail)
+    if status == abi.STATUS_PEER_LOST:
+        return PeerLostError(f"rank {rank}: {what} failed: rank {detail} is lost (its process died or stopped, or "
+                             "its device failed)", rank=rank, origin=detail)
+    if status == abi.STATUS_PEER_ABORTED and detail != rank:
+        return PeerAbortedError(f"rank {rank}: {what} was abandoned: rank {detail} failed it (signature mismatch "
+                                "or abort)", rank=rank, origin=detail)
+    if status in (abi.STATUS_ABORTED, abi.STATUS_PEER_ABORTED):
+        return AbortedError(f"rank {rank}: {what} was aborted", rank=rank)
+    return DfcclError(f"rank {rank}: {what} failed with status {status}", rank=rank)
+
+
+# -- streams ---------------------------------------------------------------------
+
+# The raw cudaStream_t of the current stream, without building a torch Stream
+# object (3-4 us a call on the host path of every collective).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device: int) -> int:
+    """The CUstream handle of torch's current stream on ``device``."""
+    if _raw_stream is not None:
+        return _raw_stream(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# Whether torch's current CUDA stream is capturing a graph, without the
+# Python wrapper's lazy-initialisation check (a CUDA tensor is in hand).
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def capture_error(name: str, rank: int) -> NotSupportedError:
+    return NotSupportedError(
+        f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its own "
+        "completion word, which a replayed graph would not renew); issue the collective outside torch.cuda.graph",
+        rank=rank)
+
+
+# -- reductions ------------------------------------------------------------------
+
+_OPS = {
+    dist.ReduceOp.RedOpType.SUM: "sum",
+    dist.ReduceOp.RedOpType.PRODUCT: "prod",
+    dist.ReduceOp.RedOpType.MIN: "min",
+    dist.ReduceOp.RedOpType.MAX: "max",
+    dist.ReduceOp.RedOpType.AVG: "avg",
+}
+
+#: The same, as dfccl's ReduceOp, for the ops that need no premultiplication.
+plain_ops: dict[Any, ReduceOp] = {kind: as_reduce_op(name) for kind, name in _OPS.items()}
+
+
+def op_name(kind: Any) -> str:
+    """dfccl's name of a plain torch reduction (a RedOpType)."""
+    return _OPS[kind]
+
+
+def premul_sum_supported() -> bool:
+    """Whether this torch shows a backend a PREMUL_SUM op's factor
+    (``ReduceOp.factor``; not every torch release does)."""
+    return hasattr(dist.ReduceOp, "factor")
+
+
+def reduce_op(op: Any) -> tuple[str, float | None]:
+    """(dfccl op, premultiply factor or None) for a torch ReduceOp."""
+    kind = op.op if hasattr(op, "op") else op
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        if not premul_sum_supported():
+            raise NotSupportedError(f"PREMUL_SUM: torch {torch.__version__} does not give a backend the op's "
+                                    "factor (ReduceOp.factor); multiply the tensor by the factor and use SUM")
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise InvalidArgumentError("PREMUL_SUM needs a factor (use dist._make_nccl_premul_sum(factor))")
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return "sum", float(factor)
+    try:
+        return _OPS[kind], None
+    except (KeyError, TypeError):
+        raise NotSupportedError(f"reduction {kind} is not supported by dfccl (supported: SUM, PRODUCT, MIN, MAX, "
+                                "AVG, PREMUL_SUM; bitwise BAND/BOR/BXOR are not)") from None
+
+
+# -- tensors ---------------------------------------------------------------------
+
+_DATA_TYPES: dict[torch.dtype, Any] = {}   # torch dtype -> dfccl DataType, filled on first use
+
+
+def data_type(dtype: torch.dtype, what: str) -> Any:
+    """dfccl's DataType of a torch dtype (InvalidArgumentError if none)."""
+    dt = _DATA_TYPES.get(dtype)
+    if dt is None:
+        try:
+            dt = _DATA_TYPES[dtype] = as_data_type(str(dtype))
+        except InvalidArgumentError:
+            raise InvalidArgumentError(f"{what}: dtype {dtype} is not supported by dfccl (supported: int8, uint8, "
+                                       "int32, uint32, int64, uint64, float16, bfloat16, float32, float64)") from None
+    return dt
+
+
+def as_buffer(t: torch.Tensor, what: str, owner: object = True) -> Buffer:
+    """dfccl view of a contiguous tensor, built from data_ptr so that neither
+    DLPack's stream handshake nor a missing bfloat16 typestr gets in the way.
+    ``owner``: what the view keeps alive (True: the tensor; None: nothing)."""
+    device = t.device.index if t.is_cuda else None
+    return Buffer.from_pointer(t.data_ptr(), t.numel(), data_type(t.dtype, what), device=device,
+                               owner=t if owner is True else owner)
+
+
+def contiguous_or_copy(t: torch.Tensor, copy_back: list) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy; outputs that got a
+    copy are recorded in ``copy_back`` to be written back after completion."""
+    if t.is_contiguous():
+        return t
+    tmp = t.contiguous()
+    copy_back.append((t, tmp))
+    return tmp
+
+
+def seconds(timeout: Any) -> float | None:
+    """Seconds of a timedelta; None for torch's 'unset' values (0 or negative)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
+def shape_tag(kind: str, t: torch.Tensor, count: int, op: str, root: int) -> tuple:
+    """The tag of a collective the compiled backend submits through a plan:
+    the k-th collective of this kind, shape, reduction and root on one rank
+    meets the k-th on the others (whichever path, compiled or Python, each
+    rank's call took)."""
+    return ("torch", kind, count, str(t.dtype), op, root)
+
+
+def default_kind() -> str:
+    """The memory kind of a group's first communicator."""
+    env = os.environ.get(BACKEND_ENV, "").strip()
+    if env:
+        if env not in ("cuda", "sim"):
+            raise InvalidArgumentError(f"{BACKEND_ENV} must be 'cuda' or 'sim', not {env!r}")
+        return env
+    if torch.cuda.is_available():
+        try:
+            if dfccl.runtime.cuda_device_count() > 0:
+                return "cuda"
+        except DfcclError:
+            pass
+    return "sim"
