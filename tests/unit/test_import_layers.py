@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools and integrations", {
         "dfccl.info", "dfccl.demo", "dfccl.scenarios", "dfccl.bench", "dfccl.bench.config", "dfccl.bench.harness",
         "dfccl.bench.baselines", "dfccl.bench.report", "dfccl.bench.floor", "dfccl.bench.arrays",
-        "dfccl.bench.runner", "dfccl.torch"}),
+        "dfccl.bench.runner", "dfccl.torch", "dfccl.torch._build", "dfccl.torch._common", "dfccl.torch._group",
+        "dfccl.torch._hook", "dfccl.torch.__main__"}),
     ("the command line", {"dfccl.cli", "dfccl.__main__"}),
 ]
 
