@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dfccl
-from dfccl.testing import arrays
+from dfccl.bench import arrays
 
 pytestmark = pytest.mark.gpu
 TIMEOUT = 120

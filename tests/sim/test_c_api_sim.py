@@ -336,5 +336,5 @@ def test_probe_runs_on_the_simulator():
     assert r.returncode == 0, r.stdout[-4000:]
     rows = [line for line in r.stdout.splitlines() if " cpu " in line]
     assert [row.split(":")[0].strip() for row in rows] == ["C API, a loop in C", "bound plan, from Python",
-                                                            "comm.all_reduce(x)"]
+                                                            "comm.all_reduce(x), numpy"]
     assert all(float(row.split(":")[1].split()[0]) > 0 for row in rows)

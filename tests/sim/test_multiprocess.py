@@ -189,7 +189,7 @@ def _queue_depth(comm, seed: int, ntags: int = 60, queued: int = 60) -> int:
     opposite order) of staged direct and ring sizes, then ``queued`` on one
     tag.  Staged ones without room fall back to the ring, ring ones loop
     through reserved FIFOs; none raises, every result is exact."""
-    from dfccl.testing import arrays
+    from dfccl.bench import arrays
 
     r, n = comm.rank, comm.world_size
     dev = (comm.backend, comm.device)
@@ -235,7 +235,7 @@ def deep_queues(comm, sizes) -> int:
     """For each (n, count) of ``sizes``: n all-reduces of ``count`` float32
     on distinct tags and n on one tag, all submitted before any wait, exact
     results (small integers)."""
-    from dfccl.testing import arrays
+    from dfccl.bench import arrays
 
     r, size = comm.rank, comm.world_size
     dev = (comm.backend, comm.device)
