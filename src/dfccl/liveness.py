@@ -43,6 +43,7 @@ from dfccl import status_page
 from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
 from dfccl.rank_state import RankState
+from dfccl.shared_files import matching_files
 from dfccl.termination import on_sigterm
 
 __all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive",
@@ -80,16 +81,8 @@ def collect_status(directory: str | None = None) -> list[dict]:
     if directory is None:
         return []
     pattern = re.compile(rf"^dfccl-status-{os.getuid()}-(\d+)\.json(\..+\.tmp)?$")
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
     docs = []
-    for name in names:
-        m = pattern.match(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
+    for path, m in matching_files(directory, pattern):
         try:
             mtime = os.stat(path).st_mtime
             with open(path) as f:

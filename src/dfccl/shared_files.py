@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import tempfile
 
-__all__ = ["shared_directory", "create_mapped"]
+__all__ = ["shared_directory", "create_mapped", "matching_files"]
 
 
 def shared_directory() -> str:
     """/dev/shm where it is writable, else the temporary directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def matching_files(directory: str, pattern: re.Pattern) -> list[tuple[str, re.Match]]:
+    """(path, match) of each entry of ``directory`` whose name ``pattern``
+    matches, in name order; none where the directory cannot be listed."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [(os.path.join(directory, name), m) for name in names if (m := pattern.match(name))]
 
 
 def create_mapped(path: str, size: int, *, exclusive: bool, mode: int) -> mmap.mmap:

@@ -33,7 +33,7 @@ import struct
 import threading
 
 from dfccl.processes import owner_gone, pid_namespace, start_time
-from dfccl.shared_files import create_mapped, shared_directory
+from dfccl.shared_files import create_mapped, matching_files, shared_directory
 from dfccl.termination import on_sigterm
 
 __all__ = ["StatusPage", "sweep"]
@@ -59,16 +59,8 @@ def sweep(directory: str | None = None) -> list[str]:
     (processes.owner_gone); returns their paths."""
     directory = directory or _directory()
     pattern = re.compile(rf"^dfccl-rank-{os.getuid()}-(\d+)-")
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
     removed = []
-    for name in names:
-        m = pattern.match(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
+    for path, m in matching_files(directory, pattern):
         try:
             with open(path, "rb") as f:
                 head = f.read(_WORDS.size + _IDENTITY.size)
