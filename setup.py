@@ -229,9 +229,12 @@ class BuildPy(build_py):
 
     def find_data_files(self, package, src_dir):
         # Cython's generated C++ sits next to the .pyx sources; it is a build
-        # product, not part of the installed package.
+        # product, not part of the installed package.  Other C++ (the torch
+        # backend's source, built on first import) is shipped.
         files = super().find_data_files(package, src_dir)
-        return [f for f in files if not f.endswith((".cpp", ".c"))]
+        def generated(f):
+            return f.endswith((".cpp", ".c")) and os.path.exists(os.path.splitext(f)[0] + ".pyx")
+        return [f for f in files if not generated(f)]
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt, "build_py": BuildPy})
