@@ -101,15 +101,29 @@ DFCCL_DEV int run_p2p_direct(BlockEnv &env, TaskRun &run) {
 // ---- send / recv through the receiver's FIFO ---------------------------------------
 struct P2pGeometry {
   uint32_t esize;
-  uint64_t slice;    // elements per FIFO slot
+  uint64_t slot_bytes;  // the receiver's FIFO slot
+  uint64_t slots;       // and its slots per channel
+  uint64_t slice;       // elements per FIFO slot
   uint64_t nslices;  // at least one
   Range chan;
 };
 
+// The slot size is the receiver's: its FIFO may be smaller than planned (a
+// reserved minimum FIFO: the message loops through it in smaller slots),
+// and both ends must cut the message alike.  The receiver knows it from its
+// own descriptor; the sender learns it from the receiver's fifo word at MEET
+// and keeps it in pos[2] (0 before that: nothing then needs the geometry).
+DFCCL_DEV uint64_t p2p_slot_bytes(const TaskRun &run) {
+  return p2p_sender(run) ? run.pos[2] : fifo_shape(run.d, run.d->fifo_offset).slot_bytes;
+}
+
 DFCCL_DEV P2pGeometry p2p_geometry(const TaskRun &run) {
   P2pGeometry g;
   g.esize = dtype_size(run.d->dtype);
-  g.slice = run.d->slice_bytes / g.esize;
+  g.slot_bytes = p2p_slot_bytes(run);
+  g.slots = p2p_sender(run) ? run.ctx->nbr_slots : fifo_shape(run.d, run.d->fifo_offset).slots;
+  g.slice = g.slot_bytes / g.esize;
+  if (g.slice == 0) g.slice = 1;  // before MEET on the sender (unused there)
   g.chan = split(run.d->count, run.d->nchannels, run.chan, pack_elems(g.esize));
   g.nslices = g.chan.len == 0 ? 1 : ceil_div(g.chan.len, g.slice);
   return g;
@@ -122,10 +136,10 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
   const bool sender = p2p_sender(run);
   const uint64_t i = run.pos[1];
   const uint64_t inst = d->instance;
-  const uint32_t nbr_slots = run.ctx->nbr_slots;
+  const uint64_t slots = g.slots;
   dfccl_chan_state *m = run.mine;
   int w = block_wait(env, run, d->root, [&]() -> int {
-    if (sender) return i - count_for(load_acquire(&m->send_credit), inst) < nbr_slots ? 1 : 0;
+    if (sender) return i - count_for(load_acquire(&m->send_credit), inst) < slots ? 1 : 0;
     return count_for(load_acquire(&m->recv_posted), inst) >= i + 1 ? 1 : 0;
   });
   if (w != WAIT_OK) return w;
@@ -135,10 +149,10 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
   if (is_leader()) {
     if (sender) {
       env.sm->srcs[0] = d->send_addr + off * g.esize;
-      env.sm->dsts[0] = run.ctx->nbr_fifo + (i % nbr_slots) * d->slice_bytes;
+      env.sm->dsts[0] = run.ctx->nbr_fifo + (i % slots) * g.slot_bytes;
     } else {
       const uint64_t fifo = run.ep->peer_arena[run.ep->rank] + (own_fifo_word(run, run.chan) & DFCCL_FIFO_OFFSET_MASK);
-      env.sm->srcs[0] = fifo + (i % d->fifo_slots) * d->slice_bytes;
+      env.sm->srcs[0] = fifo + (i % slots) * g.slot_bytes;
       env.sm->dsts[0] = d->recv_addr + off * g.esize;
     }
   }
@@ -157,7 +171,7 @@ DFCCL_DEV int run_p2p_fifo(BlockEnv &env, TaskRun &run) {
   const dfccl_task_desc *d = run.d;
   const uint32_t peer = d->root;
   const bool sender = p2p_sender(run);
-  const P2pGeometry g = p2p_geometry(run);
+  P2pGeometry g = p2p_geometry(run);
   for (;;) {
     switch (run.step) {
       case Q_PUBLISH:
@@ -170,9 +184,16 @@ DFCCL_DEV int run_p2p_fifo(BlockEnv &env, TaskRun &run) {
         uint64_t word = 0;
         int w = meet_peer(env, run, peer, 0, &word);
         if (w != WAIT_OK) return stop_run(w);
-        if (sender && is_leader()) {
-          run.ctx->nbr_slots = (uint32_t)(word >> 48);
-          run.ctx->nbr_fifo = run.ep->peer_arena[peer] + (word & DFCCL_FIFO_OFFSET_MASK);
+        if (sender) {
+          word = from_leader(word);
+          const FifoShape theirs = fifo_shape(d, word);
+          if (is_leader()) {
+            run.ctx->nbr_slots = (uint32_t)theirs.slots;
+            run.ctx->nbr_fifo = run.ep->peer_arena[peer] + (word & DFCCL_FIFO_OFFSET_MASK);
+          }
+          run.pos[2] = theirs.slot_bytes;
+          g = p2p_geometry(run);
+          g.slots = theirs.slots;  // the leader's store to the context may not be visible to the warp yet
         }
         run.step = Q_WORK;
         run.progressed = true;

@@ -972,6 +972,25 @@ def test_staging_beyond_the_shared_part_leaves_pool_consistent(make):
             f"staging pool corrupted: in_use={pool.in_use}, free ranges start at {pool._starts} (base {pool.base})"
 
 
+def test_recvs_beyond_the_shared_part_loop_through_reserved_fifos(make):
+    """Receives queued on distinct tags past the shared staging take reserved
+    minimum FIFOs (the sender cuts each message in the receiver's smaller
+    slots) instead of raising ResourceError; sends posted afterwards, in the
+    opposite order, deliver every message whole (design decision 40)."""
+    comms = make(2, "ring", staging_bytes=1 << 20, ring_tags=2)
+    pool = comms[1]._endpoint.staging
+    rng = np.random.default_rng(11)
+    sent = [rng.standard_normal((1 << 16) + 3 * i).astype(np.float32) for i in range(12)]
+    got = [np.full_like(x, np.nan) for x in sent]
+    ws = [comms[1].recv(g, 0, tag=("p", i)) for i, g in enumerate(got)]
+    assert pool.free_blocks < pool.blocks - 8, "most receives loop through reserved FIFOs"
+    ws += [comms[0].send(x, 1, tag=("p", i)) for i, x in reversed(list(enumerate(sent)))]
+    for w in ws:
+        w.synchronize(timeout=TIMEOUT)
+    for i, (x, g) in enumerate(zip(sent, got)):
+        np.testing.assert_array_equal(g, x, err_msg=f"message {i}")
+
+
 # ==========================================================================================
 # Work objects
 # ==========================================================================================

@@ -134,12 +134,14 @@ cdef inline bint _staged(const tag_layout *layout, bint has_layout) noexcept nog
 
 cdef inline bint _loops(const tag_layout *layout, bint has_layout) noexcept nogil:
     """Whether the collective can run through a FIFO of any shape: a ring
-    collective, or a staged direct one (which then falls back to the ring)."""
+    collective, a recv through its FIFO (the sender cuts the message in the
+    receiver's slots), or a staged direct one (which then falls back to the
+    ring)."""
     cdef uint64_t kind = layout.w[1] & 0xff
     if _staged(layout, has_layout):
         return True
     return (has_layout and (layout.w[1] >> 16) & 0xff == DFCCL_PATH_RING
-            and kind != DFCCL_ALL_TO_ALL and kind != DFCCL_RECV)
+            and kind != DFCCL_ALL_TO_ALL)
 
 
 cdef inline uint64_t _fifo_shape(uint64_t fifo_bytes, const tag_layout *layout) noexcept nogil:
