@@ -7,7 +7,7 @@ loop, then whole calls, two ranks on one device in one process.
 Medians in microseconds.  The layers are what ``all_reduce`` runs, in order:
 the array's description (``as_buffer``: its ``__cuda_array_interface__``
 and the driver's pointer query), the argument checks, the kept descriptor's
-lookup, and the submission itself (``Context.submit_at``: tag instance, slot,
+lookup, and the submission itself (``Daemon.submit_at``: tag instance, slot,
 ring entry, the daemon's launch check)."""
 
 from __future__ import annotations

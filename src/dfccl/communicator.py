@@ -2,8 +2,8 @@
 
 A collective call validates its buffers, names its instance (tag -> key,
 k-th use), picks its path and geometry (planning.py), reserves a tag record
-and, on the ring path, staging FIFOs, then hands one descriptor to the daemon
-context (Context.submit).  It returns a Work at once; nothing here waits for
+and, on the ring path, staging FIFOs, then hands one descriptor to the device's
+daemon (Daemon.submit).  It returns a Work at once; nothing here waits for
 peers."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
+from dfccl._deprecated import renamed_keywords
 from dfccl._native.descriptor import TaskDescriptor
 from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
@@ -32,7 +33,7 @@ from dfccl.endpoint import Endpoint
 from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError, PeerLostError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.local_group import LocalGroup
-from dfccl.options import CommOptions, ContextOptions
+from dfccl.options import CommOptions, DaemonOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
 from dfccl.rank_state import RankState
@@ -120,15 +121,15 @@ def _check_seconds(name: str, value, positive: bool = False) -> float:
     return t
 
 
-def _check_options(backend, options, context_options) -> None:
+def _check_options(backend, options, daemon_options) -> None:
     if backend is not None and not isinstance(backend, str):
         raise InvalidArgumentError(f"backend must be 'cuda', 'sim' or None, not {type(backend).__name__} "
                                    f"({backend!r})")
     if options is not None and not isinstance(options, CommOptions):
         raise InvalidArgumentError(f"options must be a dfccl.CommOptions or None, not {type(options).__name__}")
-    if context_options is not None and not isinstance(context_options, ContextOptions):
-        raise InvalidArgumentError("context_options must be a dfccl.ContextOptions or None, not "
-                                   f"{type(context_options).__name__}")
+    if daemon_options is not None and not isinstance(daemon_options, DaemonOptions):
+        raise InvalidArgumentError("daemon_options must be a dfccl.DaemonOptions or None, not "
+                                   f"{type(daemon_options).__name__}")
 
 # Marks an argument that a kind of collective does not take (None is a value
 # users pass, and must be rejected as a root or op).
@@ -157,9 +158,10 @@ class Communicator:
     them; without a tag, the k-th untagged collective of this communicator.
     """
 
+    @renamed_keywords(context_options="daemon_options")
     def __init__(self, unique_id: UniqueId, rank: int, world_size: int, *, device: int | None = None,
                  backend: str | None = None, options: CommOptions | None = None,
-                 context_options: ContextOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
+                 daemon_options: DaemonOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
         """Joins the communicator of ``unique_id`` as ``rank``.
 
         Args:
@@ -170,7 +172,7 @@ class Communicator:
                 visible devices.
             backend: "cuda", "sim" or None (cuda where a GPU is visible).
             options: how this communicator moves data.
-            context_options: how the device's daemon runs (its first user sets them).
+            daemon_options: how the device's daemon runs (its first user sets them).
             timeout: seconds that start-up may take in all (reaching the
                 store, every rank arriving, every rank mapping its peers).
 
@@ -190,7 +192,7 @@ class Communicator:
             raise InvalidArgumentError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
         if device is not None:
             device = _check_int("device", device, 0)
-        _check_options(backend, options, context_options)
+        _check_options(backend, options, daemon_options)
         timeout = _check_seconds("timeout", timeout, positive=True)
         deadline = time.monotonic() + timeout
         backend = runtime.resolve_backend(backend)
@@ -199,7 +201,7 @@ class Communicator:
         boot = StoreBootstrap(unique_id, rank, world_size, timeout, deadline)
         try:
             # Peers in other processes may map our arena for as long as they live.
-            self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
+            self._init_local(backend, device, rank, world_size, options, daemon_options, unique_id.comm_key(),
                              shareable=True, group=LocalGroup(1, closes_memory=False), unique_id=unique_id)
         except DfcclError as exc:
             boot.tell_peers(exc)
@@ -216,8 +218,9 @@ class Communicator:
         self._endpoint.unlink_export()
 
     @classmethod
+    @renamed_keywords(context_options="daemon_options")
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
-                    context_options: ContextOptions | None = None) -> list["Communicator"]:
+                    daemon_options: DaemonOptions | None = None) -> list["Communicator"]:
         """One communicator per entry of ``devices``, all in this process.
         Like ncclCommInitAll.
 
@@ -225,7 +228,7 @@ class Communicator:
             devices: rank i runs on devices[i] (a device may appear several times).
             backend: "cuda", "sim" or None (cuda where a GPU is visible).
             options: how the communicators move data.
-            context_options: how the devices' daemons run.
+            daemon_options: how the devices' daemons run.
 
         Returns:
             The communicators, rank order.
@@ -243,11 +246,11 @@ class Communicator:
         if len(devices) > MAX_RANKS:
             raise InvalidArgumentError(f"for_devices got {len(devices)} devices; a communicator has at most "
                                        f"{MAX_RANKS} ranks")
-        _check_options(backend, options, context_options)
+        _check_options(backend, options, daemon_options)
         backend = runtime.resolve_backend(backend)
         comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
         group = LocalGroup(len(devices), closes_memory=True)
-        comms = [cls._create_local(backend, dev, rank, len(devices), options, context_options, comm_key, group)
+        comms = [cls._create_local(backend, dev, rank, len(devices), options, daemon_options, comm_key, group)
                  for rank, dev in enumerate(devices)]
         peers = [c._endpoint.describe() for c in comms]
         for c in comms:
@@ -255,17 +258,17 @@ class Communicator:
         return comms
 
     @classmethod
-    def _create_local(cls, backend, device, rank, world_size, options, context_options, comm_key,
+    def _create_local(cls, backend, device, rank, world_size, options, daemon_options, comm_key,
                       group: LocalGroup) -> "Communicator":
         """A rank of a communicator whose ranks all live in this process
         (``group``), before it meets its peers (_finish_init)."""
         self = cls.__new__(cls)
-        self._init_local(backend, device, rank, world_size, options, context_options, comm_key, shareable=False,
+        self._init_local(backend, device, rank, world_size, options, daemon_options, comm_key, shareable=False,
                          group=group, unique_id=None)
         return self
 
     # -- construction ------------------------------------------------------------
-    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable,
+    def _init_local(self, backend, device, rank, world_size, options, daemon_options, comm_key, shareable,
                     group: LocalGroup, unique_id: UniqueId | None):
         self._backend = backend
         self._device = device
@@ -278,7 +281,7 @@ class Communicator:
         self._group = group
         self._registry: Registry | None = None
         self._splits = 0
-        self._ctx = runtime.get_context(backend, device, context_options)
+        self._daemon = runtime.get_daemon(backend, device, daemon_options)
         opts = self._options
         if opts.protocol == "simple":
             self._options = replace(opts, ll_max_bytes=0)
@@ -286,8 +289,8 @@ class Communicator:
             capacity = opts.max_tags
             ll = default_ll_max_bytes(capacity, world_size, opts.ll_memory_bytes) if ll_capable(world_size, True) else 0
             self._options = replace(opts, ll_max_bytes=ll)
-        self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
-        self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
+        self._channels = min(self._daemon.nblocks, self._options.channels or self._daemon.nblocks)
+        self._endpoint = Endpoint(self._daemon, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
         self._plans = 0
         self._diag: EndpointDiagnostics | None = None
@@ -295,7 +298,7 @@ class Communicator:
                                       device=device, maxlen=self._options.flight_events)
         # Closed, aborted, a lost peer: shared with the threads that watch this rank.
         self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
-                                context=self._ctx, flight=self._flight, peer_timeout=self._options.peer_timeout)
+                                daemon=self._daemon, flight=self._flight, peer_timeout=self._options.peer_timeout)
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
@@ -325,7 +328,7 @@ class Communicator:
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
         self._state.attach(self._diag)
-        self._ctx.diagnostics[self._endpoint.id] = self._diag
+        self._daemon.diagnostics[self._endpoint.id] = self._diag
         liveness.register(self, self._state)
 
     # -- properties --------------------------------------------------------------
@@ -757,7 +760,7 @@ class Communicator:
         try:
             table = split_table(layout, plan.geometry.nchannels)
             # Not waited for: the stream that copies arms the collective.
-            sid = self._ctx.backend.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
+            sid = self._daemon.device.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
             # The tag table takes the table back when the instance retires
             # (TagTable.release; a failed instance keeps it).
             return self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
@@ -882,7 +885,7 @@ class Communicator:
             return
         if not self._state.aborted:
             self._state.aborted = True
-            if not self._ctx.closed:
+            if not self._daemon.closed:
                 # Our daemon first, then the peers (who read the status).
                 if self._state.lost_rank is None:
                     self._endpoint.abort()
@@ -892,21 +895,21 @@ class Communicator:
 
     def _settle(self, timeout: float) -> None:
         """Waits (bounded) for this rank's pending collectives to fail, then
-        fails the rest host-side (Context.abandon)."""
+        fails the rest host-side (Daemon.abandon)."""
         ep = self._endpoint
-        if ep.id is None or self._ctx.closed:
+        if ep.id is None or self._daemon.closed:
             return
         deadline = time.monotonic() + timeout
-        for w in self._ctx.pending_works(ep.id):
+        for w in self._daemon.pending_works(ep.id):
             while not w.done() and time.monotonic() < deadline:
                 time.sleep(1e-4)
             if not w.done():
-                self._ctx.abandon(w)
+                self._daemon.abandon(w)
         # Collectives submitted through the C API (dfccl_api.h) report the
         # abort through their handles.
-        while self._ctx.pending_handles(ep.id) and time.monotonic() < deadline:
+        while self._daemon.pending_handles(ep.id) and time.monotonic() < deadline:
             time.sleep(1e-4)
-        self._ctx.abandon_handles(ep.id)
+        self._daemon.abandon_handles(ep.id)
 
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
@@ -920,17 +923,17 @@ class Communicator:
         if self._state.closed:
             return
         ep = self._endpoint
-        pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
+        pending = [] if ep.id is None or self._daemon.closed else self._daemon.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
-        if pending or (ep.id is not None and not self._ctx.closed and self._ctx.pending_handles(ep.id)):
+        if pending or (ep.id is not None and not self._daemon.closed and self._daemon.pending_handles(ep.id)):
             self.abort(timeout)
-        elif not self._state.aborted and ep.id is not None and not self._ctx.closed:
+        elif not self._state.aborted and ep.id is not None and not self._daemon.closed:
             ep.write_status(RANK_CLOSED)
         self._flight.note("close", detail=f"rank {self._rank} closed")
         self._state.mark_closed()
         # Abandoned collectives keep their slot (and our memory) until the daemon
         # lets go, whether this close or an earlier abort() abandoned them.
-        unfinished = ep.id is not None and not self._ctx.closed and self._ctx.held_by_daemon(ep.id) > 0
+        unfinished = ep.id is not None and not self._daemon.closed and self._daemon.held_by_daemon(ep.id) > 0
         if self._registry is not None and not unfinished:
             self._registry.close()
         if unfinished:
@@ -946,8 +949,8 @@ class Communicator:
             self._group.endpoints = []
         elif self._group.closes_memory:
             self._group.endpoints.append(self._endpoint)
-        if not self._ctx.closed:
-            self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
+        if not self._daemon.closed:
+            self._daemon.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
 
     def __enter__(self) -> "Communicator":
         return self
@@ -1013,11 +1016,11 @@ class Communicator:
         if b.count == 0:
             return
         if self._backend == "sim":
-            if b.kind != CPU:
-                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.kind} memory",
+            if b.device_type != CPU:
+                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.device_type} memory",
                                            rank=self._rank)
         else:
-            if b.kind != CUDA:
+            if b.device_type != CUDA:
                 raise InvalidArgumentError(f"{what}: the cuda backend needs device memory; got host memory "
                                            "(move the array to the GPU)", rank=self._rank)
             if b.device != self._device:
@@ -1077,7 +1080,7 @@ class Communicator:
         """The descriptor of a collective of this shape and tag (None, a str
         or an int: types whose equal values are the same tag), built on its
         first call and submitted at each later call's buffers
-        (``_submit_task(task, at)``, ``Context.submit_at``): a plain call then
+        (``_submit_task(task, at)``, ``Daemon.submit_at``): a plain call then
         costs a dict lookup where it built a descriptor.  Each instance of
         the tag is still taken at submission.  None where the buffers decide
         more than the addresses (registered memory)."""
@@ -1142,7 +1145,7 @@ class Communicator:
         """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
         stream handle or None, owners) the same descriptor at those buffers."""
         try:
-            return self._ctx.submit(task) if at is None else self._ctx.submit_at(task, *at)
+            return self._daemon.submit(task) if at is None else self._daemon.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self._rank
@@ -1162,14 +1165,14 @@ class Communicator:
             state = f"peer rank {self._state.lost_rank} lost"
         else:
             state = "closed" if self._state.closed else "aborted" if self._state.aborted else "open"
-        if not self._state.closed and self._ctx.device_fault:
-            state = f"device failed ({self._ctx.backend.fault_name(self._ctx.device_fault)})"
+        if not self._state.closed and self._daemon.device_fault:
+            state = f"device failed ({self._daemon.device.fault_name(self._daemon.device_fault)})"
         st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
                         path=getattr(self, "_mode", "?"), state=state)
         ep = self._endpoint
-        if not self._state.closed and ep.id is not None and not self._ctx.closed:
+        if not self._state.closed and ep.id is not None and not self._daemon.closed:
             now = time.monotonic_ns()
-            for w in self._ctx.pending_works(ep.id):
+            for w in self._daemon.pending_works(ep.id):
                 if w.done():
                     continue
                 waiting = w.waiting_for()
@@ -1284,7 +1287,7 @@ class BoundPlan:
         self._comm = c
         self._task = None if plan.count == 0 else c._task(plan._kind, s, r, plan.count, plan.op, plan.root,
                                                            plan.tag, stream, plan._geometry, plan._key)
-        self._submit = c._ctx.submit
+        self._submit = c._daemon.submit
 
     def __call__(self) -> Work:
         c = self._comm
@@ -1313,7 +1316,7 @@ class BoundPlan:
         c._check_open()
         if self._task is None:
             raise InvalidArgumentError(f"{self.plan!r} has no elements: there is nothing to submit", rank=c._rank)
-        return c._ctx.c_plan(self._task)
+        return c._daemon.c_plan(self._task)
 
     def __repr__(self) -> str:
         return f"<dfccl.BoundPlan {self.plan!r}>"
