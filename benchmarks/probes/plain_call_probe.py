@@ -19,8 +19,9 @@ import numpy as np
 
 import dfccl
 from dfccl import runtime
+from dfccl._native.layout import KIND_ALL_REDUCE
+from dfccl.arguments import check_overlap
 from dfccl.buffers import as_buffer
-from dfccl.communicator import KIND_ALL_REDUCE, _check_overlap
 from dfccl.bench import arrays
 
 
@@ -58,8 +59,8 @@ def main() -> None:
         ("Communicator._pair", lambda: c._pair(x, None, "all_reduce")),
         ("_check_tag + _same_shape + _op", lambda: (c._check_tag(None, "all_reduce"),
                                                      c._same_shape(s, s, s.count, "all_reduce"), c._op("sum"))),
-        ("_check_open + _check_overlap", lambda: (c._check_open(), _check_overlap(KIND_ALL_REDUCE, s, s, s.count,
-                                                                                   c._rank, c._size, "all_reduce"))),
+        ("_check_open + check_overlap", lambda: (c._check_open(), check_overlap(KIND_ALL_REDUCE, s, s, s.count,
+                                                                                 c._rank, c._size, "all_reduce"))),
         ("_plain_task (kept descriptor)", lambda: c._plain_task(KIND_ALL_REDUCE, s, s, s.count, op, 0)),
     ]
     print(f"{backend}:{device}, two ranks; medians over {args.iters} calls, us")

@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "dfccl.status_page", "dfccl.unique_id"}),
     ("one rank's machinery", {
         "dfccl.runtime", "dfccl.buffers", "dfccl.endpoint", "dfccl.diagnostics", "dfccl.rank_state",
-        "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split"}),
+        "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split",
+        "dfccl.arguments", "dfccl.sharing"}),
     ("the API", {"dfccl.communicator", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
     ("the package", {"dfccl"}),
     ("tools and integrations", {

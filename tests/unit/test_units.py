@@ -814,7 +814,7 @@ def test_empty_quit_defaults_and_bounds():
 
 
 def test_daemon_share_gives_sharing_ranks_disjoint_blocks():
-    from dfccl.communicator import daemon_share
+    from dfccl.sharing import daemon_share
 
     def peer(pid, device, blocks=32):
         return {"host": "h", "pid": pid, "backend": "cuda", "device": device, "blocks": blocks}
