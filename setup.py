@@ -1,7 +1,7 @@
 """Builds dfccl's Cython extensions and the daemon kernel.
 
 - The daemon sources in cuda/ are compiled twice: by the host compiler into
-  the simulator backend (dfccl._native.sim_backend), and by nvcc into a fatbin
+  the simulator backend (dfccl._native.sim_device), and by nvcc into a fatbin
   (sm_80 and sm_90 machine code plus PTX) shipped as dfccl/_kernels/daemon.fatbin.
 - The fatbin is built only where it will be used: a GPU is present
   (/dev/nvidia*, nvidia-smi -L, or the CUDA driver), or DFCCL_CUDA_ARCHS names
@@ -11,7 +11,7 @@
 - DFCCL_LINEINFO=1 builds the fatbin with -lineinfo (source lines in Nsight
   Compute's source view; same machine code otherwise).
 - DFCCL_STEP_PROFILE=1 builds the fatbin and the simulator with the step
-  profile (Context.daemon_profile: time per LL step and per completion;
+  profile (Daemon.daemon_profile: time per LL step and per completion;
   a few clock reads more per run, so off by default).
 - DFCCL_SKIP_KERNEL=1 skips the fatbin even where a GPU is present.
 - Compiled extensions and the fatbin are kept in build/dfccl-cache under a key
@@ -103,7 +103,7 @@ def extensions():
     headers = kernel_headers()
     common = dict(include_dirs=[CUDA_INCLUDE], language="c++", extra_compile_args=CXX_FLAGS, depends=headers)
     exts = [
-        Extension("dfccl._native.backend", ["src/dfccl/_native/backend.pyx"], **common),
+        Extension("dfccl._native.device", ["src/dfccl/_native/device.pyx"], **common),
         Extension("dfccl._native.work", ["src/dfccl/_native/work.pyx"], **common),
         Extension("dfccl._native.array_view", ["src/dfccl/_native/array_view.pyx"], **common),
         Extension("dfccl._native.tag_table", ["src/dfccl/_native/tag_table.pyx"], **common),
@@ -114,17 +114,17 @@ def extensions():
         Extension("dfccl._native.retire", ["src/dfccl/_native/retire.pyx"], **common),
         Extension("dfccl._native.inspection", ["src/dfccl/_native/inspection.pyx"], **common),
         Extension("dfccl._native.endpoints", ["src/dfccl/_native/endpoints.pyx"], **common),
-        Extension("dfccl._native.context", ["src/dfccl/_native/context.pyx"], **common),
+        Extension("dfccl._native.daemon", ["src/dfccl/_native/daemon.pyx"], **common),
         Extension("dfccl._native.capi", ["src/dfccl/_native/capi.pyx"], **common),
-        Extension("dfccl._native.sim_backend",
-                  ["src/dfccl/_native/sim_backend.pyx", "cuda/sim/sim_device.cpp", "cuda/sim/sim_stream.cpp"],
+        Extension("dfccl._native.sim_device",
+                  ["src/dfccl/_native/sim_device.pyx", "cuda/sim/sim_device.cpp", "cuda/sim/sim_stream.cpp"],
                   include_dirs=[CUDA_INCLUDE, os.path.join(CUDA_SRC, "sim")], language="c++",
                   extra_compile_args=CXX_FLAGS + step_profile_flags() + ["-pthread"], extra_link_args=["-pthread"],
                   depends=headers),
     ]
     # The CUDA backend needs no CUDA headers: it declares the driver ABI itself
     # and resolves entry points at run time (cuda/include/dfccl/cuda_driver.h).
-    exts.append(Extension("dfccl._native.cuda_backend", ["src/dfccl/_native/cuda_backend.pyx"], **common))
+    exts.append(Extension("dfccl._native.cuda_device", ["src/dfccl/_native/cuda_device.pyx"], **common))
     from Cython.Build import cythonize
     return cythonize(exts, compiler_directives={"language_level": "3", "embedsignature": True},
                      include_path=["src"])
@@ -193,7 +193,7 @@ class BuildExt(build_ext):
         super().run()
         # Next to the extension modules: in place for editable installs, in
         # build_lib otherwise.
-        native = os.path.dirname(self.get_ext_fullpath("dfccl._native.context"))
+        native = os.path.dirname(self.get_ext_fullpath("dfccl._native.daemon"))
         kernels = os.path.join(os.path.dirname(native), "_kernels")
         copy_kernel_sources(kernels)
         compile_kernels(kernels)

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         for w in last:
             w.synchronize(timeout=60)
         t_b2b = (time.perf_counter() - t0) / args.iters
-        prof0 = comms[0]._ctx.daemon_profile()
+        prof0 = comms[0]._daemon.daemon_profile()
         lat, walls, hosts = [], [], []
         for _ in range(300):
             t0 = time.perf_counter()
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             lat.append(time.perf_counter() - t0)
             walls.append(ws[0].stats["wall_ns"] / 1e3)
             hosts.append(ws[0].stats["host_ns"] / 1e3)
-        busy = profile_delta(prof0, comms[0]._ctx.daemon_profile())
+        busy = profile_delta(prof0, comms[0]._daemon.daemon_profile())
         per_run = {k: busy[k] / max(1, busy["runs"]) for k in ("pull_us", "pick_us", "restore_us", "run_us",
                                                                "save_us")}
         row = {"size": size, "ranks": len(comms), "b2b_us": t_b2b * 1e6,

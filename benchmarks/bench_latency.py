@@ -11,7 +11,7 @@ collective (Work.stats, rank 0):
   maxwait  - the longest wait for a peer that ended with the peer arriving
 and the preemptions per collective; then where the blocks of rank 0's daemon
 that ran the collectives spent their time, per collective
-(Context.daemon_profile; every rank of that daemon's device counts).
+(Daemon.daemon_profile; every rank of that daemon's device counts).
 Per collective, the depth sweep: N collectives of one tag submitted back to
 back, then waited for; the cost per collective must not grow with N.
 
@@ -111,15 +111,15 @@ def latency(comms: list, plans: list, iters: int, warmup: int) -> dict[str, Any]
     for _ in range(warmup):
         run_once(plans)
     times, stats = [], []
-    before = comms[0]._ctx.daemon_profile()
+    before = comms[0]._daemon.daemon_profile()
     for _ in range(iters):
         t0 = time.perf_counter()
         works = run_once(plans)
         times.append(time.perf_counter() - t0)
         stats.append(works[0].stats)
     # Rank 0's daemon, the blocks that ran collectives, per collective.
-    busy = profile_delta(before, comms[0]._ctx.daemon_profile(), per=iters)
-    sms = comms[0]._ctx.daemon_sms()
+    busy = profile_delta(before, comms[0]._daemon.daemon_profile(), per=iters)
+    sms = comms[0]._daemon.daemon_sms()
     busy["sms"] = [sms[b] for b in busy["blocks"]]
     medians = {f"{k}_us": statistics.median(s[f"{k}_ns"] for s in stats) / 1e3 for k in STATS_US}
     return {"us": statistics.median(times) * 1e6, "p90_us": float(np.percentile(times, 90)) * 1e6, **medians,

@@ -35,14 +35,14 @@ W, P, T, backend = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.a
 devices = [int(d) for d in sys.argv[5].split(",")]
 # One daemon block, so that it cycles through all P tasks (with more, the
 # tags are spread over the blocks and visit them side by side).
-opts = dfccl.ContextOptions(blocks=1, base_window_ns=W, max_window_ns=W, adaptive=False, idle_quit_ns=int(60e9))
-comms = dfccl.Communicator.for_devices(devices, backend=backend, context_options=opts,
+opts = dfccl.DaemonOptions(blocks=1, base_window_ns=W, max_window_ns=W, adaptive=False, idle_quit_ns=int(60e9))
+comms = dfccl.Communicator.for_devices(devices, backend=backend, daemon_options=opts,
                                        options=dfccl.CommOptions(path="direct"))
 rng = np.random.default_rng()
 specs = [sc.Spec(f"p{i}", "all_reduce", 256, "float32") for i in range(P)]
 insts = [sc.prepare(s, comms, rng) for s in specs]
 def block0():
-    return comms[0]._ctx.daemon_profile()[0]  # the only block
+    return comms[0]._daemon.daemon_profile()[0]  # the only block
 p0 = block0()
 for inst in insts:
     sc.submit(inst, comms[0])
@@ -66,7 +66,7 @@ if not all(w.done() for w in works):
             except dfccl.CollectiveTimeoutError as exc:
                 stalled.append(str(exc))
     print("STALL " + json.dumps({"window_ns": W, "pending": len(stalled), "first": stalled[:4],
-                                 "daemons": [c._ctx.daemon_state for c in comms],
+                                 "daemons": [c._daemon.daemon_state for c in comms],
                                  "profile": block0()}), flush=True)
     import os
     os._exit(1)

@@ -38,8 +38,8 @@ def main(argv=None) -> int:
                    help="the daemon leaves after this long without work (default 5 ms)")
     args = p.parse_args(argv)
     devices = args.devices
-    ctx_opts = dfccl.ContextOptions(idle_quit_ns=int(args.idle_quit_ms * 1e6))
-    comms = dfccl.Communicator.for_devices(devices, backend=args.backend, context_options=ctx_opts)
+    ctx_opts = dfccl.DaemonOptions(idle_quit_ns=int(args.idle_quit_ms * 1e6))
+    comms = dfccl.Communicator.for_devices(devices, backend=args.backend, daemon_options=ctx_opts)
     count = max(1, args.size // 4)
     rng = np.random.default_rng()
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in comms]
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         sc.assert_close(arrays.to_numpy(r), want, "float32", "sum", len(comms), f"all_reduce {args.size} B")
     print(f"{args.iters} all_reduces of {args.size} B on devices {devices}: {elapsed * 1e6 / args.iters:.1f} us "
           f"each back to back, results checked")
-    prof = comms[0]._ctx.daemon_profile()
+    prof = comms[0]._daemon.daemon_profile()
     keys = ("passes", "runs", "pull_ns", "pick_ns", "restore_ns", "run_ns", "save_ns", "idle_ns")
     print("block " + " ".join(f"{k:>12}" for k in keys))
     for b, row in enumerate(prof):

@@ -97,7 +97,7 @@ def device_fault(comm: dfccl.Communicator) -> dict:
     if r == 0:
         w = comm.all_reduce(x, tag="rank 0 alone")   # keeps its watcher looking
         time.sleep(0.2)
-        comm._ctx.backend.inject_fault(700)
+        comm._daemon.device.inject_fault(700)
         try:
             w.synchronize(timeout=TIMEOUT)
         except dfccl.BackendError as exc:

@@ -105,12 +105,12 @@ def check_dead_peer_reported(how: str, peer_timeout: float, bound: float, backen
     from dfccl import liveness
 
     uid = dfccl.UniqueId.create()
-    ctx = mp.get_context("spawn")
+    mp_context = mp.get_context("spawn")
     # One queue per rank: a stopped process may hold a shared queue's lock.
-    queues = [ctx.Queue() for _ in range(N)]
-    detected = ctx.Barrier(N - 1)
-    procs = [ctx.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r], detected, backend, path),
-                         daemon=True)
+    queues = [mp_context.Queue() for _ in range(N)]
+    detected = mp_context.Barrier(N - 1)
+    procs = [mp_context.Process(target=_worker, args=(str(uid), r, how, peer_timeout, queues[r], detected, backend, path),
+                                daemon=True)
              for r in range(N)]
     for p in procs:
         p.start()

@@ -56,7 +56,7 @@ def _python_loop(submit_round, n: int) -> tuple[float, float]:
 
 
 def _plain_pairs(backend: str, comms, devices, xs, count: int):
-    """(name, [(comm, array)]) per array kind the plain call takes here:
+    """(name, [(comm, array)]) per array type the plain call takes here:
     numpy on the simulator; on GPUs CuPy and torch where installed, and
     a bare ``__cuda_array_interface__`` object."""
     if backend == "sim":
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                 "C API, a loop in C": lambda: example.submit_loop(lib, plans, args.n)[:2],
                 "bound plan, from Python": lambda: _python_loop(bound_round, args.n),
             }
-            # The plain call on every kind of array a user may pass here.
+            # The plain call on every type of array a user may pass here.
             for name, pairs in _plain_pairs(backend, comms, devices, xs, args.count):
                 ways[f"comm.all_reduce(x), {name}"] = (lambda r: lambda: _python_loop(r, args.n))(
                     plain_round_of(pairs))

@@ -1,6 +1,6 @@
 """What a resident daemon costs the rest of the GPU: the same torch workloads
 timed with no dfccl daemon, then with an idle daemon of N blocks kept
-resident (ContextOptions.idle_quit_ns and empty_quit_ns long), in one
+resident (DaemonOptions.idle_quit_ns and empty_quit_ns long), in one
 process.  Every kernel is launched once before the daemon starts: a first
 launch would wait for the resident daemon to leave.
 
@@ -29,7 +29,7 @@ import torch
 
 import dfccl
 from dfccl import runtime
-from dfccl.options import ContextOptions
+from dfccl.options import DaemonOptions
 from dfccl.bench import arrays
 
 HERE = Path(__file__).resolve().parent
@@ -76,21 +76,21 @@ def measure(loads: dict) -> dict:
 
 
 def with_daemon(blocks: int, loads: dict) -> tuple[dict, list]:
-    opts = ContextOptions(blocks=blocks, idle_quit_ns=600 * 10**9, empty_quit_ns=600 * 10**9)
-    comms = dfccl.Communicator.for_devices([0, 0], backend="cuda", context_options=opts)
+    opts = DaemonOptions(blocks=blocks, idle_quit_ns=600 * 10**9, empty_quit_ns=600 * 10**9)
+    comms = dfccl.Communicator.for_devices([0, 0], backend="cuda", daemon_options=opts)
     try:
         sends = [arrays.from_numpy("cuda", 0, np.ones(256, np.float32)) for _ in comms]
         recvs = [arrays.empty("cuda", 0, 256, np.float32, fill=0) for _ in comms]
         works = [c.all_reduce(s, r) for c, s, r in zip(comms, sends, recvs)]
         for w in works:
             w.synchronize(timeout=30)
-        ctx = comms[0]._ctx
-        assert ctx.daemon_state[1] == "running", ctx.daemon_state
+        daemon = comms[0]._daemon
+        assert daemon.daemon_state[1] == "running", daemon.daemon_state
         print(f"daemon of {blocks} blocks running; measuring (every kernel was launched before it started)", flush=True)
         result = measure(loads)
         print(f"daemon of {blocks} blocks:", result, flush=True)
-        assert ctx.daemon_state[1] == "running", "the daemon left during the measurement"
-        return result, ctx.daemon_sms()
+        assert daemon.daemon_state[1] == "running", "the daemon left during the measurement"
+        return result, daemon.daemon_sms()
     finally:
         # The daemon first (its quit request): freeing a communicator's memory
         # (cuMemFree) would wait for a resident daemon to leave.

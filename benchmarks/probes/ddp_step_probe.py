@@ -1,6 +1,6 @@
 """Where a DDP step's time goes, one process (world size 1) on GPU 0, or on
 CPU tensors where there is no GPU: the DDP example's model and loop over
-nccl, gloo or dfccl (with context options), its step time, phase times (GPU
+nccl, gloo or dfccl (with daemon options), its step time, phase times (GPU
 events and host enqueue time), the process group's calls per step and their
 host time, and how often dfccl launched its daemon.  One JSON line per run
 (appended to --out); run each configuration in its own process, several
@@ -55,28 +55,28 @@ def main() -> None:
     t0 = time.perf_counter()
     calls: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}   # the same calls' thread CPU time
-    ctx = None
+    daemon = None
     if backend == "dfccl":
         # The calls timed below are the Python backend's methods (the
         # compiled backend's: torch_host_path_probe.py).
         os.environ.setdefault("DFCCL_TORCH_IMPL", "python")
         import dfccl
         import dfccl.torch as dt
-        from dfccl.options import ContextOptions
+        from dfccl.options import DaemonOptions
 
-        opts = ContextOptions(blocks=int(kv["blocks"]) if "blocks" in kv else None,
-                              idle_quit_ns=int(kv["idle_ms"] * 1e6) if "idle_ms" in kv else None,
-                              empty_quit_ns=int(kv["empty_us"] * 1e3) if "empty_us" in kv else None)
-        ctx = dfccl.runtime.get_context("cuda" if cuda else "sim", 0, opts)
+        opts = DaemonOptions(blocks=int(kv["blocks"]) if "blocks" in kv else None,
+                             idle_quit_ns=int(kv["idle_ms"] * 1e6) if "idle_ms" in kv else None,
+                             empty_quit_ns=int(kv["empty_us"] * 1e3) if "empty_us" in kv else None)
+        daemon = dfccl.runtime.get_daemon("cuda" if cuda else "sim", 0, opts)
         timed = [(dt.ProcessGroupDfccl, meth, meth)
                  for meth in ("allreduce", "allgather", "broadcast", "_allgather_base", "_reduce_scatter_base")]
         if args.breakdown:
             from dfccl.communicator import Communicator
 
-            # The tag table's part of a submission is C inside the context's
+            # The tag table's part of a submission is C inside the daemon's
             # submit (hotpath.pyx): no Python call of its own to time.
             timed += [(Communicator, "_all_reduce_at", "communicator all_reduce_at"),
-                      (Communicator, "_submit_task", "context submit_at"),
+                      (Communicator, "_submit_task", "daemon submit_at"),
                       (dt.DfcclWork, "__init__", "DfcclWork()"),
                       (dt.DfcclWork, "get_future", "get_future")]
         for owner, meth, label in timed:
@@ -150,9 +150,9 @@ def main() -> None:
     res = {"config": args.config, "params": nparams, "step_ms_median": statistics.median(steps[args.warmup:]),
            "step_ms_min": min(steps[args.warmup:]), "phases_ms": phases, "pg_calls_per_step": n_calls,
            "pg_call_host_us": call_us, "pg_call_cpu_us": call_cpu_us, "loss_last": losses[-1]}
-    if ctx is not None:
-        res["daemon_launches"] = ctx.launches
-        res["daemon_sms"] = ctx.daemon_sms()
+    if daemon is not None:
+        res["daemon_launches"] = daemon.launches
+        res["daemon_sms"] = daemon.daemon_sms()
     print(json.dumps(res), flush=True)
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile

@@ -2,7 +2,7 @@
 
 Two ranks on one device in one process (one daemon).  Per iteration: submit
 both ranks' all_reduce (a bound plan), spin until the daemon's host link has
-taken both submissions (``Context.submissions``), spin on each completion
+taken both submissions (``Daemon.submissions``), spin on each completion
 word without retiring, then retire both; the device's own times come from
 ``Work.stats``.  Prints medians (p10, p90) in microseconds.
 
@@ -11,11 +11,11 @@ word without retiring, then retire both; the device's own times come from
 
 ``--gaps-us`` spins a host gap between iterations (one table per gap, with
 the daemon launches it counted): a gap longer than the empty quit
-(ContextOptions.empty_quit_ns, 50 us on a GPU) lets the daemon leave, so
+(DaemonOptions.empty_quit_ns, 50 us on a GPU) lets the daemon leave, so
 the table shows where a relaunch's cost falls.  ``--empty-quit-us`` sets
 the empty quit (and the idle quit, if shorter) for the comparison.
 
-``DFCCL_LINK_AHEAD`` (or ContextOptions.link_ahead) picks how many ring
+``DFCCL_LINK_AHEAD`` (or DaemonOptions.link_ahead) picks how many ring
 entries the host link reads ahead.  The spinning holds the GIL, so nothing
 else in the process runs Python meanwhile; this measures the library, not a
 workload."""
@@ -47,8 +47,8 @@ def main() -> None:
     args = p.parse_args()
     device = args.device if args.device is not None else (0 if args.backend == "cuda" else 7000)
     comms = dfccl.Communicator.for_devices([device, device], backend=args.backend,
-                                           context_options=quit_options(args.empty_quit_us))
-    ctx = comms[0]._ctx
+                                           daemon_options=quit_options(args.empty_quit_us))
+    daemon = comms[0]._daemon
     count = max(1, args.bytes // 4)
     rng = np.random.default_rng()
     inputs = [rng.integers(1, 100, count).astype(np.float32) for _ in comms]
@@ -58,7 +58,7 @@ def main() -> None:
     now = time.perf_counter_ns
     tables = []
     for gap_us in [float(g) for g in args.gaps_us.split(",")]:
-        launches = ctx.launches
+        launches = daemon.launches
         rows = []
         for it in range(args.warmup + args.iters):
             t0 = now()
@@ -66,8 +66,8 @@ def main() -> None:
             t1 = now()
             w1 = plans[1]()
             t2 = now()
-            target = ctx.submissions[0]
-            while ctx.submissions[1] < target:
+            target = daemon.submissions[0]
+            while daemon.submissions[1] < target:
                 pass
             t3 = now()
             while not w0._peek_done():
@@ -84,14 +84,14 @@ def main() -> None:
                 rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t6 - t0,
                              s0["queued_ns"], s0["wall_ns"], s1["queued_ns"], s1["wall_ns"]))
             spin(gap_us * 1e-6)
-        tables.append((gap_us, ctx.launches - launches, rows))
+        tables.append((gap_us, daemon.launches - launches, rows))
     want = inputs[0] + inputs[1]
     for y in ys:
         got = arrays.to_numpy(y)
         assert np.array_equal(got, want), "wrong all_reduce result"
     for c in comms:
         c.close()
-    quit_us = ctx.policy.empty_quit_ns / 1000
+    quit_us = daemon.policy.empty_quit_ns / 1000
     for gap_us, launches, rows in tables:
         a = np.array(rows) / 1000
         print(f"all_reduce {args.bytes} B, {args.backend}:{device}, two ranks, host gap {gap_us:g} us, "

@@ -7,7 +7,7 @@ loop, then whole calls, two ranks on one device in one process.
 Medians in microseconds.  The layers are what ``all_reduce`` runs, in order:
 the array's description (``as_buffer``: its ``__cuda_array_interface__``
 and the driver's pointer query), the argument checks, the kept descriptor's
-lookup, and the submission itself (``Context.submit_at``: tag instance, slot,
+lookup, and the submission itself (``Daemon.submit_at``: tag instance, slot,
 ring entry, the daemon's launch check)."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 
 import dfccl
 from dfccl import runtime
+from dfccl._native.layout import KIND_ALL_REDUCE
+from dfccl.arguments import check_overlap
 from dfccl.buffers import as_buffer
-from dfccl.communicator import KIND_ALL_REDUCE, _check_overlap
 from dfccl.bench import arrays
 
 
@@ -58,8 +59,8 @@ def main() -> None:
         ("Communicator._pair", lambda: c._pair(x, None, "all_reduce")),
         ("_check_tag + _same_shape + _op", lambda: (c._check_tag(None, "all_reduce"),
                                                      c._same_shape(s, s, s.count, "all_reduce"), c._op("sum"))),
-        ("_check_open + _check_overlap", lambda: (c._check_open(), _check_overlap(KIND_ALL_REDUCE, s, s, s.count,
-                                                                                   c._rank, c._size, "all_reduce"))),
+        ("_check_open + check_overlap", lambda: (c._check_open(), check_overlap(KIND_ALL_REDUCE, s, s, s.count,
+                                                                                 c._rank, c._size, "all_reduce"))),
         ("_plain_task (kept descriptor)", lambda: c._plain_task(KIND_ALL_REDUCE, s, s, s.count, op, 0)),
     ]
     print(f"{backend}:{device}, two ranks; medians over {args.iters} calls, us")

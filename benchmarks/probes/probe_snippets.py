@@ -52,11 +52,11 @@ def spin(seconds: float) -> None:
 
 
 def quit_options(empty_quit_us: float | None):
-    """ContextOptions with this empty quit (and an idle quit at least as long,
+    """DaemonOptions with this empty quit (and an idle quit at least as long,
     5 ms at the least), or None for the defaults."""
     if empty_quit_us is None:
         return None
     import dfccl
 
     quit_ns = int(empty_quit_us * 1000)
-    return dfccl.ContextOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))
+    return dfccl.DaemonOptions(empty_quit_ns=quit_ns, idle_quit_ns=max(quit_ns, 5_000_000))

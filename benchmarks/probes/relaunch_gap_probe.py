@@ -1,7 +1,7 @@
 """What a relaunch of the daemon costs the next collective: one 8-byte
 all_reduce waited for (two ranks on one device, one process), with a host
 gap spun between iterations.  A gap longer than the empty quit
-(ContextOptions.empty_quit_ns, 50 us on a GPU) lets the daemon leave, so the
+(DaemonOptions.empty_quit_ns, 50 us on a GPU) lets the daemon leave, so the
 next collective relaunches it; the launches column counts them.
 
     python benchmarks/relaunch_gap_probe.py [--gaps-us 0,20,100,1000] [--iters 300] [--backend cuda|sim]
@@ -38,17 +38,17 @@ def main() -> None:
     p.add_argument("--tag", choices=("gap", "none", "tuple"), default="gap")
     args = p.parse_args()
     backend = args.backend or ("cuda" if runtime.cuda_device_count() > 0 else "sim")
-    comms = dfccl.Communicator.for_devices([0, 0], backend=backend, context_options=quit_options(args.empty_quit_us))
-    ctx = comms[0]._ctx
+    comms = dfccl.Communicator.for_devices([0, 0], backend=backend, daemon_options=quit_options(args.empty_quit_us))
+    daemon = comms[0]._daemon
     rng = np.random.default_rng()
     bufs = [arrays.from_numpy(backend, 0, rng.standard_normal(2).astype(np.float32)) for _ in comms]
     tag = {"gap": "gap", "none": None, "tuple": ("gap",)}[args.tag]
     print(f"{backend}: one 8 B all_reduce (tag {tag!r}) waited for, two ranks on device 0, {args.iters} iterations per gap, "
-          f"empty quit {ctx.policy.empty_quit_ns / 1000:g} us")
+          f"empty quit {daemon.policy.empty_quit_ns / 1000:g} us")
     try:
         for gap_us in [float(g) for g in args.gaps_us.split(",")]:
             times, submits = [], []
-            launches = ctx.launches
+            launches = daemon.launches
             for i in range(args.iters + args.warmup):
                 start = time.perf_counter()
                 works = [c.all_reduce(b, tag=tag) for c, b in zip(comms, bufs)]
@@ -62,7 +62,7 @@ def main() -> None:
             times.sort()
             print(f"gap {gap_us:7.0f} us: median {statistics.median(times) * 1e6:7.1f} us  "
                   f"p90 {times[int(0.9 * (len(times) - 1))] * 1e6:7.1f} us  "
-                  f"(both submits {statistics.median(submits) * 1e6:5.1f} us)  launches {ctx.launches - launches}",
+                  f"(both submits {statistics.median(submits) * 1e6:5.1f} us)  launches {daemon.launches - launches}",
                   flush=True)
     finally:
         for c in comms:

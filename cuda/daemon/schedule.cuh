@@ -286,7 +286,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
 // The block's profile lives in the leader's registers (a read-modify-write of
 // device memory per counter cost ~0.3 us per pass) and is stored, not added,
 // to device memory every kProfileFlushPasses busy passes, on every idle pass
-// and on leaving; the host reads it from there (Context.daemon_profile).
+// and on leaving; the host reads it from there (Daemon.daemon_profile).
 constexpr uint32_t kProfileFlushPasses = 16;
 
 DFCCL_DEV void flush_steps(dfccl_step_profile *dst, const dfccl_step_profile &p) {
@@ -341,7 +341,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
     sm->active_len = st->active_len[block];
     sm->cursor = st->cursor[block];
     sm->ll_done_key = 0;  // shared memory starts undefined
-    st->block_sm[block] = sm_number();  // where the hardware placed this block (Context.daemon_sms)
+    st->block_sm[block] = sm_number();  // where the hardware placed this block (Daemon.daemon_sms)
     if (block == 0) store_release(&ctrl->daemon_state, daemon_state_word(args->epoch, DFCCL_DAEMON_RUNNING));
     atomic_max_local(&st->last_progress_ns, now_ns());  // a launch counts as progress
   }

@@ -5,6 +5,7 @@ peers have not arrived, runs another, and resumes the first exactly where it
 stopped.  See README.md and docs/.
 """
 
+from dfccl._deprecated import renamed_attributes
 from dfccl._native.work import Work
 from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
@@ -12,12 +13,15 @@ from dfccl.environment import init_from_env
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
                           InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError,
                           StartupTimeoutError)
-from dfccl.options import CommOptions, ContextOptions
+from dfccl.options import CommOptions, DaemonOptions
 from dfccl.runtime import default_backend, device_count, device_synchronize, shutdown
 from dfccl.types import DataType, ReduceOp
 from dfccl.unique_id import UniqueId
 
 __version__ = "0.1.0"
+
+# Old names, one release (design decision 43).
+__getattr__ = renamed_attributes(__name__, {"ContextOptions": "DaemonOptions"})
 
 __all__ = [
     "Communicator",
@@ -27,7 +31,7 @@ __all__ = [
     "Buffer",
     "UniqueId",
     "CommOptions",
-    "ContextOptions",
+    "DaemonOptions",
     "DataType",
     "ReduceOp",
     "default_backend",

@@ -8,6 +8,7 @@ import numbers
 import sys
 from dataclasses import dataclass
 
+from dfccl._deprecated import renamed_property
 from dfccl._native.array_view import host_array_view
 from dfccl.errors import InvalidArgumentError
 from dfccl.types import BY_BUFFER_FORMAT, BY_FULL_TYPESTR, DataType, dtype_from_dlpack, dtype_from_typestr
@@ -25,14 +26,17 @@ class Buffer:
     ptr: int
     count: int
     dtype: DataType
-    kind: str        # "cpu" or "cuda"
-    device: int      # CUDA ordinal; -1 for host memory
+    device_type: str  # "cpu" or "cuda" (as torch.device.type names it)
+    device: int       # CUDA ordinal; -1 for host memory
     readonly: bool
-    owner: object    # keeps the memory alive while a collective uses it
+    owner: object     # keeps the memory alive while a collective uses it
 
     @property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
+
+    # Old name, one release (design decision 43).
+    kind = renamed_property("Buffer", "kind", "device_type")
 
     @classmethod
     def from_pointer(cls, ptr: int, count: int, dtype, *, device: int | None = None, owner: object = None,
@@ -55,7 +59,7 @@ class Buffer:
                    -1 if device is None else int(device), bool(readonly), owner)
 
     def view(self, offset_elems: int, count: int) -> "Buffer":
-        return Buffer(self.ptr + offset_elems * self.dtype.itemsize, count, self.dtype, self.kind, self.device,
+        return Buffer(self.ptr + offset_elems * self.dtype.itemsize, count, self.dtype, self.device_type, self.device,
                       self.readonly, self.owner)
 
 

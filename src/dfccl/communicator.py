@@ -2,16 +2,14 @@
 
 A collective call validates its buffers, names its instance (tag -> key,
 k-th use), picks its path and geometry (planning.py), reserves a tag record
-and, on the ring path, staging FIFOs, then hands one descriptor to the daemon
-context (Context.submit).  It returns a Work at once; nothing here waits for
+and, on the ring path, staging FIFOs, then hands one descriptor to the device's
+daemon (Daemon.submit).  It returns a Work at once; nothing here waits for
 peers."""
 
 from __future__ import annotations
 
 import logging
-import math
 import numbers
-import os
 import secrets
 import threading
 import time
@@ -20,11 +18,13 @@ from dataclasses import replace
 from typing import Sequence
 
 from dfccl import liveness, runtime
+from dfccl._deprecated import renamed_keywords
 from dfccl._native.descriptor import TaskDescriptor
 from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
                                   RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
 from dfccl._native.work import Work
+from dfccl.arguments import check_int, check_options, check_overlap, check_seconds, is_simple_tag
 from dfccl.bootstrap import StoreBootstrap
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
@@ -32,11 +32,12 @@ from dfccl.endpoint import Endpoint
 from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError, PeerLostError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.local_group import LocalGroup
-from dfccl.options import CommOptions, ContextOptions
+from dfccl.options import CommOptions, DaemonOptions
 from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
 from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
 from dfccl.rank_state import RankState
 from dfccl.registration import Registry, RegistrationHandle
+from dfccl.sharing import daemon_share, shared_gpu_warning
 from dfccl.split import check_color, check_key, split_local, split_through_store
 from dfccl.streams import stream_handle
 from dfccl.tags import tag_key
@@ -54,82 +55,6 @@ _log = logging.getLogger("dfccl")
 DEFAULT_STARTUP_TIMEOUT = 120.0
 
 
-def daemon_share(peers: Sequence[dict], rank: int, channels: int) -> tuple[int, int]:
-    """(channels, block offset) of ``rank``: ranks of one process on one
-    device share its daemon's blocks, and a collective's channels on those
-    ranks must run at the same time (each waits for the others'), so each
-    gets a disjoint run of blocks (dfccl_first_block adds the offset): at
-    most blocks // (ranks sharing) channels, the same on every rank (the
-    smallest share of any daemon), and the k-th sharing rank starts k runs
-    further on.  Overlapping runs would make the channels of one collective
-    take turns on a block, each preempted in its window while the other
-    waits for it."""
-    def daemon(info: dict) -> tuple:
-        return (info.get("host"), info.get("pid"), info.get("backend"), info.get("device"))
-
-    sharing: dict[tuple, list[int]] = {}
-    for r, info in enumerate(peers):
-        sharing.setdefault(daemon(info), []).append(r)
-    for members in sharing.values():
-        channels = min(channels, max(1, peers[members[0]]["blocks"] // len(members)))
-    return channels, sharing[daemon(peers[rank])].index(rank) * channels
-
-
-def shared_gpu_warning(peers: Sequence[dict], rank: int, environ=os.environ) -> str | None:
-    """What this rank should be warned of when some peer in another process
-    shares its GPU (MPS), or None.  The processes then share the GPU's
-    hardware queues: a stream of one process that waits for a collective
-    can hold up the other process's stream writes that arm its part, and
-    with several side streams waiting at once (FSDP2) every queue of both
-    can be held (docs/torch.md, "Known problems"; NCCL refuses two ranks on
-    one GPU).  With lazy module loading, a kernel's first launch between
-    collectives can also stop both ranks."""
-    me = peers[rank]
-    if me.get("backend") != "cuda" or not me.get("bus_id"):
-        return None
-    sharing = [p for p, info in enumerate(peers) if p != rank and info.get("bus_id") == me["bus_id"]
-               and (info.get("pid") != me.get("pid") or info.get("host") != me.get("host"))]
-    if not sharing:
-        return None
-    why = (f"dfccl: rank {rank} shares GPU {me['bus_id']} with ranks {sharing} of other processes: the processes "
-           "share the GPU's hardware queues, so a stream waiting for a collective in one can hold up what arms "
-           "the other's part; with several streams waiting at once both can stop (one process per GPU, or one "
-           "process for the ranks of a GPU, avoids it; docs/torch.md, \"Known problems\").")
-    if environ.get("CUDA_MODULE_LOADING", "").strip().upper() != "EAGER":
-        why += ("  CUDA also loads modules lazily here: a kernel's first launch between collectives can stop the "
-                "ranks; set CUDA_MODULE_LOADING=EAGER before CUDA starts.")
-    return why
-
-
-def _check_int(name: str, value, minimum: int | None = None) -> int:
-    """An int (numpy integers too), never a bool or a float that happens to be whole."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, not {value}")
-    return value
-
-
-def _check_seconds(name: str, value, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"{name} must be a number of seconds, not {type(value).__name__} ({value!r})")
-    t = float(value)
-    if not math.isfinite(t) or t < 0 or (positive and t == 0):
-        raise InvalidArgumentError(f"{name} must be finite and {'> 0' if positive else '>= 0'} seconds, not {value!r}")
-    return t
-
-
-def _check_options(backend, options, context_options) -> None:
-    if backend is not None and not isinstance(backend, str):
-        raise InvalidArgumentError(f"backend must be 'cuda', 'sim' or None, not {type(backend).__name__} "
-                                   f"({backend!r})")
-    if options is not None and not isinstance(options, CommOptions):
-        raise InvalidArgumentError(f"options must be a dfccl.CommOptions or None, not {type(options).__name__}")
-    if context_options is not None and not isinstance(context_options, ContextOptions):
-        raise InvalidArgumentError("context_options must be a dfccl.ContextOptions or None, not "
-                                   f"{type(context_options).__name__}")
-
 # Marks an argument that a kind of collective does not take (None is a value
 # users pass, and must be rejected as a root or op).
 _UNUSED = object()
@@ -138,12 +63,6 @@ _UNUSED = object()
 # (_plain_task); past this many it starts again (a program with ever new
 # sizes or tags).
 _PLAIN_TASKS_KEPT = 256
-
-def _is_simple_tag(tag) -> bool:
-    """None, or a tag of exactly str or int: valid without hashing, and equal
-    values are the same tag (unlike 1, True and 1.0), so it can key a kept
-    descriptor (_plain_task)."""
-    return tag is None or type(tag) is str or type(tag) is int
 
 
 class Communicator:
@@ -155,11 +74,21 @@ class Communicator:
     Collectives are matched by tag: the k-th use of a tag on one rank meets
     the k-th use of that tag on every rank, in whatever order ranks issue
     them; without a tag, the k-th untagged collective of this communicator.
+
+    What every collective takes:
+
+    - ``tag``: which collective this is: the k-th use of a tag on every rank
+      is one collective (None: the k-th untagged one).
+    - ``stream``: a CUDA stream (torch, CuPy or a handle) the collective
+      follows and that later work on it waits for; None: run now.
+    - ``op`` (the reducing ones): a ReduceOp or its name: sum, prod, min,
+      max, avg.
     """
 
+    @renamed_keywords(context_options="daemon_options")
     def __init__(self, unique_id: UniqueId, rank: int, world_size: int, *, device: int | None = None,
                  backend: str | None = None, options: CommOptions | None = None,
-                 context_options: ContextOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
+                 daemon_options: DaemonOptions | None = None, timeout: float = DEFAULT_STARTUP_TIMEOUT):
         """Joins the communicator of ``unique_id`` as ``rank``.
 
         Args:
@@ -170,7 +99,7 @@ class Communicator:
                 visible devices.
             backend: "cuda", "sim" or None (cuda where a GPU is visible).
             options: how this communicator moves data.
-            context_options: how the device's daemon runs (its first user sets them).
+            daemon_options: how the device's daemon runs (its first user sets them).
             timeout: seconds that start-up may take in all (reaching the
                 store, every rank arriving, every rank mapping its peers).
 
@@ -181,17 +110,17 @@ class Communicator:
         if not isinstance(unique_id, UniqueId):
             raise InvalidArgumentError(f"unique_id must be a dfccl.UniqueId, not {type(unique_id).__name__} "
                                        "(decode a shared string with UniqueId.from_string)")
-        world_size = _check_int("world_size", world_size, 1)
+        world_size = check_int("world_size", world_size, 1)
         if world_size > MAX_RANKS:
             raise InvalidArgumentError(f"world_size {world_size} is above the {MAX_RANKS} ranks a communicator "
                                        "supports")
-        rank = _check_int("rank", rank, 0)
+        rank = check_int("rank", rank, 0)
         if rank >= world_size:
             raise InvalidArgumentError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
         if device is not None:
-            device = _check_int("device", device, 0)
-        _check_options(backend, options, context_options)
-        timeout = _check_seconds("timeout", timeout, positive=True)
+            device = check_int("device", device, 0)
+        check_options(backend, options, daemon_options)
+        timeout = check_seconds("timeout", timeout, positive=True)
         deadline = time.monotonic() + timeout
         backend = runtime.resolve_backend(backend)
         if device is None:
@@ -199,7 +128,7 @@ class Communicator:
         boot = StoreBootstrap(unique_id, rank, world_size, timeout, deadline)
         try:
             # Peers in other processes may map our arena for as long as they live.
-            self._init_local(backend, device, rank, world_size, options, context_options, unique_id.comm_key(),
+            self._init_local(backend, device, rank, world_size, options, daemon_options, unique_id.comm_key(),
                              shareable=True, group=LocalGroup(1, closes_memory=False), unique_id=unique_id)
         except DfcclError as exc:
             boot.tell_peers(exc)
@@ -216,8 +145,9 @@ class Communicator:
         self._endpoint.unlink_export()
 
     @classmethod
+    @renamed_keywords(context_options="daemon_options")
     def for_devices(cls, devices: Sequence[int], *, backend: str | None = None, options: CommOptions | None = None,
-                    context_options: ContextOptions | None = None) -> list["Communicator"]:
+                    daemon_options: DaemonOptions | None = None) -> list["Communicator"]:
         """One communicator per entry of ``devices``, all in this process.
         Like ncclCommInitAll.
 
@@ -225,7 +155,7 @@ class Communicator:
             devices: rank i runs on devices[i] (a device may appear several times).
             backend: "cuda", "sim" or None (cuda where a GPU is visible).
             options: how the communicators move data.
-            context_options: how the devices' daemons run.
+            daemon_options: how the devices' daemons run.
 
         Returns:
             The communicators, rank order.
@@ -237,17 +167,17 @@ class Communicator:
         except TypeError:
             raise InvalidArgumentError(f"devices must be a sequence of device numbers, not {type(devices).__name__}") \
                 from None
-        devices = [_check_int(f"devices[{i}]", d, 0) for i, d in enumerate(devices)]
+        devices = [check_int(f"devices[{i}]", d, 0) for i, d in enumerate(devices)]
         if not devices:
             raise InvalidArgumentError("for_devices needs at least one device")
         if len(devices) > MAX_RANKS:
             raise InvalidArgumentError(f"for_devices got {len(devices)} devices; a communicator has at most "
                                        f"{MAX_RANKS} ranks")
-        _check_options(backend, options, context_options)
+        check_options(backend, options, daemon_options)
         backend = runtime.resolve_backend(backend)
         comm_key = int.from_bytes(secrets.token_bytes(8), "little") or 1
         group = LocalGroup(len(devices), closes_memory=True)
-        comms = [cls._create_local(backend, dev, rank, len(devices), options, context_options, comm_key, group)
+        comms = [cls._create_local(backend, dev, rank, len(devices), options, daemon_options, comm_key, group)
                  for rank, dev in enumerate(devices)]
         peers = [c._endpoint.describe() for c in comms]
         for c in comms:
@@ -255,17 +185,17 @@ class Communicator:
         return comms
 
     @classmethod
-    def _create_local(cls, backend, device, rank, world_size, options, context_options, comm_key,
+    def _create_local(cls, backend, device, rank, world_size, options, daemon_options, comm_key,
                       group: LocalGroup) -> "Communicator":
         """A rank of a communicator whose ranks all live in this process
         (``group``), before it meets its peers (_finish_init)."""
         self = cls.__new__(cls)
-        self._init_local(backend, device, rank, world_size, options, context_options, comm_key, shareable=False,
+        self._init_local(backend, device, rank, world_size, options, daemon_options, comm_key, shareable=False,
                          group=group, unique_id=None)
         return self
 
     # -- construction ------------------------------------------------------------
-    def _init_local(self, backend, device, rank, world_size, options, context_options, comm_key, shareable,
+    def _init_local(self, backend, device, rank, world_size, options, daemon_options, comm_key, shareable,
                     group: LocalGroup, unique_id: UniqueId | None):
         self._backend = backend
         self._device = device
@@ -278,7 +208,7 @@ class Communicator:
         self._group = group
         self._registry: Registry | None = None
         self._splits = 0
-        self._ctx = runtime.get_context(backend, device, context_options)
+        self._daemon = runtime.get_daemon(backend, device, daemon_options)
         opts = self._options
         if opts.protocol == "simple":
             self._options = replace(opts, ll_max_bytes=0)
@@ -286,8 +216,8 @@ class Communicator:
             capacity = opts.max_tags
             ll = default_ll_max_bytes(capacity, world_size, opts.ll_memory_bytes) if ll_capable(world_size, True) else 0
             self._options = replace(opts, ll_max_bytes=ll)
-        self._channels = min(self._ctx.nblocks, self._options.channels or self._ctx.nblocks)
-        self._endpoint = Endpoint(self._ctx, rank=rank, nranks=world_size, options=self._options,
+        self._channels = min(self._daemon.nblocks, self._options.channels or self._daemon.nblocks)
+        self._endpoint = Endpoint(self._daemon, rank=rank, nranks=world_size, options=self._options,
                                   shareable=shareable)
         self._plans = 0
         self._diag: EndpointDiagnostics | None = None
@@ -295,7 +225,7 @@ class Communicator:
                                       device=device, maxlen=self._options.flight_events)
         # Closed, aborted, a lost peer: shared with the threads that watch this rank.
         self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
-                                context=self._ctx, flight=self._flight, peer_timeout=self._options.peer_timeout)
+                                daemon=self._daemon, flight=self._flight, peer_timeout=self._options.peer_timeout)
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
@@ -325,7 +255,7 @@ class Communicator:
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
         self._state.attach(self._diag)
-        self._ctx.diagnostics[self._endpoint.id] = self._diag
+        self._daemon.diagnostics[self._endpoint.id] = self._diag
         liveness.register(self, self._state)
 
     # -- properties --------------------------------------------------------------
@@ -380,11 +310,8 @@ class Communicator:
             send: this rank's input (any array with the CUDA array
                 interface, the array interface or DLPack).
             recv: the output, same shape; None: in place, into ``send``.
-            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
-            tag: which collective this is: the k-th use of a tag on every rank
-                is one collective (None: the k-th untagged one).
-            stream: a CUDA stream (torch, CuPy or a handle) the collective
-                follows and that later work on it waits for; None: run now.
+            op: the reduction (class docstring).
+            tag, stream: as every collective takes them (class docstring).
 
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
@@ -404,10 +331,7 @@ class Communicator:
         Args:
             send: this rank's piece; in place when it is its slice of ``recv``.
             recv: the output, world_size x the size of ``send``.
-            tag: which collective this is: the k-th use of a tag on every rank
-                is one collective (None: the k-th untagged one).
-            stream: a CUDA stream (torch, CuPy or a handle) the collective
-                follows and that later work on it waits for; None: run now.
+            tag, stream: as every collective takes them (class docstring).
 
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
@@ -423,11 +347,8 @@ class Communicator:
         Args:
             send: the input, world_size x the size of ``recv``.
             recv: this rank's piece; in place when it is its slice of ``send``.
-            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
-            tag: which collective this is: the k-th use of a tag on every rank
-                is one collective (None: the k-th untagged one).
-            stream: a CUDA stream (torch, CuPy or a handle) the collective
-                follows and that later work on it waits for; None: run now.
+            op: the reduction (class docstring).
+            tag, stream: as every collective takes them (class docstring).
 
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
@@ -447,10 +368,7 @@ class Communicator:
             send: the root's data (read on the root only).
             recv: the output, same shape; None: in place, into ``send``.
             root: the rank whose data every rank receives.
-            tag: which collective this is: the k-th use of a tag on every rank
-                is one collective (None: the k-th untagged one).
-            stream: a CUDA stream (torch, CuPy or a handle) the collective
-                follows and that later work on it waits for; None: run now.
+            tag, stream: as every collective takes them (class docstring).
 
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
@@ -468,12 +386,9 @@ class Communicator:
             send: this rank's input.
             recv: the output on ``root`` (None: in place there); not written
                 on other ranks (may be None).
-            op: the reduction (a ReduceOp or its name: sum, prod, min, max, avg).
+            op: the reduction (class docstring).
             root: the rank that receives the result.
-            tag: which collective this is: the k-th use of a tag on every rank
-                is one collective (None: the k-th untagged one).
-            stream: a CUDA stream (torch, CuPy or a handle) the collective
-                follows and that later work on it waits for; None: run now.
+            tag, stream: as every collective takes them (class docstring).
 
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
@@ -502,7 +417,7 @@ class Communicator:
             pending collective uses the buffer.
         """
         self._check_open()
-        timeout = _check_seconds("register: timeout", timeout, positive=True)
+        timeout = check_seconds("register: timeout", timeout, positive=True)
         try:
             b = as_buffer(buf, "register")
         except InvalidArgumentError as exc:
@@ -548,7 +463,7 @@ class Communicator:
         self._check_open()
         color = check_color(color)
         key = check_key(key, self._rank)
-        timeout = _check_seconds("split: timeout", timeout, positive=True)
+        timeout = check_seconds("split: timeout", timeout, positive=True)
         self._splits += 1
         deadline = time.monotonic() + timeout
         if self._unique_id is None:
@@ -739,7 +654,7 @@ class Communicator:
                 f"{what}: this rank sends itself {layout.send_counts[self._rank]} elements but expects "
                 f"{layout.recv_counts[self._rank]} from itself (send_splits[{self._rank}] != "
                 f"recv_splits[{self._rank}])", rank=self._rank)
-        if s.count and r.count and _overlap(s, r):
+        if s.count and r.count and overlaps(s, r):
             raise InvalidArgumentError(f"{what}: send and recv overlap; an all-to-all cannot run in place",
                                        rank=self._rank)
         self._check_open()
@@ -757,7 +672,7 @@ class Communicator:
         try:
             table = split_table(layout, plan.geometry.nchannels)
             # Not waited for: the stream that copies arms the collective.
-            sid = self._ctx.backend.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
+            sid = self._daemon.device.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
             # The tag table takes the table back when the instance retires
             # (TagTable.release; a failed instance keeps it).
             return self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
@@ -856,7 +771,7 @@ class Communicator:
             self._check_root(root, what)
         self._check_tag(tag, what)
         try:
-            count = _check_int(f"{what}: count", count, 0)
+            count = check_int(f"{what}: count", count, 0)
             dtype = as_data_type(dtype)
         except InvalidArgumentError as exc:
             exc.rank = self._rank
@@ -877,12 +792,12 @@ class Communicator:
         Args:
             timeout: seconds to wait for the daemon to let go of this rank's collectives.
         """
-        timeout = _check_seconds("abort: timeout", timeout)
+        timeout = check_seconds("abort: timeout", timeout)
         if self._state.closed:
             return
         if not self._state.aborted:
             self._state.aborted = True
-            if not self._ctx.closed:
+            if not self._daemon.closed:
                 # Our daemon first, then the peers (who read the status).
                 if self._state.lost_rank is None:
                     self._endpoint.abort()
@@ -892,21 +807,21 @@ class Communicator:
 
     def _settle(self, timeout: float) -> None:
         """Waits (bounded) for this rank's pending collectives to fail, then
-        fails the rest host-side (Context.abandon)."""
+        fails the rest host-side (Daemon.abandon)."""
         ep = self._endpoint
-        if ep.id is None or self._ctx.closed:
+        if ep.id is None or self._daemon.closed:
             return
         deadline = time.monotonic() + timeout
-        for w in self._ctx.pending_works(ep.id):
+        for w in self._daemon.pending_works(ep.id):
             while not w.done() and time.monotonic() < deadline:
                 time.sleep(1e-4)
             if not w.done():
-                self._ctx.abandon(w)
+                self._daemon.abandon(w)
         # Collectives submitted through the C API (dfccl_api.h) report the
         # abort through their handles.
-        while self._ctx.pending_handles(ep.id) and time.monotonic() < deadline:
+        while self._daemon.pending_handles(ep.id) and time.monotonic() < deadline:
             time.sleep(1e-4)
-        self._ctx.abandon_handles(ep.id)
+        self._daemon.abandon_handles(ep.id)
 
     def close(self, timeout: float = 30.0) -> None:
         """Releases this rank.  Collectives still pending are aborted (call
@@ -916,21 +831,21 @@ class Communicator:
         Args:
             timeout: seconds an abort of pending collectives may take.
         """
-        timeout = _check_seconds("close: timeout", timeout)
+        timeout = check_seconds("close: timeout", timeout)
         if self._state.closed:
             return
         ep = self._endpoint
-        pending = [] if ep.id is None or self._ctx.closed else self._ctx.pending_works(ep.id)
+        pending = [] if ep.id is None or self._daemon.closed else self._daemon.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
-        if pending or (ep.id is not None and not self._ctx.closed and self._ctx.pending_handles(ep.id)):
+        if pending or (ep.id is not None and not self._daemon.closed and self._daemon.pending_handles(ep.id)):
             self.abort(timeout)
-        elif not self._state.aborted and ep.id is not None and not self._ctx.closed:
+        elif not self._state.aborted and ep.id is not None and not self._daemon.closed:
             ep.write_status(RANK_CLOSED)
         self._flight.note("close", detail=f"rank {self._rank} closed")
         self._state.mark_closed()
         # Abandoned collectives keep their slot (and our memory) until the daemon
         # lets go, whether this close or an earlier abort() abandoned them.
-        unfinished = ep.id is not None and not self._ctx.closed and self._ctx.held_by_daemon(ep.id) > 0
+        unfinished = ep.id is not None and not self._daemon.closed and self._daemon.held_by_daemon(ep.id) > 0
         if self._registry is not None and not unfinished:
             self._registry.close()
         if unfinished:
@@ -946,8 +861,8 @@ class Communicator:
             self._group.endpoints = []
         elif self._group.closes_memory:
             self._group.endpoints.append(self._endpoint)
-        if not self._ctx.closed:
-            self._ctx.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
+        if not self._daemon.closed:
+            self._daemon.reclaim_endpoints()   # earlier closes' endpoints the daemon has let go of since
 
     def __enter__(self) -> "Communicator":
         return self
@@ -980,7 +895,7 @@ class Communicator:
 
     def _check_tag(self, tag, what: str) -> None:
         # str and int tags are the common case: no hashing twice for them.
-        if _is_simple_tag(tag):
+        if is_simple_tag(tag):
             return
         try:
             tag_key(self._comm_key, tag)
@@ -1013,11 +928,11 @@ class Communicator:
         if b.count == 0:
             return
         if self._backend == "sim":
-            if b.kind != CPU:
-                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.kind} memory",
+            if b.device_type != CPU:
+                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.device_type} memory",
                                            rank=self._rank)
         else:
-            if b.kind != CUDA:
+            if b.device_type != CUDA:
                 raise InvalidArgumentError(f"{what}: the cuda backend needs device memory; got host memory "
                                            "(move the array to the GPU)", rank=self._rank)
             if b.device != self._device:
@@ -1063,8 +978,8 @@ class Communicator:
         name = KIND_NAMES[kind]
         if count == 0:
             return Work.completed(name, tag, self._rank)
-        _check_overlap(kind, s, r, count, self._rank, self._size, name)
-        if key is None and _is_simple_tag(tag):
+        check_overlap(kind, s, r, count, self._rank, self._size, name)
+        if key is None and is_simple_tag(tag):
             task = self._plain_task(kind, s, r, count, op, root, tag)
             if task is not None:
                 return self._submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
@@ -1077,7 +992,7 @@ class Communicator:
         """The descriptor of a collective of this shape and tag (None, a str
         or an int: types whose equal values are the same tag), built on its
         first call and submitted at each later call's buffers
-        (``_submit_task(task, at)``, ``Context.submit_at``): a plain call then
+        (``_submit_task(task, at)``, ``Daemon.submit_at``): a plain call then
         costs a dict lookup where it built a descriptor.  Each instance of
         the tag is still taken at submission.  None where the buffers decide
         more than the addresses (registered memory)."""
@@ -1105,7 +1020,7 @@ class Communicator:
         then does, and explains, everything."""
         if self._state.closed or self._state.aborted or self._state.lost_rank is not None or self._state.forked_from:
             return None
-        if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not _is_simple_tag(tag) \
+        if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not is_simple_tag(tag) \
                 or self._has_registered_memory():
             return None
         cuda = self._backend != "sim"
@@ -1142,7 +1057,7 @@ class Communicator:
         """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
         stream handle or None, owners) the same descriptor at those buffers."""
         try:
-            return self._ctx.submit(task) if at is None else self._ctx.submit_at(task, *at)
+            return self._daemon.submit(task) if at is None else self._daemon.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self._rank
@@ -1162,14 +1077,14 @@ class Communicator:
             state = f"peer rank {self._state.lost_rank} lost"
         else:
             state = "closed" if self._state.closed else "aborted" if self._state.aborted else "open"
-        if not self._state.closed and self._ctx.device_fault:
-            state = f"device failed ({self._ctx.backend.fault_name(self._ctx.device_fault)})"
+        if not self._state.closed and self._daemon.device_fault:
+            state = f"device failed ({self._daemon.device.fault_name(self._daemon.device_fault)})"
         st = CommStatus(rank=self._rank, world_size=self._size, backend=self._backend, device=self._device,
                         path=getattr(self, "_mode", "?"), state=state)
         ep = self._endpoint
-        if not self._state.closed and ep.id is not None and not self._ctx.closed:
+        if not self._state.closed and ep.id is not None and not self._daemon.closed:
             now = time.monotonic_ns()
-            for w in self._ctx.pending_works(ep.id):
+            for w in self._daemon.pending_works(ep.id):
                 if w.done():
                     continue
                 waiting = w.waiting_for()
@@ -1193,23 +1108,6 @@ class Communicator:
         return st
 
 
-def _overlap(a: Buffer, b: Buffer) -> bool:
-    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
-
-
-def _check_overlap(kind, s: Buffer, r: Buffer, count, rank, size, name):
-    """Buffers may coincide exactly as NCCL's in-place forms; any other overlap
-    would let the collective read what it already overwrote."""
-    if s.ptr == r.ptr and kind in (KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE):
-        return
-    if kind == KIND_ALL_GATHER and s.ptr == r.ptr + rank * count * s.dtype.itemsize:
-        return
-    if kind == KIND_REDUCE_SCATTER and r.ptr == s.ptr + rank * count * s.dtype.itemsize:
-        return
-    if _overlap(s, r):
-        raise InvalidArgumentError(f"{name}: send and recv overlap without being the in-place form", rank=rank)
-
-
 class Plan:
     """A collective with its shape fixed once ("prepare"); calling it submits
     one instance with the given buffers.  All calls of a plan share its tag,
@@ -1218,7 +1116,7 @@ class Plan:
     on every rank, or pass a tag."""
 
     def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
-        count = _check_int(f"prepare_{KIND_NAMES[kind]}: count", count, 0)
+        count = check_int(f"prepare_{KIND_NAMES[kind]}: count", count, 0)
         self._comm = comm
         self.kind = KIND_NAMES[kind]
         self._kind = kind
@@ -1279,12 +1177,12 @@ class BoundPlan:
         c = plan._comm
         s, r = c._pair(send, recv, plan.kind, writes_recv=plan._kind != KIND_REDUCE or plan.root == c._rank)
         plan._check(s, r)
-        _check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
+        check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
         self.plan = plan
         self._comm = c
         self._task = None if plan.count == 0 else c._task(plan._kind, s, r, plan.count, plan.op, plan.root,
                                                            plan.tag, stream, plan._geometry, plan._key)
-        self._submit = c._ctx.submit
+        self._submit = c._daemon.submit
 
     def __call__(self) -> Work:
         c = self._comm
@@ -1313,7 +1211,7 @@ class BoundPlan:
         c._check_open()
         if self._task is None:
             raise InvalidArgumentError(f"{self.plan!r} has no elements: there is nothing to submit", rank=c._rank)
-        return c._ctx.c_plan(self._task)
+        return c._daemon.c_plan(self._task)
 
     def __repr__(self) -> str:
         return f"<dfccl.BoundPlan {self.plan!r}>"

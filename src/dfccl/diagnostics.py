@@ -73,7 +73,7 @@ class EndpointDiagnostics:
 
     def __init__(self, endpoint: "Endpoint", arenas: list[int]):
         self._ep = endpoint
-        self._backend = endpoint.backend
+        self._device = endpoint.device
         self._arenas = list(arenas)
         self._capacity = endpoint.capacity
         self._stride = endpoint.record_stride
@@ -105,7 +105,7 @@ class EndpointDiagnostics:
 
     def _read_now(self, addr: int, words: int) -> list[int]:
         # Bounded: an explanation must not wait for the collective it explains.
-        self._backend.read_device(self._buf.ctypes.data, addr, 8 * words, READ_TIMEOUT_S)
+        self._device.read_device(self._buf.ctypes.data, addr, 8 * words, READ_TIMEOUT_S)
         return [int(v) for v in self._buf[:words]]
 
     def find_record(self, rank: int, key: int, instance: int = 0) -> int:

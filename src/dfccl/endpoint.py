@@ -1,4 +1,4 @@
-"""One rank of a communicator on a daemon context: its arena (rank status, tag
+"""One rank of a communicator on a daemon: its arena (rank status, tag
 records, the LL region and ring-path staging FIFOs, in device memory its peers
 map), the host mirror of its tag table, and its registration with the daemon.
 
@@ -36,9 +36,9 @@ def _align(x: int, a: int) -> int:
 
 
 class Endpoint:
-    def __init__(self, ctx, *, rank: int, nranks: int, options, shareable: bool):
-        self.ctx = ctx
-        self.backend = ctx.backend
+    def __init__(self, daemon, *, rank: int, nranks: int, options, shareable: bool):
+        self.daemon = daemon
+        self.device = daemon.device
         self.rank = rank
         self.nranks = nranks
         self.capacity = options.max_tags   # resolved: equal on every rank
@@ -53,13 +53,13 @@ class Endpoint:
         if self.arena_size > FIFO_OFFSET_MASK:
             raise InvalidArgumentError(f"an arena of {self.arena_size} bytes is beyond the {FIFO_OFFSET_MASK + 1} "
                                        "bytes a FIFO word addresses; lower CommOptions.staging_bytes or max_tags")
-        self.arena = self.backend.alloc_device(self.arena_size, shareable)
+        self.arena = self.device.alloc_device(self.arena_size, shareable)
         self.shareable = shareable
         # A reserved block for every tag that can be pending here at once
-        # (bounded by the records and by the context's slots), for a FIFO of
-        # up to this context's channels.
-        channels = min(ctx.nblocks, options.channels or ctx.nblocks)
-        block_bytes, blocks = fifo_blocks(reserved_staging_bytes(options), min(self.capacity, ctx.nslots), channels)
+        # (bounded by the records and by the daemon's slots), for a FIFO of
+        # up to this daemon's channels.
+        channels = min(daemon.nblocks, options.channels or daemon.nblocks)
+        block_bytes, blocks = fifo_blocks(reserved_staging_bytes(options), min(self.capacity, daemon.nslots), channels)
         self.staging = StagingPool(staging_base, options.staging_bytes, block_bytes=block_bytes, blocks=blocks)
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
@@ -69,9 +69,9 @@ class Endpoint:
         self.reg_table = 0
         if shareable:
             nbytes = nranks * REG_SLOTS * 8
-            self.reg_table = self.backend.alloc_device(nbytes, False)
+            self.reg_table = self.device.alloc_device(nbytes, False)
             zeros = ctypes.create_string_buffer(nbytes)
-            self.backend.copy_to_device(self.reg_table, ctypes.addressof(zeros), nbytes)
+            self.device.copy_to_device(self.reg_table, ctypes.addressof(zeros), nbytes)
         self.arenas: list[int] = []        # every rank's arena, as mapped here (after connect)
         self.peers: list[dict] = []        # every rank's describe()
         self._status = np.zeros(3, np.uint64)   # state, heartbeat, pid
@@ -88,17 +88,17 @@ class Endpoint:
             "pid": os.getpid(),
             "start_time": start_time(os.getpid()),
             "host": socket.gethostname(),
-            "backend": self.backend.name,
-            "device": self.backend.device,
-            "blocks": self.ctx.nblocks,
+            "backend": self.device.backend,
+            "device": self.device.ordinal,
+            "blocks": self.daemon.nblocks,
             "arena_ptr": self.arena,
             "capacity": self.capacity,
             "stride": RECORD_STRIDE,
             "ll_max_bytes": self.ll_max_bytes,
-            "bus_id": getattr(self.backend, "pci_bus_id", None),
+            "bus_id": getattr(self.device, "pci_bus_id", None),
         }
         if self.shareable:
-            info["arena"] = self.backend.export_memory(self.arena)
+            info["arena"] = self.device.export_memory(self.arena)
         if self.page is not None:
             info["status_page"] = self.page.path
         return info
@@ -124,24 +124,24 @@ class Endpoint:
             if info.get("ll_max_bytes", 0) != self.ll_max_bytes:
                 raise BackendError(f"rank {p} has an LL region for {info.get('ll_max_bytes', 0)} bytes per peer, "
                                    f"rank {self.rank} for {self.ll_max_bytes}: CommOptions differ")
-            if info["backend"] != self.backend.name:
-                raise BackendError(f"rank {p} runs the {info['backend']} backend, rank {self.rank} {self.backend.name}")
+            if info["backend"] != self.device.backend:
+                raise BackendError(f"rank {p} runs the {info['backend']} backend, rank {self.rank} {self.device.backend}")
             same_process = info["pid"] == me["pid"] and info["host"] == me["host"]
             if p == self.rank:
                 arenas.append(self.arena)
             elif same_process:
-                other = runtime.get_backend(info["backend"], info["device"])
-                if not (self.backend.can_access(other) and other.can_access(self.backend)):
-                    raise BackendError(f"{self.backend.name} devices {self.backend.device} and {info['device']} cannot "
+                other = runtime.get_device(info["backend"], info["device"])
+                if not (self.device.can_access(other) and other.can_access(self.device)):
+                    raise BackendError(f"{self.device.backend} devices {self.device.ordinal} and {info['device']} cannot "
                                        "access each other's memory (no peer access)")
-                self.backend.enable_access(other)
+                self.device.enable_access(other)
                 arenas.append(info["arena_ptr"])
             else:
                 if mode != "ring":
                     mode = "staged" if self._reachable(info, me) else "ring"
                 if "arena" not in info:
                     raise BackendError(f"rank {p} is in another process but did not export its arena")
-                ptr = self.backend.import_memory(info["arena"])
+                ptr = self.device.import_memory(info["arena"])
                 self._imported.append(ptr)
                 arenas.append(ptr)
                 if "status_page" not in info:
@@ -153,8 +153,8 @@ class Endpoint:
                                        "ranks of one host must see the same status directory "
                                        "($DFCCL_STATUS_DIR, else /dev/shm)") from exc
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
-        self.id = self.ctx.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                        tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes)
+        self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
+                                           tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes)
         self.arenas = arenas
         self.peers = peers
         return mode
@@ -164,7 +164,7 @@ class Endpoint:
         peer's device memory (IPC-mapped), the direct path's needs."""
         if info["host"] != me["host"]:
             return False
-        if self.backend.name != "cuda":
+        if self.device.backend != "cuda":
             return True  # the simulator's arenas are shared memory
         bus = info.get("bus_id")
         if not bus:
@@ -176,7 +176,7 @@ class Endpoint:
         err, dev = driver.cuDeviceGetByPCIBusId(bus.encode() if isinstance(bus, str) else bus)
         if err != driver.CUresult.CUDA_SUCCESS:
             return False
-        err, mine = driver.cuDeviceGet(self.backend.device)
+        err, mine = driver.cuDeviceGet(self.device.ordinal)
         if err != driver.CUresult.CUDA_SUCCESS:
             return False
         err, ok = driver.cuDeviceCanAccessPeer(mine, dev)
@@ -192,7 +192,7 @@ class Endpoint:
         all have mapped them: nothing is left behind however this process
         ends."""
         if self.shareable and self.arena:
-            self.backend.unlink_export(self.arena)
+            self.device.unlink_export(self.arena)
         if self.page is not None:
             self.page.unlink()
 
@@ -208,9 +208,9 @@ class Endpoint:
         if state is None or not self.arena:
             return
         self._status[0] = state
-        if self.ctx.device_fault:
+        if self.daemon.device_fault:
             return   # a failed device takes no copy (peers see the status page)
-        self.backend.copy_to_device(self.arena, self._status.ctypes.data, 24)
+        self.device.copy_to_device(self.arena, self._status.ctypes.data, 24)
 
     def peer_status(self, rank: int) -> tuple[int, int, int]:
         """(state, heartbeat, pid) of ``rank``, a peer in another process,
@@ -221,7 +221,7 @@ class Endpoint:
     def abort(self, lost_rank: int = -1) -> None:
         self.tags.close()   # no more submissions, from C either
         if self.id is not None:
-            self.ctx.abort_endpoint(self.id, lost_rank)
+            self.daemon.abort_endpoint(self.id, lost_rank)
 
     def release(self, free_memory: bool) -> None:
         """Unregisters from the daemon; frees the arena only when no peer can
@@ -229,7 +229,7 @@ class Endpoint:
         daemon reads while it runs a collective of this endpoint (the peers'
         imported arenas, the registration table, the arena) goes only once it
         holds none: a collective an abort abandoned on the host may still run
-        (Context.remove_endpoint); until then it stays, and the context
+        (Daemon.remove_endpoint); until then it stays, and the daemon
         releases it later."""
         self.tags.close()
         for page in self._peer_pages.values():
@@ -242,24 +242,24 @@ class Endpoint:
         imported, self._imported = self._imported, []
 
         def release_memory() -> None:
-            if self.ctx.device_fault:
+            if self.daemon.device_fault:
                 return   # the memory of a failed device cannot be freed; it goes with the process
             for ptr in imported:
                 try:
-                    self.backend.release_import(ptr)
+                    self.device.release_import(ptr)
                 except Exception:
                     pass  # the mapping goes with the process
             if free_memory:
                 self.tags.drop_failed()   # failed collectives' buffers: no peer reaches them now
             if free_memory and self.arena:
-                self.backend.free_device(self.arena)
+                self.device.free_device(self.arena)
                 self.arena = 0
             if free_memory and self.reg_table:
-                self.backend.free_device(self.reg_table)
+                self.device.free_device(self.reg_table)
                 self.reg_table = 0
 
         if self.id is not None:
             idx, self.id = self.id, None
-            self.ctx.remove_endpoint(idx, release_memory)
+            self.daemon.remove_endpoint(idx, release_memory)
         else:
             release_memory()

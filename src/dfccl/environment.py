@@ -43,8 +43,9 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
+from dfccl._deprecated import renamed_keywords
 from dfccl.errors import InvalidArgumentError
-from dfccl.options import CommOptions, ContextOptions
+from dfccl.options import CommOptions, DaemonOptions
 from dfccl.store import StoreServer
 from dfccl.unique_id import UniqueId
 
@@ -212,8 +213,9 @@ def unique_id_from_env(job: JobEnvironment) -> UniqueId:
     return UniqueId(job.root_host, job.root_port, job.secret, uid)
 
 
+@renamed_keywords(context_options="daemon_options")
 def init_from_env(*, backend: str | None = None, device: int | None = None, options: CommOptions | None = None,
-                  context_options: ContextOptions | None = None, timeout: float | None = None,
+                  daemon_options: DaemonOptions | None = None, timeout: float | None = None,
                   environ: Mapping[str, str] | None = None):
     """A communicator of every process of the job, this process as its rank
     (see the module docstring for the variables read).
@@ -223,7 +225,7 @@ def init_from_env(*, backend: str | None = None, device: int | None = None, opti
         device: default DFCCL_DEVICE, else the local rank (modulo the visible
             GPUs on the CUDA backend).
         options: how the communicator moves data.
-        context_options: how the device's daemon runs.
+        daemon_options: how the device's daemon runs.
         timeout: start-up deadline in seconds (default
             communicator.DEFAULT_STARTUP_TIMEOUT).
         environ: the variables to read (default os.environ).
@@ -241,5 +243,5 @@ def init_from_env(*, backend: str | None = None, device: int | None = None, opti
     if device is None:
         device = job.local_rank % max(1, runtime.device_count(backend)) if backend == "cuda" else job.local_rank
     return Communicator(unique_id_from_env(job), job.rank, job.world_size, device=device, backend=backend,
-                        options=options, context_options=context_options,
+                        options=options, daemon_options=daemon_options,
                         timeout=DEFAULT_STARTUP_TIMEOUT if timeout is None else timeout)

@@ -160,6 +160,6 @@ class BackendError(DfcclError):
 
 
 class ClosedError(DfcclError):
-    """The communicator or context is closed."""
+    """The communicator or daemon is closed."""
 
     code = ErrorCode.CLOSED

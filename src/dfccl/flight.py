@@ -14,7 +14,7 @@ What is exact and what is derived:
 - live, for pending collectives: whom the daemon last waited for
   (slot_waiting) and which ranks have published the instance (their records).
 
-Recording costs one deque append per submission (made by the context, from
+Recording costs one deque append per submission (made by the daemon, from
 the descriptor's ``flight``); `CommOptions.flight_events`
 bounds the memory (0 switches it off)."""
 
@@ -64,7 +64,7 @@ class FlightRecorder:
     @property
     def ring(self) -> collections.deque | None:
         """Where submissions are recorded, as (work, count, dtype): the
-        context appends to it as it submits (None when recording is off)."""
+        daemon appends to it as it submits (None when recording is off)."""
         return self._works if self.enabled else None
 
     def note(self, event: str, **fields) -> None:

@@ -140,20 +140,20 @@ def _gpus() -> tuple[list[dict], list[list[bool]]]:
 
 
 def _defaults(backend: str) -> dict:
-    from dfccl.options import CommOptions, ContextOptions
+    from dfccl.options import CommOptions, DaemonOptions
     from dfccl.planning import default_ll_max_bytes
     from dfccl.policy import default_policy
 
-    pol = default_policy(backend, ContextOptions())
+    pol = default_policy(backend, DaemonOptions())
     comm = CommOptions().resolved(backend)
     return {"blocks": "a quarter of the SMs, at most 32" if backend == "cuda" else "2",
             "base_window_us": pol.base_window_ns / 1000, "window_range_us": (pol.min_base_ns / 1000,
                                                                               pol.max_base_ns / 1000),
             "max_window_us": pol.max_window_ns / 1000, "idle_quit_us": pol.idle_quit_ns / 1000,
             "empty_quit_us": pol.empty_quit_ns / 1000,
-            "max_outstanding": ContextOptions().max_outstanding, "staging_mib": comm.staging_bytes / (1 << 20),
+            "max_outstanding": DaemonOptions().max_outstanding, "staging_mib": comm.staging_bytes / (1 << 20),
             "one_shot_kib": comm.one_shot_bytes / 1024, "bytes_per_channel_kib": comm.bytes_per_channel / 1024,
-            "ll_max_bytes_2_ranks": default_ll_max_bytes(2 * ContextOptions().max_outstanding, 2,
+            "ll_max_bytes_2_ranks": default_ll_max_bytes(2 * DaemonOptions().max_outstanding, 2,
                                                          comm.ll_memory_bytes),
             "ll_memory_mib": comm.ll_memory_bytes / (1 << 20)}
 

@@ -12,7 +12,7 @@ Every `INTERVAL` seconds, for every open communicator of this process:
   is *lost*: the communicator fails every pending and later collective with
   PeerLostError naming it (RankState.peer_lost);
 - reports a rank whose device has failed under its daemon
-  (Context.device_fault): it is lost to its peers like a process that died,
+  (Daemon.device_fault): it is lost to its peers like a process that died,
   at once for those in this process, through `RANK_FAILED` in its status
   page for those in others;
 - every `STATUS_INTERVAL` seconds, writes what each communicator is doing to
@@ -286,23 +286,23 @@ def _sweep_quietly() -> None:
 
 
 def _report_faults(states: list[RankState]) -> None:
-    """A rank whose device failed (Context.device_fault: every collective of
+    """A rank whose device failed (Daemon.device_fault: every collective of
     it fails with BackendError) is lost to its peers, like a process that
     died, instead of leaving them to their timeouts: the ranks of its
     communicator in this process are told at once, those in other processes
     read RANK_FAILED in its status page (_PeerWatch._check)."""
     for s in states:
-        ctx = s.context
-        if not ctx.device_fault or s.fault_reported or s.closed:
+        daemon = s.daemon
+        if not daemon.device_fault or s.fault_reported or s.closed:
             continue
         s.fault_reported = True
         try:
             s.endpoint.write_status(_RANK_FAILED)
         except Exception:
             pass   # its peers still see the process exit
-        why = f"its device {s.where} failed under its daemon ({ctx.backend.fault_name(ctx.device_fault)})"
+        why = f"its device {s.where} failed under its daemon ({daemon.device.fault_name(daemon.device_fault)})"
         for other in states:
-            if other is s or other.comm_key != s.comm_key or other.context.device_fault:
+            if other is s or other.comm_key != s.comm_key or other.daemon.device_fault:
                 continue
             with other.lock:
                 if not other.closed:
@@ -314,7 +314,7 @@ _monitor = _Monitor()
 
 def _forget_in_child() -> None:
     # A forked child has no monitor thread and owns none of its parent's
-    # communicators (runtime.py forgets their contexts): each is marked as
+    # communicators (runtime.py forgets their daemons): each is marked as
     # the parent's, so that using it says so, and the child's monitor starts
     # empty (its lock new: another thread may have held it at the fork).
     parent = os.getppid()

@@ -1,4 +1,4 @@
-"""Settings.  ContextOptions fix how a device's daemon runs (shared by every
+"""Settings.  DaemonOptions fix how a device's daemon runs (shared by every
 communicator on that device in this process); CommOptions how one
 communicator moves data.  Defaults need no tuning."""
 
@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from dfccl._deprecated import renamed_attributes
 from dfccl._native.layout import LINK_AHEAD_MAX
 from dfccl.errors import InvalidArgumentError
 
-__all__ = ["ContextOptions", "CommOptions", "LL_MAX_BYTES_LIMIT"]
+__all__ = ["DaemonOptions", "CommOptions", "LL_MAX_BYTES_LIMIT"]
 
 #: Largest CommOptions.ll_max_bytes: beyond a few KiB per peer the direct
 #: paths' bulk moves beat LL's 50 % line overhead anyway.
 LL_MAX_BYTES_LIMIT = 64 << 10
+
+# Old names, one release (design decision 43).
+__getattr__ = renamed_attributes(__name__, {"ContextOptions": "DaemonOptions"})
 
 
 def _check_ints(obj, names: tuple[str, ...]) -> None:
@@ -31,8 +35,8 @@ DEFAULT_LINK_AHEAD = 0
 LINK_BLOCK_ENV = "DFCCL_LINK_BLOCK"
 
 
-def link_block(options: "ContextOptions", resident_blocks: int | None, blocks: int) -> bool:
-    """Whether a context's daemon runs a link block: the option, else the
+def link_block(options: "DaemonOptions", resident_blocks: int | None, blocks: int) -> bool:
+    """Whether a daemon runs a link block: the option, else the
     environment's, else on GPUs where the device has an SM to spare for it
     (``resident_blocks``: daemon blocks the device holds at once) and off in
     the simulator (``resident_blocks`` None), whose blocks are host threads
@@ -52,12 +56,12 @@ def link_block(options: "ContextOptions", resident_blocks: int | None, blocks: i
         return resident_blocks is not None and fits
     if requested and not fits:
         raise InvalidArgumentError(f"a link block needs {blocks + 1} resident daemon blocks and the device holds "
-                                   f"{resident_blocks}; use fewer ContextOptions.blocks or link_block=False")
+                                   f"{resident_blocks}; use fewer DaemonOptions.blocks or link_block=False")
     return requested
 
 
-def link_ahead(options: "ContextOptions") -> int:
-    """The link_ahead a context runs with: the option, else the environment's, else the default."""
+def link_ahead(options: "DaemonOptions") -> int:
+    """The link_ahead a daemon runs with: the option, else the environment's, else the default."""
     if options.link_ahead is not None:
         return options.link_ahead
     raw = os.environ.get(LINK_AHEAD_ENV, "").strip()
@@ -73,7 +77,7 @@ def link_ahead(options: "ContextOptions") -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ContextOptions:
+class DaemonOptions:
     """How the daemon of one device runs.
 
     blocks: daemon blocks (= channels) per device; None: the backend's default
@@ -127,26 +131,26 @@ class ContextOptions:
         _check_ints(self, ("blocks", "max_outstanding", "base_window_ns", "max_window_ns", "idle_quit_ns",
                            "empty_quit_ns", "relaunch_backoff_ns", "max_endpoints", "link_ahead"))
         if self.link_ahead is not None and not 0 <= self.link_ahead <= LINK_AHEAD_MAX:
-            raise InvalidArgumentError(f"ContextOptions.link_ahead must be in 0..{LINK_AHEAD_MAX}, not {self.link_ahead}")
+            raise InvalidArgumentError(f"DaemonOptions.link_ahead must be in 0..{LINK_AHEAD_MAX}, not {self.link_ahead}")
         if self.link_block is not None and not isinstance(self.link_block, bool):
-            raise InvalidArgumentError(f"ContextOptions.link_block must be a bool or None, not {self.link_block!r}")
+            raise InvalidArgumentError(f"DaemonOptions.link_block must be a bool or None, not {self.link_block!r}")
         for name in ("preemption", "adaptive"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(f"ContextOptions.{name} must be a bool, not {getattr(self, name)!r}")
+                raise InvalidArgumentError(f"DaemonOptions.{name} must be a bool, not {getattr(self, name)!r}")
         n = self.max_outstanding
         if n < 8 or n & (n - 1):
-            raise InvalidArgumentError(f"ContextOptions.max_outstanding must be a power of two >= 8, not {n}")
+            raise InvalidArgumentError(f"DaemonOptions.max_outstanding must be a power of two >= 8, not {n}")
         if self.blocks is not None and not 1 <= self.blocks <= 32:
-            raise InvalidArgumentError(f"ContextOptions.blocks must be in 1..32, not {self.blocks}")
+            raise InvalidArgumentError(f"DaemonOptions.blocks must be in 1..32, not {self.blocks}")
         if self.max_endpoints < 1:
-            raise InvalidArgumentError(f"ContextOptions.max_endpoints must be >= 1, not {self.max_endpoints}")
+            raise InvalidArgumentError(f"DaemonOptions.max_endpoints must be >= 1, not {self.max_endpoints}")
         for name in ("base_window_ns", "max_window_ns", "idle_quit_ns", "empty_quit_ns", "relaunch_backoff_ns"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise InvalidArgumentError(f"ContextOptions.{name} must be >= 0, not {getattr(self, name)}")
+                raise InvalidArgumentError(f"DaemonOptions.{name} must be >= 0, not {getattr(self, name)}")
 
 
 #: Tag records per rank when CommOptions.max_tags is None: twice the default
-#: number of outstanding collectives, so that the default context never runs
+#: number of outstanding collectives, so that the default daemon never runs
 #: out of records before it runs out of slots.
 DEFAULT_MAX_TAGS = 2 * 4096
 
@@ -164,8 +168,8 @@ class CommOptions:
         shared out among ranks of the communicator that share a daemon
         (one process, one device), which get disjoint blocks.
     max_tags: tag records per rank (tags bound at once); None: 8,192, twice
-        the default ContextOptions.max_outstanding.  A property of the
-        communicator, equal on every rank whatever each device's context
+        the default DaemonOptions.max_outstanding.  A property of the
+        communicator, equal on every rank whatever each device's daemon
         options.
     staging_bytes: staging per rank (ring FIFOs, staged copies): a quarter
         reserved as a minimum FIFO for every tag that can be pending, the

@@ -47,7 +47,7 @@ class WindowPolicy:
         self.history: list[tuple[int, float]] = []  # (new base, preemptions per completion)
 
     def adapt(self, completions: int, preemptions: int, waits: list[int]) -> int | None:
-        """One period's observations (the context gathers them at
+        """One period's observations (the daemon gathers them at
         retirement: how many collectives completed, their preemptions, the
         longest successful wait of each, up to 4,096): returns a new base
         window to publish, or None.  Called once per ``period_ns`` with at

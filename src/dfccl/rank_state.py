@@ -24,13 +24,13 @@ class RankState:
     """One rank's life: open, aborted, peer lost, closed (or its parent's,
     in a forked child)."""
 
-    def __init__(self, *, rank: int, comm_key: int, where: str, endpoint: "Endpoint", context,
+    def __init__(self, *, rank: int, comm_key: int, where: str, endpoint: "Endpoint", daemon,
                  flight: "FlightRecorder", peer_timeout: float | None):
         self.rank = rank
         self.comm_key = comm_key
         self.where = where                 # "backend:device", for messages
         self.endpoint = endpoint
-        self.context = context             # the device's daemon context
+        self.daemon = daemon               # the device's daemon
         self.flight = flight
         self.peer_timeout = peer_timeout   # CommOptions.peer_timeout
         # Held by whoever reads this rank's arena or its mappings of the
@@ -65,7 +65,7 @@ class RankState:
             self.diagnostics.lost_why[peer] = why   # what the daemon's PeerLostErrors say
         self.flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
         _log.warning("rank %d: peer rank %d is lost: %s", self.rank, peer, why)
-        if not self.aborted and not self.context.closed:
+        if not self.aborted and not self.daemon.closed:
             self.endpoint.abort(lost_rank=peer)
         self.aborted = True
 

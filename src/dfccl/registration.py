@@ -55,28 +55,28 @@ def mem_alloc(nbytes: int, *, backend: str | None = None, device: int = 0) -> in
 
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
         raise InvalidArgumentError(f"mem_alloc: nbytes must be an int >= 1, not {nbytes!r}")
-    be = runtime.get_backend(runtime.resolve_backend(backend), device)
-    return be.alloc_device(nbytes, True)
+    dev = runtime.get_device(runtime.resolve_backend(backend), device)
+    return dev.alloc_device(nbytes, True)
 
 
 def mem_free(ptr: int, *, backend: str | None = None, device: int = 0) -> None:
     """Frees memory from :func:`mem_alloc`."""
     from dfccl import runtime
 
-    runtime.get_backend(runtime.resolve_backend(backend), device).free_device(ptr)
+    runtime.get_device(runtime.resolve_backend(backend), device).free_device(ptr)
 
 
-def allocation_of(backend, ptr: int) -> tuple[int, int, str]:
+def allocation_of(device, ptr: int) -> tuple[int, int, str]:
     """(base, size, allocation id) of the allocation holding ``ptr``."""
-    if backend.name == "sim":
-        found = backend.shared_allocation(ptr)
+    if device.backend == "sim":
+        found = device.shared_allocation(ptr)
         if found is None:
             raise InvalidArgumentError("register: in the simulator only memory from dfccl.registration.mem_alloc "
                                        "(shared memory peers can map) can be registered")
         return found
     from cuda.bindings import driver
 
-    backend.make_current()
+    device.make_current()
     err, base, size = driver.cuMemGetAddressRange(ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise BackendError(f"cuMemGetAddressRange failed: {err}", driver_code=int(err))
@@ -132,7 +132,7 @@ class _Export:
 
 class Registry:
     """One rank's registrations on one communicator with a staged path:
-    ``endpoint`` is the rank's (its registration table and backend), and
+    ``endpoint`` is the rank's (its registration table and device), and
     register() exchanges through the store of ``unique_id``."""
 
     def __init__(self, endpoint, rank: int, nranks: int, unique_id: UniqueId):
@@ -140,7 +140,7 @@ class Registry:
         self.rank = rank
         self.nranks = nranks
         self.unique_id = unique_id
-        self.backend = endpoint.backend
+        self.device = endpoint.device
         self.table = endpoint.reg_table
         self.exports: dict[tuple[int, str], _Export] = {}
         self.free_slots = list(range(REG_SLOTS - 1, -1, -1))
@@ -151,7 +151,7 @@ class Registry:
     # -- register (collective) -------------------------------------------------------
     def register(self, ptr: int, nbytes: int, timeout: float) -> RegistrationHandle:
         rank = self.rank
-        base, size, alloc_id = allocation_of(self.backend, ptr)
+        base, size, alloc_id = allocation_of(self.device, ptr)
         if ptr + nbytes > base + size:
             raise InvalidArgumentError(f"register: the buffer [0x{ptr:x}, +{nbytes}) runs past its allocation "
                                        f"[0x{base:x}, +{size})", rank=rank)
@@ -160,7 +160,7 @@ class Registry:
             if not self.free_slots:
                 raise ResourceError(f"all {REG_SLOTS} registration slots of this rank are in use; close handles of "
                                     "buffers no longer needed", rank=rank)
-            exp = _Export(self.free_slots.pop(), base, size, alloc_id, self.backend.export_memory(base))
+            exp = _Export(self.free_slots.pop(), base, size, alloc_id, self.device.export_memory(base))
             self.exports[(base, alloc_id)] = exp
         exp.refs += 1
         try:
@@ -192,14 +192,14 @@ class Registry:
         if cur is not None and cur[0] == e["base"] and cur[1] == e["alloc_id"]:
             return
         if cur is not None and cur[3]:
-            self.backend.release_import(cur[2])
+            self.device.release_import(cur[2])
         if e["pid"] == me["pid"] and e["host"] == me["host"]:
             local, ours = int(e["base"]), False
         else:
-            local, ours = int(self.backend.import_memory(e["export"])), True
+            local, ours = int(self.device.import_memory(e["export"])), True
         self.imports[key] = (e["base"], e["alloc_id"], local, ours)
         word = ctypes.c_uint64(local)
-        self.backend.copy_to_device(self.table + 8 * (key[0] * REG_SLOTS + key[1]), ctypes.addressof(word), 8)
+        self.device.copy_to_device(self.table + 8 * (key[0] * REG_SLOTS + key[1]), ctypes.addressof(word), 8)
 
     # -- submission --------------------------------------------------------------------
     def send_word(self, ptr: int, nbytes: int) -> int:
@@ -209,7 +209,7 @@ class Registry:
         for h in self.handles:
             if h.ptr <= ptr and ptr + nbytes <= h.ptr + h.nbytes:
                 try:
-                    base, _size, alloc_id = allocation_of(self.backend, ptr)
+                    base, _size, alloc_id = allocation_of(self.device, ptr)
                 except (InvalidArgumentError, BackendError):
                     base, alloc_id = -1, ""
                 if base != h.base or alloc_id != h.alloc_id:
@@ -256,7 +256,7 @@ class Registry:
         for base, _aid, local, ours in self.imports.values():
             if ours:
                 try:
-                    self.backend.release_import(local)
+                    self.device.release_import(local)
                 except Exception:
                     pass
         self.imports = {}

@@ -1,4 +1,4 @@
-"""The backends and the per-device daemon contexts of this process."""
+"""The devices and the per-device daemons of this process."""
 
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ from pathlib import Path
 from typing import Mapping
 
 from dfccl import kernel_image
+from dfccl._deprecated import renamed_attributes
 from dfccl.errors import BackendError, InvalidArgumentError
-from dfccl.options import ContextOptions, link_ahead, link_block
+from dfccl.options import DaemonOptions, link_ahead, link_block
 from dfccl.policy import default_policy
 
-__all__ = ["default_backend", "device_count", "get_context", "contexts", "shutdown", "device_synchronize",
+__all__ = ["default_backend", "device_count", "get_device", "get_daemon", "shutdown", "device_synchronize",
            "compute_capability", "driver_ok", "nvrtc_cubin"]
 
+# Old names, one release (design decision 43).
+__getattr__ = renamed_attributes(__name__, {"get_context": "get_daemon"})
+
 _lock = threading.RLock()
-_contexts: dict = {}
-_backends: dict = {}
+_daemons: dict = {}
+_devices: dict = {}
 _cuda_count: int | None = None
 
 SIM_DEVICES_DEFAULT = 4
@@ -36,10 +40,10 @@ def _cuda_module():
     global _cuda_mod
     if _cuda_mod is _NOT_LOADED:
         try:
-            from dfccl._native import cuda_backend
+            from dfccl._native import cuda_device
         except ImportError:
-            cuda_backend = None
-        _cuda_mod = cuda_backend
+            cuda_device = None
+        _cuda_mod = cuda_device
     return _cuda_mod
 
 
@@ -196,12 +200,12 @@ def nvrtc_cubin(source: bytes, name: str, compute_capability: int, options: list
         ok(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
 
-# -- backends and contexts -----------------------------------------------------------
-def get_backend(backend: str, device: int, blocks: int | None = None):
+# -- devices and daemons --------------------------------------------------------------
+def get_device(backend: str, device: int, blocks: int | None = None):
     key = (backend, device)
     with _lock:
-        be = _backends.get(key)
-        if be is None:
+        dev = _devices.get(key)
+        if dev is None:
             if device < 0:
                 raise InvalidArgumentError(f"device must be >= 0, not {device}")
             if backend == "cuda":
@@ -213,12 +217,12 @@ def get_backend(backend: str, device: int, blocks: int | None = None):
                 mod = _cuda_module()
                 if device >= cuda_device_count():
                     raise InvalidArgumentError(f"cuda device {device} does not exist ({cuda_device_count()} visible)")
-                be = mod.CudaBackend(device, daemon_image(compute_capability(device)), blocks or 0)
+                dev = mod.CudaDevice(device, daemon_image(compute_capability(device)), blocks or 0)
             else:
-                from dfccl._native.sim_backend import SimBackend
-                be = SimBackend(device, blocks or 2)
-            _backends[key] = be
-        return be
+                from dfccl._native.sim_device import SimDevice
+                dev = SimDevice(device, blocks or 2)
+            _devices[key] = dev
+        return dev
 
 
 def compute_capability(device: int) -> int:
@@ -234,53 +238,48 @@ def compute_capability(device: int) -> int:
     return major * 10 + minor
 
 
-def get_context(backend: str, device: int, options: ContextOptions | None = None):
-    """The daemon context of (backend, device) in this process, created on
+def get_daemon(backend: str, device: int, options: DaemonOptions | None = None):
+    """The daemon of (backend, device) in this process, created on
     first use with ``options`` (later callers must pass equal options or
     None)."""
-    from dfccl._native.context import Context
+    from dfccl._native.daemon import Daemon
 
     key = (backend, device)
     with _lock:
-        entry = _contexts.get(key)
+        entry = _daemons.get(key)
         if entry is not None:
-            ctx, opts = entry
+            daemon, opts = entry
             if options is not None and options != opts:
                 raise InvalidArgumentError(
                     f"the daemon of {backend}:{device} already runs with {opts}; a communicator asked for {options}. "
-                    "Context options are per device and process: use the same ones (or another device).")
-            return ctx
-        opts = options or ContextOptions()
-        be = get_backend(backend, device, opts.blocks)
-        blocks = opts.blocks or be.default_blocks
-        ctx = Context(be, blocks=blocks, slots=opts.max_outstanding, max_endpoints=opts.max_endpoints,
-                      policy=default_policy(backend, opts), link_ahead=link_ahead(opts),
-                      link_block=link_block(opts, be.resident_blocks or None, blocks))
-        _contexts[key] = (ctx, opts)
-        return ctx
-
-
-def contexts():
-    with _lock:
-        return [c for c, _ in _contexts.values()]
+                    "Daemon options are per device and process: use the same ones (or another device).")
+            return daemon
+        opts = options or DaemonOptions()
+        dev = get_device(backend, device, opts.blocks)
+        blocks = opts.blocks or dev.default_blocks
+        daemon = Daemon(dev, blocks=blocks, slots=opts.max_outstanding, max_endpoints=opts.max_endpoints,
+                        policy=default_policy(backend, opts), link_ahead=link_ahead(opts),
+                        link_block=link_block(opts, dev.resident_blocks or None, blocks))
+        _daemons[key] = (daemon, opts)
+        return daemon
 
 
 def shutdown() -> None:
     """Stops every daemon of this process and frees its memory.  Pending
     collectives fail with AbortedError.  Runs at interpreter exit."""
     with _lock:
-        entries = list(_contexts.items())
-        _contexts.clear()
-        backends = list(_backends.values())
-        _backends.clear()
-    for _, (ctx, _opts) in entries:
+        entries = list(_daemons.items())
+        _daemons.clear()
+        devices = list(_devices.values())
+        _devices.clear()
+    for _, (daemon, _opts) in entries:
         try:
-            ctx.close()
+            daemon.close()
         except Exception:
             pass
-    for be in backends:
+    for dev in devices:
         try:
-            be.close()
+            dev.close()
         except Exception:
             pass
 
@@ -288,14 +287,14 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 # -- fork -----------------------------------------------------------------------
-# A forked child inherits this module's contexts and backends, but not their
+# A forked child inherits this module's daemons and devices, but not their
 # threads, their daemons, nor (on GPUs) CUDA or its pinned memory.  Left as
 # they are, the child's exit would close them (ten seconds waiting for a
 # daemon that is not there, CUDA calls that are not allowed, the parent's
 # shared-memory files unlinked) and a collective on one would never
 # complete.  So the child forgets them: they count as closed, their pending
 # Works fail, nothing of theirs is freed, and new communicators get new
-# contexts (liveness.py marks the communicators).
+# daemons (liveness.py marks the communicators).
 _inherited: list = []          # the parent's objects, kept so that nothing of theirs is collected here
 _cuda_forked_from = 0          # the parent's pid, if dfccl had initialised CUDA there
 
@@ -304,16 +303,16 @@ def _forget_in_child() -> None:
     global _lock, _cuda_forked_from
     _lock = threading.RLock()   # another thread may have held it at the fork
     parent = os.getppid()
-    for ctx, _opts in _contexts.values():
-        ctx.forget_after_fork(parent)
-        _inherited.append(ctx)
-    for (name, _device), be in _backends.items():
-        be.forget_after_fork()
-        _inherited.append(be)
+    for daemon, _opts in _daemons.values():
+        daemon.forget_after_fork(parent)
+        _inherited.append(daemon)
+    for (name, _device), dev in _devices.items():
+        dev.forget_after_fork()
+        _inherited.append(dev)
         if name == "cuda":
             _cuda_forked_from = parent
-    _contexts.clear()
-    _backends.clear()
+    _daemons.clear()
+    _devices.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -330,11 +329,11 @@ def device_synchronize(backend: str, device: int) -> None:
         backend: "cuda" or "sim".
         device: the device to synchronise.
     """
-    be = get_backend(backend, device)
+    dev = get_device(backend, device)
     if backend == "cuda":
-        be.context_synchronize()
+        dev.context_synchronize()
     else:
-        be.synchronize()
+        dev.synchronize()
 
 
 def cuda_pointer_info(ptr: int):

@@ -1,5 +1,5 @@
 """Files in host shared memory that processes of this host map: the
-simulator's device memory (sim_backend.pyx) and status pages
+simulator's device memory (sim_device.pyx) and status pages
 (status_page.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The daemon's block profile between two readings (Context.daemon_profile),
+"""The daemon's block profile between two readings (Daemon.daemon_profile),
 for the benchmarks: which blocks ran collectives, and where their time went.
 
 Channels are dealt to blocks per tag and per rank (dfccl_task_desc.first_block),
@@ -21,7 +21,7 @@ def profile_delta(before: list[dict], after: list[dict], per: float = 1.0) -> di
     the busy blocks."""
     blocks = busy_blocks(before, after)
     out: dict = {"blocks": blocks}
-    for k in before[0]:    # every counter Context.daemon_profile reports
+    for k in before[0]:    # every counter Daemon.daemon_profile reports
         total = sum(after[b][k] - before[b][k] for b in blocks) / per
         out[k[:-3] + "_us" if k.endswith("_ns") else k] = total / 1e3 if k.endswith("_ns") else total
     return out

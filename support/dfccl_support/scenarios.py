@@ -29,8 +29,8 @@ _next_sim_device = itertools.count(100_000, 100)
 
 def fresh_sim_devices(n: int) -> list[int]:
     """``n`` simulated device numbers no other caller in this process gets:
-    each simulated device has one daemon context per process, created with
-    the options of its first user, so tests that need their own context
+    each simulated device has one daemon per process, created with
+    the options of its first user, so tests that need their own daemon
     options (or a daemon to themselves) take fresh ones.  Blocks of 100 from
     100,000 up, clear of the fixed ranges tests use for shared devices."""
     base = next(_next_sim_device)
@@ -66,9 +66,9 @@ def settle(comms, timeout: float = 10.0) -> None:
         if not c.closed:
             c.abort()
     for c in comms:
-        if c.closed or c._endpoint.id is None or c._ctx.closed:
+        if c.closed or c._endpoint.id is None or c._daemon.closed:
             continue
-        for w in c._ctx.pending_works(c._endpoint.id):
+        for w in c._daemon.pending_works(c._endpoint.id):
             try:
                 w.synchronize(timeout=timeout)
             except DfcclError:

@@ -55,7 +55,7 @@ def test_host_copies_do_not_wait_for_the_default_stream():
     kernel on the legacy default stream, where torch queues its work and
     where a stream may wait for a collective, does not hold them up."""
     torch = pytest.importorskip("torch")
-    be = runtime.get_backend("cuda", 0)
+    be = runtime.get_device("cuda", 0)
     word = np.zeros(4, np.uint32)
     dev = be.alloc_device(16)
     try:
@@ -205,8 +205,8 @@ def test_first_launch_while_a_stream_waits(loading):
 
 def test_stream_reached_tells_a_held_stream():
     """A stream-ordered collective whose stream is held (a wait on a host
-    word queued before it) is taken up by the daemon (Context.submissions
-    passes its entry) but not armed: Context.stream_reached says False,
+    word queued before it) is taken up by the daemon (Daemon.submissions
+    passes its entry) but not armed: Daemon.stream_reached says False,
     read from its armed word; released, it completes."""
     torch = pytest.importorskip("torch")
     from cuda.bindings import driver
@@ -220,21 +220,21 @@ def test_stream_reached_tells_a_held_stream():
             torch.cuda.synchronize()
             err, = driver.cuStreamWaitValue32(side.cuda_stream, word.data_ptr(), 1, 0)  # GEQ
             assert int(err) == 0, err
-            ctx = comms[0]._ctx
+            daemon = comms[0]._daemon
             w0 = comms[0].all_reduce(xs[0], stream=side.cuda_stream)
             assert w0.stream_ordered
             deadline = time.monotonic() + 10
-            while ctx.submissions[1] <= w0.position and time.monotonic() < deadline:
+            while daemon.submissions[1] <= w0.position and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert ctx.submissions[1] > w0.position, ctx.submissions
-            assert ctx.stream_reached(w0) is False
+            assert daemon.submissions[1] > w0.position, daemon.submissions
+            assert daemon.stream_reached(w0) is False
             word[0] = 1
             w1 = comms[1].all_reduce(xs[1])
             for w in (w0, w1):
                 w.synchronize(timeout=30)
             torch.cuda.synchronize()
             assert bool((xs[0] == 3.0).all()) and bool((xs[1] == 3.0).all())
-            assert ctx.stream_reached(w0) is None  # retired: no longer in its slot
+            assert daemon.stream_reached(w0) is None  # retired: no longer in its slot
     finally:
         for c in comms:
             c.close()
@@ -254,11 +254,11 @@ def test_smoke_single_rank(rng):
         recv = arrays.empty("cuda", 0, 1000, np.float32, fill=77)
         c.all_reduce(send, recv).synchronize(timeout=30)
         np.testing.assert_array_equal(recv.download(), x)
-        ctx = runtime.get_context("cuda", 0)
-        assert ctx.launches >= 1
-        sms = ctx.daemon_sms()   # every block launched, each on a real SM
-        assert len(sms) == ctx.nblocks and all(s is not None and 0 <= s < ctx.backend.sm_count for s in sms), sms
-        record("smoke", launches=ctx.launches, blocks=ctx.nblocks, sms=sms)
+        daemon = runtime.get_daemon("cuda", 0)
+        assert daemon.launches >= 1
+        sms = daemon.daemon_sms()   # every block launched, each on a real SM
+        assert len(sms) == daemon.nblocks and all(s is not None and 0 <= s < daemon.device.sm_count for s in sms), sms
+        record("smoke", launches=daemon.launches, blocks=daemon.nblocks, sms=sms)
     finally:
         c.close()
 
@@ -383,7 +383,7 @@ def test_several_ranks_per_gpu(nranks, path, rng):
 
 
 def test_threads_driving_communicators_that_share_devices(rng):
-    """Two communicators on the same GPUs share each device's context; a
+    """Two communicators on the same GPUs share each device's daemon; a
     thread drives each as fast as it can (submissions from both threads
     reach one ring; a waiter must see its collective complete although the
     other thread retired it first)."""
@@ -442,7 +442,7 @@ def test_device_synchronize_while_collective_waits(comms2, path, rng):
     """cuCtxSynchronize on rank 0's GPU while its collective waits for rank 1,
     which submits only after the synchronise returned (one thread drives
     both): the daemon leaves the GPU when it makes no progress, so the
-    synchronise returns; the context's watcher brings the daemon back."""
+    synchronise returns; the daemon's watcher brings the daemon back."""
     comms = comms2[path]
     specs = [sc.Spec(f"sync{i}", "all_reduce", 1 << 20, "float32") for i in range(4)]
     sync_times = []
@@ -463,8 +463,8 @@ from dfccl import runtime
 from dfccl.bench import arrays
 n = runtime.cuda_device_count()
 empty = int(sys.argv[1])
-opts = dfccl.ContextOptions(idle_quit_ns=30 * 10**9, empty_quit_ns=empty or None)
-comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda", context_options=opts)
+opts = dfccl.DaemonOptions(idle_quit_ns=30 * 10**9, empty_quit_ns=empty or None)
+comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda", daemon_options=opts)
 rng = np.random.default_rng()
 hosts = [rng.standard_normal(1 << 18).astype(np.float32) for _ in comms]
 bufs = [arrays.from_numpy("cuda", c.device, h) for c, h in zip(comms, hosts)]
@@ -491,7 +491,7 @@ def test_device_synchronize_after_the_last_collective(empty_quit):
     empty_quit_ns (50 us by default), however long the idle quit (30 s
     here).  The control keeps the daemon 2 s: the synchronisation waits for
     it, which is what a step paid with the 5 ms idle quit alone.  In a
-    fresh process: context options are fixed per process and device."""
+    fresh process: daemon options are fixed per process and device."""
     import subprocess
     import sys
     arg = "0" if empty_quit == "default" else str(2 * 10**9)
@@ -587,7 +587,7 @@ def test_chaos(rng):
 def test_control_without_preemption_hangs():
     """Control on the GPU: with preemption off (run to completion, like NCCL),
     A,B vs B,A never completes -- the timeouts name the peer each side waits
-    for -- and abort() releases both.  In a fresh process, because context
+    for -- and abort() releases both.  In a fresh process, because daemon
     options are fixed per process and device.  One daemon block, as NCCL runs
     one kernel at a time per stream: with more, A and B may land on different
     blocks and run side by side."""
@@ -599,7 +599,7 @@ from dfccl import runtime
 from dfccl_support import scenarios as sc
 n = runtime.cuda_device_count()
 comms = dfccl.Communicator.for_devices([0, 1 % n], backend="cuda",
-        context_options=dfccl.ContextOptions(preemption=False, blocks=1), options=dfccl.CommOptions(path="direct"))
+        daemon_options=dfccl.DaemonOptions(preemption=False, blocks=1), options=dfccl.CommOptions(path="direct"))
 rng = np.random.default_rng(0)
 specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
 insts = [sc.prepare(s, comms, rng) for s in specs]
@@ -696,7 +696,7 @@ def test_forked_child_on_gpu():
 
 def test_device_fault_fails_pending_collectives():
     """Another kernel of the process faults (an illegal address): the CUDA
-    context fails and the daemon with it, so the collective a synchronize()
+    daemon fails and the daemon with it, so the collective a synchronize()
     waits for never completes.  The watcher finds the fault (cuStreamQuery
     on the daemon's stream) within 100 ms: synchronize() raises a
     BackendError naming it, and close() returns at once.  In a subprocess:

@@ -1,7 +1,7 @@
 """The plain call's reader of GPU arrays (buffers.plain_array) on CuPy
 arrays and torch tensors: it agrees with the general path on what it takes,
 declines what the general path must decide, and a plain all_reduce on each
-kind gives the right sum."""
+array type gives the right sum."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
               pytest.mark.skipif(runtime.cuda_device_count() == 0, reason="needs a GPU")]
 
 
-def _kinds():
+def _array_types():
     out = []
     try:
         import cupy
@@ -33,13 +33,13 @@ def _kinds():
     return out
 
 
-KINDS = _kinds()
+ARRAY_TYPES = _array_types()
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+@pytest.mark.parametrize("array_type", ARRAY_TYPES, ids=[k[0] for k in ARRAY_TYPES])
 @pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "float16", "float32", "float64"])
-def test_agrees_with_the_general_path(kind, dtype):
-    _, make, strided, _, _ = kind
+def test_agrees_with_the_general_path(array_type, dtype):
+    _, make, strided, _, _ = array_type
     a = make(37, dtype)
     b = as_buffer(a)
     assert plain_array(a, True) == (b.ptr, b.count, b.dtype)
@@ -53,9 +53,9 @@ def test_torch_declines_grad_and_host_tensors():
     assert plain_array(torch.zeros(4), True) is None
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
-def test_plain_all_reduce_on_each_kind(kind):
-    _, make, _, to_numpy, from_numpy = kind
+@pytest.mark.parametrize("array_type", ARRAY_TYPES, ids=[k[0] for k in ARRAY_TYPES])
+def test_plain_all_reduce_on_each_array_type(array_type):
+    _, make, _, to_numpy, from_numpy = array_type
     comms = dfccl.Communicator.for_devices([0, 0], backend="cuda")
     try:
         xs = [make(1000, "float32") for _ in comms]

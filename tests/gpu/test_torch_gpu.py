@@ -81,14 +81,14 @@ def _daemon_side(comm) -> str:
     runs, whether it has taken each submission up, and whether the stream
     of a stream-ordered one has armed it.  Host memory only, but for the
     armed words (bounded reads)."""
-    ctx = comm._ctx
-    published, taken = ctx.submissions
-    lines = [f"  daemon {ctx.daemon_state} (context epoch {ctx.epoch}, launches {ctx.launches}), "
-             f"submissions published {published}, taken {taken}, streams waiting {ctx.stream_waits}"]
-    for w in ctx.pending_works(comm._endpoint.id):
+    daemon = comm._daemon
+    published, taken = daemon.submissions
+    lines = [f"  daemon {daemon.daemon_state} (daemon epoch {daemon.epoch}, launches {daemon.launches}), "
+             f"submissions published {published}, taken {taken}, streams waiting {daemon.stream_waits}"]
+    for w in daemon.pending_works(comm._endpoint.id):
         lines.append(f"  {w.kind} tag {w.tag!r} instance {w.instance}: entry {w.position} "
                      f"({'taken' if taken > w.position else 'not taken'}), "
-                     + (f"stream-ordered, armed {ctx.stream_reached(w)}" if w.stream_ordered else "armed at submission")
+                     + (f"stream-ordered, armed {daemon.stream_reached(w)}" if w.stream_ordered else "armed at submission")
                      + f", waiting for {w.waiting_for()}, done {w.done()}")
     return "\n".join(lines) + "\n"
 
@@ -115,12 +115,12 @@ def _device_probe(wait_s: float = 1.0) -> str:
 
 
 def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    mp_context = mp.get_context("spawn")
+    results = mp_context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         stacks = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r]))
+        procs = [mp_context.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r]))
                  for r in range(world_size)]
         for p in procs:
             p.start()

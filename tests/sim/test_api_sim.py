@@ -284,20 +284,20 @@ def test_construction_errors():
             dfccl.CommOptions(ring_slots=slots)
     for n in (0, 7, 12, 4095):
         with pytest.raises(dfccl.InvalidArgumentError):
-            dfccl.ContextOptions(max_outstanding=n)
+            dfccl.DaemonOptions(max_outstanding=n)
     for b in (0, 33):
         with pytest.raises(dfccl.InvalidArgumentError):
-            dfccl.ContextOptions(blocks=b)
+            dfccl.DaemonOptions(blocks=b)
 
 
-def test_context_options_must_match_first_ones():
+def test_daemon_options_must_match_first_ones():
     dev = DEV + 70
-    comms = dfccl.Communicator.for_devices([dev], backend="sim", context_options=dfccl.ContextOptions(blocks=3))
+    comms = dfccl.Communicator.for_devices([dev], backend="sim", daemon_options=dfccl.DaemonOptions(blocks=3))
     try:
         assert comms[0].channels == 3
         with pytest.raises(dfccl.InvalidArgumentError, match="already runs"):
-            dfccl.Communicator.for_devices([dev], backend="sim", context_options=dfccl.ContextOptions(blocks=4))
-        same = dfccl.Communicator.for_devices([dev], backend="sim", context_options=dfccl.ContextOptions(blocks=3))
+            dfccl.Communicator.for_devices([dev], backend="sim", daemon_options=dfccl.DaemonOptions(blocks=4))
+        same = dfccl.Communicator.for_devices([dev], backend="sim", daemon_options=dfccl.DaemonOptions(blocks=3))
         none = dfccl.Communicator.for_devices([dev], backend="sim")
         assert same[0].channels == 3 and none[0].channels == 3
         for c in same + none:
@@ -319,54 +319,54 @@ def test_properties(make):
 
 def test_submissions_taken_by_the_daemon(make):
     comms = make(2, "direct", base=DEV + 12)
-    ctx = comms[0]._ctx
-    published, taken = ctx.submissions
+    daemon = comms[0]._daemon
+    published, taken = daemon.submissions
     assert taken <= published
     all_reduce_ok(comms, tag="taken")
-    after, taken = ctx.submissions
+    after, taken = daemon.submissions
     assert after == published + 1, "rank 0's device got one submission"
     assert taken == after, "a completed collective was copied to the device"
 
 
 def test_daemon_profile_counts_runs_and_the_simulator_has_no_sms(make):
     comms = make(2, "direct", base=DEV + 132)
-    ctx = comms[0]._ctx
-    before = sum(b["runs"] for b in ctx.daemon_profile())
+    daemon = comms[0]._daemon
+    before = sum(b["runs"] for b in daemon.daemon_profile())
     all_reduce_ok(comms, tag="profiled")
     deadline = time.monotonic() + TIMEOUT   # a busy block stores its counters every few passes
-    while sum(b["runs"] for b in ctx.daemon_profile()) <= before and time.monotonic() < deadline:
+    while sum(b["runs"] for b in daemon.daemon_profile()) <= before and time.monotonic() < deadline:
         time.sleep(1e-3)
-    assert sum(b["runs"] for b in ctx.daemon_profile()) > before
-    assert ctx.daemon_sms() == [None] * ctx.nblocks
+    assert sum(b["runs"] for b in daemon.daemon_profile()) > before
+    assert daemon.daemon_sms() == [None] * daemon.nblocks
 
 
 def test_base_window_adapts_to_observed_waits(make):
-    """Every retirement feeds the policy; once per period the context hands
+    """Every retirement feeds the policy; once per period the daemon hands
     the observations to policy.adapt() and publishes the new base window."""
     comms = make(2, "direct", base=DEV + 16)
-    ctx = comms[0]._ctx
-    start = ctx.policy.base_window_ns
+    daemon = comms[0]._daemon
+    start = daemon.policy.base_window_ns
     deadline = time.monotonic() + TIMEOUT
-    while not ctx.policy.history and time.monotonic() < deadline:
+    while not daemon.policy.history and time.monotonic() < deadline:
         all_reduce_ok(comms, tag="adapt")
         time.sleep(2e-3)
-    assert ctx.policy.history, "the base window never adapted"
-    assert ctx.policy.base_window_ns != start and ctx.policy.history[-1][0] == ctx.policy.base_window_ns
+    assert daemon.policy.history, "the base window never adapted"
+    assert daemon.policy.base_window_ns != start and daemon.policy.history[-1][0] == daemon.policy.base_window_ns
 
 
 def test_unwaited_collectives_are_retired_by_the_watcher(make):
-    """Nobody synchronizes these: the context's watcher retires them (slots
+    """Nobody synchronizes these: the daemon's watcher retires them (slots
     and tag records given back), and a callback added later still runs."""
     comms = make(2, "direct", base=DEV + 14)
-    ctxs = [c._ctx for c in comms]   # a rank may finish after its peer: watch both
+    daemons = [c._daemon for c in comms]   # a rank may finish after its peer: watch both
     xs = [[np.full(8, r + 1.0, np.float32) for _ in range(40)] for r in range(2)]
     works = [[c.all_reduce(x, tag=("unwaited", i)) for i, x in enumerate(xs[r])] for r, c in enumerate(comms)]
     called = threading.Event()
     works[0][-1].add_done_callback(lambda w: called.set())
     deadline = time.monotonic() + TIMEOUT
-    while any(ctx.outstanding_count for ctx in ctxs) and time.monotonic() < deadline:
+    while any(daemon.outstanding_count for daemon in daemons) and time.monotonic() < deadline:
         time.sleep(1e-3)
-    assert [ctx.outstanding_count for ctx in ctxs] == [0, 0], "completed collectives were left unretired"
+    assert [daemon.outstanding_count for daemon in daemons] == [0, 0], "completed collectives were left unretired"
     assert all(w.done() and w.exception() is None for ws in works for w in ws)
     assert called.wait(TIMEOUT)
     assert all(np.all(x == 3.0) for r in range(2) for x in xs[r])
@@ -842,7 +842,7 @@ def test_failed_tagged_submission_keeps_instance(make, failure):
     else:
         dev = DEV + 110   # a daemon with 8 completion slots
         comms = dfccl.Communicator.for_devices([dev, dev + 1], backend="sim",
-                                               context_options=dfccl.ContextOptions(max_outstanding=8))
+                                               daemon_options=dfccl.DaemonOptions(max_outstanding=8))
         pending = [comms[0].all_reduce(np.ones(4, np.float32), tag=i) for i in range(8)]
         try:
             with pytest.raises(dfccl.ResourceError, match="outstanding"):
@@ -890,7 +890,7 @@ def test_too_many_pending_tags(make, path):
 def test_too_many_outstanding_collectives():
     dev = DEV + 100
     comms = dfccl.Communicator.for_devices([dev, dev + 1], backend="sim",
-                                           context_options=dfccl.ContextOptions(max_outstanding=8))
+                                           daemon_options=dfccl.DaemonOptions(max_outstanding=8))
     try:
         xs = [np.full(4, 1, np.int32) for _ in range(8)]
         ws = [comms[0].all_reduce(x, tag=i) for i, x in enumerate(xs)]
@@ -1160,7 +1160,7 @@ def test_timeout_does_not_name_a_stale_rank():
 
 def test_threads_driving_communicators_that_share_devices():
     """Two communicators on the same two devices share each device's
-    context (its submission ring and completion slots); a thread drives
+    daemon (its submission ring and completion slots); a thread drives
     each, submitting and waiting as fast as it can.  Submissions from the
     two threads must not interleave inside the ring, and a thread waiting
     for a collective must see it complete although the other thread
@@ -1169,7 +1169,7 @@ def test_threads_driving_communicators_that_share_devices():
     devs = [DEV + 130, DEV + 131]
     pairs = {"a": dfccl.Communicator.for_devices(devs, backend="sim"),
              "b": dfccl.Communicator.for_devices(devs, backend="sim")}
-    assert pairs["a"][0]._ctx is pairs["b"][0]._ctx
+    assert pairs["a"][0]._daemon is pairs["b"][0]._daemon
     errors, rounds = [], 2000
 
     def drive(name):

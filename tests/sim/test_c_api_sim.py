@@ -184,7 +184,7 @@ def test_example_rounds_checked_in_c_and_submit_loop(example, make):
     submit_s, cpu_s, wait_s = mod.submit_loop(lib, plans, 10)
     assert submit_s > 0 and cpu_s > 0 and wait_s >= 0
     assert all(np.all(b == 2.0 ** 10) for b in buffers)
-    assert [c._ctx.outstanding_count for c in comms] == [0, 0]
+    assert [c._daemon.outstanding_count for c in comms] == [0, 0]
 
 
 # -- handles ------------------------------------------------------------------------------------
@@ -232,11 +232,11 @@ def test_handles_retire_without_a_work_and_release_frees_them(calls, make):
     for i in range(20):
         for r in range(2):
             assert calls.submit(plans[r], h, 2 * i + r) == OK
-    ctxs = [c._ctx for c in comms]
+    daemons = [c._daemon for c in comms]
     deadline = time.monotonic() + TIMEOUT
-    while any(ctx.outstanding_count for ctx in ctxs) and time.monotonic() < deadline:
+    while any(daemon.outstanding_count for daemon in daemons) and time.monotonic() < deadline:
         time.sleep(1e-3)
-    assert [ctx.outstanding_count for ctx in ctxs] == [0, 0], "completed C submissions were left unretired"
+    assert [daemon.outstanding_count for daemon in daemons] == [0, 0], "completed C submissions were left unretired"
     table = comms[0]._endpoint.tags
     assert table.used == 0, "every instance went back to the tag table"
     assert all(calls.test(h, i) == (OK, 0, -1) for i in range(40))
@@ -266,7 +266,7 @@ def test_abort_fails_pending_handles(calls, make):
     assert (rc, status) == (FAILED, STATUS_ABORTED)
     assert calls.release(h) == OK
     # The aborted rank takes nothing more, from C either.
-    address = comms[0]._ctx.c_plan(plans[0]._task)
+    address = comms[0]._daemon.c_plan(plans[0]._task)
     assert calls.lib.t_submit(calls.api, address, calls.at(h, 0)) == E_CLOSED
     assert "closed or aborted" in calls.last_error() and calls.lib.t_handle_zeroed(calls.at(h, 0))
 
@@ -278,7 +278,7 @@ def test_closed_communicator_refuses_c_submissions(calls, make):
     for c in comms:
         c.close()
     h = calls.handles()
-    # The context outlives its communicators, but the closed rank's endpoint
+    # The daemon outlives its communicators, but the closed rank's endpoint
     # may go to another communicator: nothing is submitted for it.
     assert calls.lib.t_submit(calls.api, addresses[0], calls.at(h, 0)) == E_CLOSED
     assert "closed or aborted" in calls.last_error()

@@ -595,11 +595,11 @@ def many_channel_comms():
     of its ranks' daemons, shared out among ranks that share one ("5-blocks":
     ranks 0 and 2 share DEV + 150's daemon, 2 blocks each)."""
     made = [dfccl.Communicator.for_devices([DEV + 150], backend="sim",
-                                           context_options=dfccl.ContextOptions(blocks=5)),
+                                           daemon_options=dfccl.DaemonOptions(blocks=5)),
             dfccl.Communicator.for_devices([DEV + 151], backend="sim",
-                                           context_options=dfccl.ContextOptions(blocks=5)),
+                                           daemon_options=dfccl.DaemonOptions(blocks=5)),
             dfccl.Communicator.for_devices([DEV + 160], backend="sim",
-                                           context_options=dfccl.ContextOptions(blocks=3))]
+                                           daemon_options=dfccl.DaemonOptions(blocks=3))]
     groups = {}
     for path in PATHS:
         opts = dfccl.CommOptions(path=path, bytes_per_channel=1024)

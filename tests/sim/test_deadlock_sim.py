@@ -19,12 +19,12 @@ from dfccl_support import scenarios as sc
 PATHS = ("direct", "ring")
 
 
-def make_comms(n: int, path: str, *, per_device: int = 1, context_options=None):
+def make_comms(n: int, path: str, *, per_device: int = 1, daemon_options=None):
     """n ranks on fresh simulated GPUs (``per_device`` ranks share one)."""
     base = sc.fresh_sim_devices(1)[0]
     devices = [base + r // per_device for r in range(n)]
     return dfccl.Communicator.for_devices(devices, backend="sim", options=dfccl.CommOptions(path=path),
-                                          context_options=context_options)
+                                          daemon_options=daemon_options)
 
 
 def close_all(comms):
@@ -203,7 +203,7 @@ def test_one_tag_pending_with_different_channel_counts(path, rng):
     base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.CommOptions(path=path, channels=4, bytes_per_channel=4096)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
-                                           context_options=dfccl.ContextOptions(blocks=4))
+                                           daemon_options=dfccl.DaemonOptions(blocks=4))
     try:
         counts = [16384, 64, 16384, 64, 16384]
         insts = [sc.prepare(sc.Spec("t", "all_reduce", c, "int32"), comms, rng) for c in counts]
@@ -235,7 +235,7 @@ def test_submission_ring_wraps_many_times(rng):
     base = sc.fresh_sim_devices(1)[0]
     opts = dfccl.CommOptions(path="direct", channels=4, bytes_per_channel=1024)
     comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", options=opts,
-                                           context_options=dfccl.ContextOptions(blocks=4, max_outstanding=8))
+                                           daemon_options=dfccl.DaemonOptions(blocks=4, max_outstanding=8))
     try:
         for batch in range(80):
             insts = [sc.prepare(sc.Spec(("w", batch, i), "all_reduce", 16 if (batch + i) % 2 else 4096, "int32"),
@@ -265,8 +265,8 @@ def test_without_preemption_the_same_order_hangs(rng):
     device, as NCCL runs one kernel at a time per stream: with more, A and B
     may land on different blocks and run side by side."""
     base = sc.fresh_sim_devices(1)[0]
-    opts = dfccl.ContextOptions(preemption=False, blocks=1)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
+    opts = dfccl.DaemonOptions(preemption=False, blocks=1)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts,
                                            options=dfccl.CommOptions(path="direct"))
     specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
     insts = [sc.prepare(s, comms, rng) for s in specs]
@@ -289,7 +289,7 @@ def test_without_preemption_the_same_order_hangs(rng):
 def test_same_scenario_with_preemption_completes(rng):
     """The control's twin: the identical submission order and blocks,
     preemption on."""
-    comms = make_comms(2, "direct", context_options=dfccl.ContextOptions(blocks=1))
+    comms = make_comms(2, "direct", daemon_options=dfccl.DaemonOptions(blocks=1))
     try:
         specs = [sc.Spec("A", "all_reduce", 4096, "float32"), sc.Spec("B", "all_reduce", 4096, "float32")]
         rep = sc.run(comms, specs, [[0, 1], [1, 0]], rng=rng, timeout=30)
@@ -306,7 +306,7 @@ def test_sixty_four_ranks_random_orders(path, rng):
     base = sc.fresh_sim_devices(1)[0]
     comms = dfccl.Communicator.for_devices(list(range(base, base + 64)), backend="sim",
                                            options=dfccl.CommOptions(path=path),
-                                           context_options=dfccl.ContextOptions(blocks=1, max_outstanding=64))
+                                           daemon_options=dfccl.DaemonOptions(blocks=1, max_outstanding=64))
     try:
         specs = [sc.Spec("x", "all_reduce", 1000, "float32"), sc.Spec("y", "all_gather", 100, "int32"),
                  sc.Spec("z", "broadcast", 5000, "float32", root=63), sc.Spec("w", "reduce_scatter", 37, "int64")]
@@ -316,11 +316,11 @@ def test_sixty_four_ranks_random_orders(path, rng):
         close_all(comms)
 
 
-def _wait_for_state(ctx, state: str, timeout: float = 10.0) -> float:
-    """Seconds until the daemon of ``ctx`` publishes ``state``."""
+def _wait_for_state(daemon, state: str, timeout: float = 10.0) -> float:
+    """Seconds until the daemon of ``daemon`` publishes ``state``."""
     start = time.monotonic()
-    while ctx.daemon_state[1] != state:
-        assert time.monotonic() - start < timeout, ctx.daemon_state
+    while daemon.daemon_state[1] != state:
+        assert time.monotonic() - start < timeout, daemon.daemon_state
         time.sleep(1e-3)
     return time.monotonic() - start
 
@@ -342,8 +342,8 @@ def test_tags_on_distinct_blocks_run_side_by_side(rng):
     blocks: A,B vs B,A then completes even with preemption off, with no
     preemption at all (each block runs its tag to completion)."""
     base = sc.fresh_sim_devices(1)[0]
-    opts = dfccl.ContextOptions(preemption=False, blocks=4)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts,
+    opts = dfccl.DaemonOptions(preemption=False, blocks=4)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts,
                                            options=dfccl.CommOptions(path="direct"))
     try:
         a, b = _tags_on_distinct_blocks(comms[0], 4, 2)
@@ -360,8 +360,8 @@ def test_ranks_sharing_a_device_run_side_by_side(rng):
     all-reduce completes even with preemption off (on one shared block it
     could never finish: the block would wait for itself)."""
     base = sc.fresh_sim_devices(1)[0]
-    opts = dfccl.ContextOptions(preemption=False, blocks=2)
-    comms = dfccl.Communicator.for_devices([base, base], backend="sim", context_options=opts,
+    opts = dfccl.DaemonOptions(preemption=False, blocks=2)
+    comms = dfccl.Communicator.for_devices([base, base], backend="sim", daemon_options=opts,
                                            options=dfccl.CommOptions(path="direct"))
     try:
         specs = [sc.Spec("shared", "all_reduce", 256, "float32")]
@@ -381,8 +381,8 @@ def test_daemon_comes_back_while_the_gil_is_held_and_completions_wait(rng):
     import sys
 
     base = sc.fresh_sim_devices(2)[0]
-    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    opts = dfccl.DaemonOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts)
     interval = sys.getswitchinterval()
     try:
         firsts = [np.full(8, r + 1, np.float32) for r in range(2)]
@@ -394,8 +394,8 @@ def test_daemon_comes_back_while_the_gil_is_held_and_completions_wait(rng):
             while not (a[0]._peek_done() and a[1]._peek_done()):  # complete, not retired
                 assert time.monotonic() < deadline
             w0 = comms[0].all_reduce(xs[0], tag="late")
-            while comms[0]._ctx.daemon_state[1] != "exited":     # it waited for rank 1, then left
-                assert time.monotonic() < deadline, comms[0]._ctx.daemon_state
+            while comms[0]._daemon.daemon_state[1] != "exited":     # it waited for rank 1, then left
+                assert time.monotonic() < deadline, comms[0]._daemon.daemon_state
             w1 = comms[1].all_reduce(xs[1], tag="late")
             ctypes.PyDLL(None).usleep(1_500_000)                 # holds the GIL for 1.5 s
             came_back = w0._peek_done() and w1._peek_done()
@@ -419,12 +419,12 @@ def test_daemon_comes_back_while_a_thread_holds_the_gil(rng):
     import ctypes
 
     base = sc.fresh_sim_devices(2)[0]
-    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    opts = dfccl.DaemonOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=300_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts)
     try:
         xs = [np.full(64, r + 1, np.float32) for r in range(2)]
         w0 = comms[0].all_reduce(xs[0], tag="late")
-        _wait_for_state(comms[0]._ctx, "exited")            # it waited for rank 1, then left
+        _wait_for_state(comms[0]._daemon, "exited")            # it waited for rank 1, then left
         w1 = comms[1].all_reduce(xs[1], tag="late")
         ctypes.PyDLL(None).usleep(1_500_000)                 # holds the GIL for 1.5 s
         assert w0.done() and w1.done(), "rank 0's daemon did not come back while the GIL was held"
@@ -437,37 +437,37 @@ def test_daemon_stays_while_a_stream_waits():
     """A collective some stream waits for keeps its daemon from leaving
     (design decision 27: on a hardware queue shared with that stream, a
     relaunch would be queued behind the wait and never run).  The simulator
-    has no streams; Context._hold_for_stream_of is the part of
+    has no streams; Daemon._hold_for_stream_of is the part of
     Work.wait(stream) that counts the wait and makes sure the daemon runs.
     Rank 0 waits 25 idle-quit periods for rank 1 and its daemon stays; once
     the collective completes the count drops and the daemon leaves; without
     the hold it leaves while rank 1 is still absent."""
     base = sc.fresh_sim_devices(2)[0]
-    opts = dfccl.ContextOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=1_000_000_000)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    opts = dfccl.DaemonOptions(idle_quit_ns=2_000_000, relaunch_backoff_ns=1_000_000_000)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts)
     try:
-        ctx = comms[0]._ctx
+        daemon = comms[0]._daemon
         xs = [np.full(64, r + 1, np.float32) for r in range(2)]
         w0 = comms[0].all_reduce(xs[0], tag="held")
-        ctx._hold_for_stream_of(w0)
-        assert ctx.stream_waits == 1
-        launches = ctx.launches
+        daemon._hold_for_stream_of(w0)
+        assert daemon.stream_waits == 1
+        launches = daemon.launches
         time.sleep(0.05)
-        assert ctx.daemon_state[1] == "running" and ctx.launches == launches, ctx.daemon_state
+        assert daemon.daemon_state[1] == "running" and daemon.launches == launches, daemon.daemon_state
         assert not w0._peek_done()
         w1 = comms[1].all_reduce(xs[1], tag="held")
         for w in (w0, w1):
             w.synchronize(timeout=10)
         assert (xs[0] == 3).all() and (xs[1] == 3).all()
-        assert ctx.stream_waits == 0
+        assert daemon.stream_waits == 0
         deadline = time.monotonic() + 10
-        while ctx.daemon_state[1] != "exited":       # nothing holds it now
-            assert time.monotonic() < deadline, ctx.daemon_state
+        while daemon.daemon_state[1] != "exited":       # nothing holds it now
+            assert time.monotonic() < deadline, daemon.daemon_state
             time.sleep(1e-3)
         # The control: not held, it leaves while its peer is absent.
         w0 = comms[0].all_reduce(xs[0], tag="free")
-        while ctx.daemon_state[1] != "exited":
-            assert time.monotonic() < deadline, ctx.daemon_state
+        while daemon.daemon_state[1] != "exited":
+            assert time.monotonic() < deadline, daemon.daemon_state
             time.sleep(1e-3)
         assert not w0._peek_done()
         w1 = comms[1].all_reduce(xs[1], tag="free")
@@ -486,29 +486,29 @@ def test_daemon_leaves_soon_with_nothing_left_and_stays_while_work_waits():
     0, the one that decides.  Here the idle quit is a minute: only the
     empty quit can make it leave."""
     base = sc.fresh_sim_devices(2)[0]
-    opts = dfccl.ContextOptions(blocks=4, idle_quit_ns=60 * 10**9, empty_quit_ns=2_000_000,
-                                relaunch_backoff_ns=60 * 10**9)
-    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", context_options=opts)
+    opts = dfccl.DaemonOptions(blocks=4, idle_quit_ns=60 * 10**9, empty_quit_ns=2_000_000,
+                               relaunch_backoff_ns=60 * 10**9)
+    comms = dfccl.Communicator.for_devices([base, base + 1], backend="sim", daemon_options=opts)
     try:
-        ctx = comms[0]._ctx
+        daemon = comms[0]._daemon
         xs = [np.full(64, r + 1, np.float32) for r in range(2)]
         for w in [c.all_reduce(x, tag="first") for c, x in zip(comms, xs)]:
             w.synchronize(timeout=10)
-        assert _wait_for_state(ctx, "exited") < 5, "nothing left, yet the daemon stayed"
+        assert _wait_for_state(daemon, "exited") < 5, "nothing left, yet the daemon stayed"
         assert (xs[0] == 3).all()
         # A collective of rank 0 alone, on block 3: the daemon stays for it.
         tag = next(t for t in (f"w{i}" for i in range(1000))
                    if first_block(tag_key(comms[0]._comm_key, t), comms[0]._block_offset, 4) == 3)
         w0 = comms[0].all_reduce(xs[0], tag=tag)
-        _wait_for_state(ctx, "running")
-        launches = ctx.launches
+        _wait_for_state(daemon, "running")
+        launches = daemon.launches
         time.sleep(0.3)                                  # 150 empty quits
-        assert ctx.daemon_state[1] == "running" and ctx.launches == launches, ctx.daemon_state
+        assert daemon.daemon_state[1] == "running" and daemon.launches == launches, daemon.daemon_state
         assert not w0._peek_done()
         w1 = comms[1].all_reduce(xs[1], tag=tag)
         for w in (w0, w1):
             w.synchronize(timeout=10)
         assert (xs[0] == 6).all() and (xs[1] == 6).all()
-        assert _wait_for_state(ctx, "exited") < 5
+        assert _wait_for_state(daemon, "exited") < 5
     finally:
         close_all(comms)

@@ -1,5 +1,5 @@
 """A process that forks (a data-loader worker, a helper started with
-os.fork) after using dfccl: the child owns none of its parent's contexts,
+os.fork) after using dfccl: the child owns none of its parent's daemons,
 communicators or pending collectives.  Using one fails at once with a
 ClosedError that says so, its exit handlers return at once and touch nothing
 of the parent's, and the child can create communicators of its own."""
@@ -62,7 +62,7 @@ def test_forked_child_creates_communicators_of_its_own():
         def child():
             mine = dfccl.Communicator.for_devices([DEV + 2, DEV + 3], backend="sim")
             try:
-                assert all(c._ctx is not p._ctx for c, p in zip(mine, comms))
+                assert all(c._daemon is not p._daemon for c, p in zip(mine, comms))
                 zs = [np.full(8, r + 5, np.float32) for r in range(2)]
                 for w in [c.all_reduce(z, tag="child") for c, z in zip(mine, zs)]:
                     w.synchronize(timeout=TIMEOUT)
@@ -94,12 +94,12 @@ class _GpuBackendOfTheParent:
 def test_forked_child_is_refused_cuda_after_the_parent_initialised_it(monkeypatch):
     from dfccl import runtime
 
-    monkeypatch.setitem(runtime._backends, ("cuda", 99), _GpuBackendOfTheParent())
+    monkeypatch.setitem(runtime._devices, ("cuda", 99), _GpuBackendOfTheParent())
 
     def child():
-        out = {"forgotten": _GpuBackendOfTheParent.forgotten, "left": [list(k) for k in runtime._backends]}
+        out = {"forgotten": _GpuBackendOfTheParent.forgotten, "left": [list(k) for k in runtime._devices]}
         try:
-            runtime.get_backend("cuda", 0)
+            runtime.get_device("cuda", 0)
         except dfccl.BackendError as exc:
             out["refused"] = str(exc)
         return out

@@ -252,12 +252,12 @@ def test_bucket_taken_over_while_a_peer_lags():
     Both are instance 1 of their tag, so B's lines go to the very area that
     held A's: without the wait they would overwrite A's before rank 1 took
     them, and rank 1's A would never complete."""
-    ctx_opts = dfccl.ContextOptions(blocks=1, base_window_ns=200_000, max_window_ns=1_000_000, adaptive=False)
-    # Devices of their own: context options are per device and process.
+    ctx_opts = dfccl.DaemonOptions(blocks=1, base_window_ns=200_000, max_window_ns=1_000_000, adaptive=False)
+    # Devices of their own: daemon options are per device and process.
     comms = dfccl.Communicator.for_devices([7790, 7791], backend="sim", options=CommOptions(ll_max_bytes=LL, max_tags=2),
-                                           context_options=ctx_opts)
+                                           daemon_options=ctx_opts)
     # Another communicator on rank 1's device: one rank, a long copy.
-    busy = dfccl.Communicator.for_devices([7791], backend="sim", context_options=ctx_opts)[0]
+    busy = dfccl.Communicator.for_devices([7791], backend="sim", daemon_options=ctx_opts)[0]
     big = np.ones(96 << 20, dtype=np.uint8)
     big_out = np.zeros_like(big)
     lagged = 0

@@ -193,8 +193,8 @@ def test_constructor_bad_rank_world_size_device_timeout():
                 call=lambda: dfccl.Communicator(uid, 0, 2, backend="nccl"))
         _raises(dfccl.InvalidArgumentError, "options must be a dfccl.CommOptions or None, not dict",
                 call=lambda: dfccl.Communicator(uid, 0, 2, backend="sim", options={"path": "ring"}))
-        _raises(dfccl.InvalidArgumentError, "context_options must be a dfccl.ContextOptions or None, not CommOptions",
-                call=lambda: dfccl.Communicator(uid, 0, 2, backend="sim", context_options=dfccl.CommOptions()))
+        _raises(dfccl.InvalidArgumentError, "daemon_options must be a dfccl.DaemonOptions or None, not CommOptions",
+                call=lambda: dfccl.Communicator(uid, 0, 2, backend="sim", daemon_options=dfccl.CommOptions()))
         assert time.monotonic() - t0 < 5, "argument errors must be raised before any waiting"
     finally:
         uid.close()
@@ -219,10 +219,10 @@ def test_for_devices_bad_arguments():
     (dfccl.CommOptions, {"staging_bytes": -1}, "CommOptions.staging_bytes must be >= 0"),
     (dfccl.CommOptions, {"max_tags": 0}, "CommOptions.max_tags must be >= 1"),
     (dfccl.CommOptions, {"path": "tree"}, "CommOptions.path must be 'auto', 'direct' or 'ring', not 'tree'"),
-    (dfccl.ContextOptions, {"max_outstanding": 12}, "ContextOptions.max_outstanding must be a power of two"),
-    (dfccl.ContextOptions, {"blocks": True}, "ContextOptions.blocks must be an int, not bool"),
-    (dfccl.ContextOptions, {"preemption": 0}, "ContextOptions.preemption must be a bool"),
-    (dfccl.ContextOptions, {"max_endpoints": 0}, "ContextOptions.max_endpoints must be >= 1"),
+    (dfccl.DaemonOptions, {"max_outstanding": 12}, "DaemonOptions.max_outstanding must be a power of two"),
+    (dfccl.DaemonOptions, {"blocks": True}, "DaemonOptions.blocks must be an int, not bool"),
+    (dfccl.DaemonOptions, {"preemption": 0}, "DaemonOptions.preemption must be a bool"),
+    (dfccl.DaemonOptions, {"max_endpoints": 0}, "DaemonOptions.max_endpoints must be >= 1"),
 ])
 def test_options_bad_values_name_the_class(cls, kw, frag):
     _raises(dfccl.InvalidArgumentError, frag, call=lambda: cls(**kw))
@@ -444,22 +444,22 @@ def test_startup_late_rank_joins_in_time():
 
 def test_startup_failure_of_one_rank_fails_the_others_at_once():
     """A rank that fails during start-up (here: it asks for a device whose
-    daemon already runs with other ContextOptions) tells the others through
+    daemon already runs with other DaemonOptions) tells the others through
     the store: they fail now, naming it, not at their deadline."""
     busy = dfccl.Communicator.for_devices([DEV + 51], backend="sim",
-                                          context_options=dfccl.ContextOptions(blocks=3))
+                                          daemon_options=dfccl.DaemonOptions(blocks=3))
     uid = dfccl.UniqueId.create()
     results = {}
 
     def make(r, ctx_opts):
         try:
             results[r] = dfccl.Communicator(uid, r, 3, backend="sim", device=DEV + 50 + r, timeout=20,
-                                            context_options=ctx_opts)
+                                            daemon_options=ctx_opts)
         except BaseException as exc:   # noqa: BLE001
             results[r] = exc
     try:
         t0 = time.monotonic()
-        ts = [threading.Thread(target=make, args=(r, dfccl.ContextOptions(blocks=4) if r == 1 else None))
+        ts = [threading.Thread(target=make, args=(r, dfccl.DaemonOptions(blocks=4) if r == 1 else None))
               for r in range(3)]
         for t in ts:
             t.start()

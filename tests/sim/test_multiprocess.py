@@ -36,7 +36,7 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
         deep = scenario == "deep_queues"
         comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend=backend, device=device,
                                   options=dfccl.CommOptions(path=path, **ll, **({"max_tags": 16384} if deep else {})),
-                                  context_options=dfccl.ContextOptions(max_outstanding=16384) if deep else None,
+                                  daemon_options=dfccl.DaemonOptions(max_outstanding=16384) if deep else None,
                                   timeout=TIMEOUT)
         out = {"path": comm.path, "ll_max_bytes": comm.ll_max_bytes}
         if scenario == "collectives":
@@ -255,12 +255,12 @@ def deep_queues(comm, sizes) -> int:
 
 
 def run_ranks(nranks: int, backend: str, path: str, scenario: str, devices=None, timeout: float = 240) -> list[dict]:
-    ctx = mp.get_context("spawn")
+    mp_context = mp.get_context("spawn")
     uid = dfccl.UniqueId.create()
-    results = ctx.Queue()
+    results = mp_context.Queue()
     devices = devices or list(range(nranks))
-    procs = [ctx.Process(target=_worker, args=(str(uid), r, nranks, backend, devices[r % len(devices)], path,
-                                               scenario, 1234, results), daemon=True) for r in range(nranks)]
+    procs = [mp_context.Process(target=_worker, args=(str(uid), r, nranks, backend, devices[r % len(devices)], path,
+                                                      scenario, 1234, results), daemon=True) for r in range(nranks)]
     for p in procs:
         p.start()
     got = {}

@@ -127,10 +127,10 @@ def test_close_keeps_memory_the_daemon_still_holds():
     c = comms[0]
     w = c.all_reduce(np.ones(64, np.float32), tag="alone")  # rank 1 never joins
     ep = c._endpoint
-    assert c._ctx.held_by_daemon(ep.id) == 1
-    assert c._ctx.abandon(w) and w.done() and isinstance(w.exception(), dfccl.AbortedError)
+    assert c._daemon.held_by_daemon(ep.id) == 1
+    assert c._daemon.abandon(w) and w.done() and isinstance(w.exception(), dfccl.AbortedError)
     time.sleep(0.05)
-    assert c._ctx.held_by_daemon(ep.id) == 1  # the daemon still runs it
+    assert c._daemon.held_by_daemon(ep.id) == 1  # the daemon still runs it
     for cc in comms:
         cc.close()
     assert ep.arena != 0, "the arena was freed under a collective the daemon still held"
@@ -138,28 +138,28 @@ def test_close_keeps_memory_the_daemon_still_holds():
 
 def test_work_position_and_stream_reached_without_a_stream():
     """Each submission's entry in the ring (Work.position, compared with
-    Context.submissions) grows; one submitted without a stream is armed at
+    Daemon.submissions) grows; one submitted without a stream is armed at
     submission, so there is no armed word to read (stream_reached: None)."""
     comms = dfccl.Communicator.for_devices([DEV + 13, DEV + 14], backend="sim")
     try:
         xs = [np.ones(64, np.float32) for _ in range(4)]
         works = [comms[0].all_reduce(xs[0], tag="chain"), comms[0].all_reduce(xs[1], tag="chain")]
-        assert works[0].position < works[1].position < comms[0]._ctx.submissions[0]
-        assert not works[1].stream_ordered and comms[0]._ctx.stream_reached(works[1]) is None
+        assert works[0].position < works[1].position < comms[0]._daemon.submissions[0]
+        assert not works[1].stream_ordered and comms[0]._daemon.stream_reached(works[1]) is None
         works += [comms[1].all_reduce(xs[2], tag="chain"), comms[1].all_reduce(xs[3], tag="chain")]
         for w in works:
             w.synchronize(timeout=TIMEOUT)
-        assert comms[0]._ctx.submissions[1] > works[1].position
+        assert comms[0]._daemon.submissions[1] > works[1].position
         assert all(bool((x == 2.0).all()) for x in xs)
     finally:
         sc.settle(comms)
 
 
-def _wait_released_by_daemon(ctx, idx, timeout=TIMEOUT):
+def _wait_released_by_daemon(daemon, idx, timeout=TIMEOUT):
     deadline = time.monotonic() + timeout
-    while ctx.held_by_daemon(idx) and time.monotonic() < deadline:
+    while daemon.held_by_daemon(idx) and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert ctx.held_by_daemon(idx) == 0, "the daemon never let go of the abandoned collective"
+    assert daemon.held_by_daemon(idx) == 0, "the daemon never let go of the abandoned collective"
 
 
 def test_closed_endpoint_keeps_its_id_while_the_daemon_holds_it():
@@ -170,18 +170,18 @@ def test_closed_endpoint_keeps_its_id_while_the_daemon_holds_it():
     reused."""
     comms = dfccl.Communicator.for_devices([DEV + 17, DEV + 18], backend="sim")
     c = comms[0]
-    ctx, idx = c._ctx, c._endpoint.id
+    daemon, idx = c._daemon, c._endpoint.id
     w = c.all_reduce(np.ones(64, np.float32), tag="alone")   # rank 1 never joins
-    assert ctx.abandon(w)
+    assert daemon.abandon(w)
     c.close()
-    assert ctx.draining == [idx] and ctx.endpoint_entry(idx) == (0, 2)
+    assert daemon.draining == [idx] and daemon.endpoint_entry(idx) == (0, 2)
     later = dfccl.Communicator.for_devices([DEV + 17, DEV + 18], backend="sim")
     try:
         assert later[0]._endpoint.id != idx
         comms[1].close()              # rank 0's abandoned collective fails now: its peer left
-        _wait_released_by_daemon(ctx, idx)
-        assert ctx.reclaim_endpoints() == 0 and ctx.draining == []
-        assert ctx.endpoint_entry(idx) == (0, 0)
+        _wait_released_by_daemon(daemon, idx)
+        assert daemon.reclaim_endpoints() == 0 and daemon.draining == []
+        assert daemon.endpoint_entry(idx) == (0, 0)
         # The daemon still serves the communicator created meanwhile.
         ys = [np.full(64, r + 1, np.float32) for r in range(2)]
         for ww in [cc.all_reduce(y, tag="after") for cc, y in zip(later, ys)]:
@@ -200,30 +200,30 @@ def test_daemon_rejects_descriptor_naming_a_released_endpoint():
     live = dfccl.Communicator.for_devices([DEV + 19, DEV + 20], backend="sim")
     gone = dfccl.Communicator.for_devices([DEV + 19, DEV + 20], backend="sim")
     try:
-        ctx, stale = gone[0]._ctx, gone[0]._endpoint.id
+        daemon, stale = gone[0]._daemon, gone[0]._endpoint.id
         for cc in gone:
             cc.close()
-        assert ctx.endpoint_entry(stale) == (0, 0) and ctx.draining == []
+        assert daemon.endpoint_entry(stale) == (0, 0) and daemon.draining == []
         c = live[0]
         x = np.ones(64, np.float32)
         task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
-        before = ctx.bad_tasks
-        w = ctx.submit(task, {"endpoint": stale})
+        before = daemon.bad_tasks
+        w = daemon.submit(task, {"endpoint": stale})
         with pytest.raises(dfccl.BackendError, match="BAD_TASK"):
             w.synchronize(timeout=TIMEOUT)
-        assert ctx.bad_tasks == before + 1 and (x == 1).all()
+        assert daemon.bad_tasks == before + 1 and (x == 1).all()
     finally:
         sc.settle(live)
 
 
 def test_remove_endpoint_refuses_an_id_not_registered():
     comms = dfccl.Communicator.for_devices([DEV + 21, DEV + 22], backend="sim")
-    ctx, idx = comms[0]._ctx, comms[0]._endpoint.id
+    daemon, idx = comms[0]._daemon, comms[0]._endpoint.id
     sc.settle(comms)
     with pytest.raises(dfccl.InvalidArgumentError, match="not registered"):
-        ctx.remove_endpoint(idx)      # already removed by close()
+        daemon.remove_endpoint(idx)      # already removed by close()
     with pytest.raises(dfccl.InvalidArgumentError, match="not registered"):
-        ctx.remove_endpoint(ctx.max_endpoints)
+        daemon.remove_endpoint(daemon.max_endpoints)
 
 
 def test_trace_bad_arguments(tmp_path):
@@ -295,11 +295,11 @@ def test_daemon_rejects_bad_descriptor(fields):
         c = comms[0]
         x = np.ones(64, np.float32)
         task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
-        before = c._ctx.bad_tasks
-        w = c._ctx.submit(task, fields)
+        before = c._daemon.bad_tasks
+        w = c._daemon.submit(task, fields)
         with pytest.raises(dfccl.BackendError, match="BAD_TASK"):
             w.synchronize(timeout=TIMEOUT)
-        assert c._ctx.bad_tasks == before + 1
+        assert c._daemon.bad_tasks == before + 1
         assert (x == 1).all()        # never run
         # The daemon goes on.
         ys = [np.full(64, r + 1, np.float32) for r in range(2)]
@@ -316,12 +316,12 @@ def test_daemon_counts_descriptor_with_bad_slot():
         c = comms[0]
         x = np.ones(64, np.float32)
         task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
-        before = c._ctx.bad_tasks
-        c._ctx.submit(task, {"slot": 1 << 30})
+        before = c._daemon.bad_tasks
+        c._daemon.submit(task, {"slot": 1 << 30})
         deadline = time.monotonic() + TIMEOUT
-        while c._ctx.bad_tasks == before and time.monotonic() < deadline:
+        while c._daemon.bad_tasks == before and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert c._ctx.bad_tasks == before + 1
+        assert c._daemon.bad_tasks == before + 1
         ys = [np.full(64, r + 1, np.float32) for r in range(2)]
         for ww in [cc.all_reduce(y, tag="after") for cc, y in zip(comms, ys)]:
             ww.synchronize(timeout=TIMEOUT)
@@ -337,6 +337,6 @@ def test_raw_descriptor_rejects_unknown_field():
         x = np.ones(4, np.float32)
         task = c._task(0, *c._pair(x, None, "all_reduce"), 4, dfccl.ReduceOp.SUM, 0, "raw", None)
         with pytest.raises(dfccl.InvalidArgumentError, match="not one a test may set"):
-            c._ctx.submit(task, {"send_addr": 0})
+            c._daemon.submit(task, {"send_addr": 0})
     finally:
         sc.settle(comms)

@@ -182,7 +182,7 @@ def test_a_device_fault_fails_everything_pending_and_refuses_more():
     process) runs no kernel again, the daemon included, and never writes
     the completion words of what it held: without a check, synchronize()
     would wait forever.  The watcher asks the device every 100 ms
-    (Backend.query_fault; injected here): a waiting synchronize(), a
+    (Device.query_fault; injected here): a waiting synchronize(), a
     collective nobody waits for and its done-callback all fail with a
     BackendError naming the fault, new collectives are refused, and close()
     returns at once, freeing nothing under the failed device."""
@@ -194,7 +194,7 @@ def test_a_device_fault_fails_everything_pending_and_refuses_more():
         called = []
         unwatched.add_done_callback(lambda w: called.append(type(w.exception()).__name__))
         time.sleep(0.1)
-        c._ctx.backend.inject_fault(700)
+        c._daemon.device.inject_fault(700)
         t0 = time.monotonic()
         with pytest.raises(dfccl.BackendError, match="failed under the dfccl daemon: simulated device fault 700"):
             waited.synchronize()                                              # no timeout: it would hang
@@ -204,7 +204,7 @@ def test_a_device_fault_fails_everything_pending_and_refuses_more():
             time.sleep(0.01)
         assert unwatched.done() and isinstance(unwatched.exception(), dfccl.BackendError)
         assert called == ["BackendError"]
-        assert c._ctx.device_fault == 700
+        assert c._daemon.device_fault == 700
         with pytest.raises(dfccl.BackendError, match="restart the process") as info:
             c.all_reduce(np.ones(4, np.float32), tag="later")
         assert info.value.driver_code == 700
@@ -227,7 +227,7 @@ def test_a_device_fault_reaches_the_peers_in_this_process_as_a_lost_rank():
         mine = comms[0].all_reduce(np.ones(64, np.float32), tag="rank 0 alone")   # keeps rank 0's watcher busy
         waiting = comms[1].all_reduce(np.ones(64, np.float32), tag="rank 1 alone")
         time.sleep(0.1)
-        comms[0]._ctx.backend.inject_fault(700)
+        comms[0]._daemon.device.inject_fault(700)
         t0 = time.monotonic()
         with pytest.raises(dfccl.PeerLostError, match="rank 0 is lost: its device sim:2952 failed under its daemon "
                                                       r"\(simulated device fault 700\)") as info:
@@ -248,21 +248,21 @@ def test_a_device_fault_found_at_the_next_launch():
     """A device that failed while nothing was pending (its daemon had left)
     is found when the next collective launches the daemon: the submission
     raises the device's BackendError, not a bare launch failure, and the
-    context refuses collectives from then on."""
+    daemon refuses collectives from then on."""
     comms = _comms(2, "direct", DEV + 154)   # its own devices: the injected fault stays on them
     try:
         zs = [np.ones(8, np.float32) for _ in range(2)]
         for w in [c.all_reduce(z, tag="before") for c, z in zip(comms, zs)]:
             w.synchronize(timeout=TIMEOUT)
-        ctx = comms[0]._ctx
+        daemon = comms[0]._daemon
         deadline = time.monotonic() + TIMEOUT
-        while ctx.daemon_state[1] != "exited" and time.monotonic() < deadline:
+        while daemon.daemon_state[1] != "exited" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert ctx.daemon_state[1] == "exited"   # idle: the daemon has left
-        ctx.backend.inject_fault(700)
+        assert daemon.daemon_state[1] == "exited"   # idle: the daemon has left
+        daemon.device.inject_fault(700)
         with pytest.raises(dfccl.BackendError, match="failed under the dfccl daemon: simulated device fault 700"):
             comms[0].all_reduce(np.ones(8, np.float32), tag="after")
-        assert ctx.device_fault == 700
+        assert daemon.device_fault == 700
         with pytest.raises(dfccl.BackendError, match="restart the process"):
             comms[0].all_reduce(np.ones(8, np.float32), tag="later")
     finally:
@@ -295,7 +295,7 @@ def test_a_failed_collective_keeps_its_buffers_until_no_peer_can_read_them():
         with pytest.raises(dfccl.AbortedError):
             w.synchronize(timeout=TIMEOUT)
         deadline = time.monotonic() + TIMEOUT
-        while comms[0]._ctx.held_by_daemon(comms[0]._endpoint.id) and time.monotonic() < deadline:
+        while comms[0]._daemon.held_by_daemon(comms[0]._endpoint.id) and time.monotonic() < deadline:
             time.sleep(1e-3)   # until the daemon let go of it and it retired
         del ws, w, done_buf, failed_buf
         gc.collect()

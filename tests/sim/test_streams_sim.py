@@ -23,7 +23,7 @@ TIMEOUT = 30.0
 
 def _setup(dev: int, n: int = 2):
     comms = dfccl.Communicator.for_devices(list(range(dev, dev + n)), backend="sim")
-    streams = [runtime.get_backend("sim", dev + r).create_stream() for r in range(n)]
+    streams = [runtime.get_device("sim", dev + r).create_stream() for r in range(n)]
     return comms, streams
 
 
@@ -40,13 +40,13 @@ def test_a_collective_runs_once_its_stream_reaches_it():
         streams[0].delay(0.3)                       # a long kernel before the collective
         t0 = time.monotonic()
         w0 = comms[0].all_reduce(xs[0], tag="behind a kernel", stream=streams[0])
-        assert w0.stream_ordered and comms[0]._ctx.stream_reached(w0) is False
+        assert w0.stream_ordered and comms[0]._daemon.stream_reached(w0) is False
         w1 = comms[1].all_reduce(xs[1], tag="behind a kernel")
         w1.synchronize(timeout=TIMEOUT)
         assert time.monotonic() - t0 >= 0.25        # it waited for rank 0's stream
         w0.synchronize(timeout=TIMEOUT)
         assert (xs[0] == 3).all() and (xs[1] == 3).all()
-        assert comms[0]._ctx.stream_reached(w0) is None   # retired
+        assert comms[0]._daemon.stream_reached(w0) is None   # retired
     finally:
         _close(comms, streams)
 
@@ -60,7 +60,7 @@ def test_wait_holds_up_the_stream_until_the_collective_completes():
         w0.wait(streams[0])                          # returns at once: the host never blocks
         streams[0].write32(flag.ctypes.data, 7)      # what the stream does after the wait
         time.sleep(0.2)
-        assert flag[0] == 0 and streams[0].pending() == 2 and comms[0]._ctx.stream_waits == 1
+        assert flag[0] == 0 and streams[0].pending() == 2 and comms[0]._daemon.stream_waits == 1
         comms[1].all_reduce(xs[1], tag="waited on a stream").synchronize(timeout=TIMEOUT)
         assert streams[0].synchronize(timeout=TIMEOUT)
         assert flag[0] == 7 and (xs[0] == 3).all()
@@ -79,11 +79,11 @@ def test_daemon_leaves_while_nothing_is_armed_and_comes_back():
         for s in streams:
             s.delay(1.0)
         works = [c.all_reduce(x, tag="late", stream=s) for c, x, s in zip(comms, xs, streams)]
-        launches = [c._ctx.launches for c in comms]
+        launches = [c._daemon.launches for c in comms]
         for w in works:
             w.synchronize(timeout=TIMEOUT)
         assert all((x == 3).all() for x in xs)
-        assert all(c._ctx.launches > n for c, n in zip(comms, launches)), (launches, [c._ctx.launches for c in comms])
+        assert all(c._daemon.launches > n for c, n in zip(comms, launches)), (launches, [c._daemon.launches for c in comms])
     finally:
         _close(comms, streams)
 
@@ -126,7 +126,7 @@ def test_stream_ordered_collectives_in_rank_divergent_orders(seed):
 def test_an_unknown_stream_is_refused():
     comms, streams = _setup(DEV + 30)
     try:
-        other = runtime.get_backend("sim", DEV + 31).create_stream()   # rank 1's device, not rank 0's
+        other = runtime.get_device("sim", DEV + 31).create_stream()   # rank 1's device, not rank 0's
         with pytest.raises(dfccl.InvalidArgumentError, match="needs one of its streams"):
             comms[0].all_reduce(np.ones(4, np.float32), stream=other)
         with pytest.raises(dfccl.InvalidArgumentError, match="needs one of its streams"):

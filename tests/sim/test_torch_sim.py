@@ -72,10 +72,10 @@ def _pool_worker(rank, commands, results, impl):
 
 class _Pool:
     def __init__(self, impl: str):
-        self.ctx = mp.get_context("spawn")
-        self.results = self.ctx.Queue()
-        self.commands = [self.ctx.Queue() for _ in range(POOL_SIZE)]
-        self.procs = [self.ctx.Process(target=_pool_worker, args=(r, self.commands[r], self.results, impl),
+        self.mp_context = mp.get_context("spawn")
+        self.results = self.mp_context.Queue()
+        self.commands = [self.mp_context.Queue() for _ in range(POOL_SIZE)]
+        self.procs = [self.mp_context.Process(target=_pool_worker, args=(r, self.commands[r], self.results, impl),
                                        daemon=True)
                       for r in range(POOL_SIZE)]
         for p in self.procs:
@@ -251,13 +251,13 @@ _CONTEXT_OPTIONS_FIRST = r"""
 import torch.distributed as dist
 import dfccl, dfccl.torch
 from dfccl import runtime
-opts = dfccl.ContextOptions(empty_quit_ns=123_000, idle_quit_ns=30_000_000)
-ctx = runtime.get_context("sim", 0, opts)            # before the process group
+opts = dfccl.DaemonOptions(empty_quit_ns=123_000, idle_quit_ns=30_000_000)
+daemon = runtime.get_daemon("sim", 0, opts)            # before the process group
 dist.init_process_group("dfccl", store=dist.HashStore(), rank=0, world_size=1)
 comm = dfccl.torch.communicator()
-assert comm._ctx is ctx and runtime.get_context("sim", 0, opts) is ctx
+assert comm._daemon is daemon and runtime.get_daemon("sim", 0, opts) is daemon
 try:
-    runtime.get_context("sim", 0, dfccl.ContextOptions())
+    runtime.get_daemon("sim", 0, dfccl.DaemonOptions())
 except dfccl.InvalidArgumentError as exc:
     assert "already runs with" in str(exc)
 else:
@@ -267,8 +267,8 @@ print("OK")
 """
 
 
-def test_context_options_set_before_the_process_group_are_its_daemons():
-    """docs/torch.md, "Daemon options": runtime.get_context(kind, device,
+def test_daemon_options_set_before_the_process_group_are_its_daemons():
+    """docs/torch.md, "Daemon options": runtime.get_daemon(kind, device,
     options) before init_process_group sets the daemon options (the quits,
     the blocks) of the process group's communicators."""
     import subprocess

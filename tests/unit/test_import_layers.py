@@ -18,20 +18,21 @@ SRC = os.path.join(ROOT, "src")
 # Lowest first.  A module may import modules of its own layer or lower ones.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations: no dfccl imports but these", {
-        "dfccl.errors", "dfccl.processes", "dfccl.shared_files", "dfccl.termination", "dfccl.policy",
-        "dfccl.kernel_image", "dfccl.launch", "dfccl.staging", "dfccl.store", "dfccl.streams"}),
+        "dfccl.errors", "dfccl._deprecated", "dfccl.processes", "dfccl.shared_files", "dfccl.termination",
+        "dfccl.policy", "dfccl.kernel_image", "dfccl.launch", "dfccl.staging", "dfccl.store", "dfccl.streams"}),
     ("native runtime (Cython)", {
-        "dfccl._native", "dfccl._native.layout", "dfccl._native.array_view", "dfccl._native.backend", "dfccl._native.work",
-        "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch", "dfccl._native.hotpath",
-        "dfccl._native.retire", "dfccl._native.inspection", "dfccl._native.endpoints", "dfccl._native.progress",
-        "dfccl._native.context", "dfccl._native.capi", "dfccl._native.sim_backend", "dfccl._native.cuda_backend",
-        "dfccl._native.abi", "dfccl._native.core"}),
+        "dfccl._native", "dfccl._native.layout", "dfccl._native.array_view", "dfccl._native.device",
+        "dfccl._native.work", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",
+        "dfccl._native.hotpath", "dfccl._native.retire", "dfccl._native.inspection", "dfccl._native.endpoints",
+        "dfccl._native.progress", "dfccl._native.daemon", "dfccl._native.capi", "dfccl._native.sim_device",
+        "dfccl._native.cuda_device", "dfccl._native.abi", "dfccl._native.core"}),
     ("values and planning", {
         "dfccl.types", "dfccl.options", "dfccl.planning", "dfccl.tags", "dfccl.point_to_point", "dfccl.flight",
         "dfccl.status_page", "dfccl.unique_id"}),
     ("one rank's machinery", {
         "dfccl.runtime", "dfccl.buffers", "dfccl.endpoint", "dfccl.diagnostics", "dfccl.rank_state",
-        "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split"}),
+        "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split",
+        "dfccl.arguments", "dfccl.sharing"}),
     ("the API", {"dfccl.communicator", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
     ("the package", {"dfccl"}),
     ("tools and integrations", {

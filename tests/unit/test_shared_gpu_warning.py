@@ -4,7 +4,7 @@ problems")."""
 
 from __future__ import annotations
 
-from dfccl.communicator import shared_gpu_warning
+from dfccl.sharing import shared_gpu_warning
 
 
 def _peer(pid, bus, backend="cuda", host="h"):

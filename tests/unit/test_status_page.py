@@ -34,9 +34,9 @@ def test_written_by_the_owner_read_by_another_process(page_dir):
     try:
         assert page.read() == (0, 0, os.getpid())
         page.write(2, 17)
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        p = ctx.Process(target=_read_in_child, args=(page.path, out))
+        mp_context = mp.get_context("spawn")
+        out = mp_context.Queue()
+        p = mp_context.Process(target=_read_in_child, args=(page.path, out))
         p.start()
         got = out.get(timeout=30)
         p.join(30)

@@ -460,8 +460,8 @@ def _child_main(uid, key: str) -> None:
 def test_unique_id_in_spawned_child():
     uid = UniqueId.create()
     try:
-        ctx = multiprocessing.get_context("spawn")
-        p = ctx.Process(target=_child_main, args=(uid, "child-key"))
+        mp_context = multiprocessing.get_context("spawn")
+        p = mp_context.Process(target=_child_main, args=(uid, "child-key"))
         p.start()
         try:
             with uid.connect(timeout=5) as c:

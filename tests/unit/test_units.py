@@ -603,7 +603,7 @@ NUMPY_DTYPES = [("int8", DataType.INT8), ("uint8", DataType.UINT8), ("int32", Da
 def test_as_buffer_numpy(name, want):
     a = np.arange(10).astype(name)
     b = as_buffer(a)
-    assert (b.ptr, b.count, b.dtype, b.kind, b.device, b.readonly) == (a.ctypes.data, 10, want, "cpu", -1, False)
+    assert (b.ptr, b.count, b.dtype, b.device_type, b.device, b.readonly) == (a.ctypes.data, 10, want, "cpu", -1, False)
     assert b.owner is a and b.nbytes == a.nbytes
     a.setflags(write=False)
     assert as_buffer(a).readonly
@@ -665,7 +665,7 @@ def test_as_buffer_dlpack(name, want):
     obj = _DLPackOnly(a)
     assert not hasattr(obj, "__array_interface__")
     b = as_buffer(obj)
-    assert (b.ptr, b.count, b.dtype, b.kind, b.device) == (a.ctypes.data, 12, want, "cpu", -1)
+    assert (b.ptr, b.count, b.dtype, b.device_type, b.device) == (a.ctypes.data, 12, want, "cpu", -1)
     assert as_buffer(_DLPackOnly(a[1])).ptr == a.ctypes.data + 4 * a.itemsize
     with pytest.raises(InvalidArgumentError, match="contiguous"):
         as_buffer(_DLPackOnly(a[:, ::2]))
@@ -690,7 +690,7 @@ def test_as_buffer_bfloat16_array_interface():
                                "strides": None, "version": 3}
 
     b = as_buffer(BF16Array())
-    assert (b.dtype, b.count, b.ptr, b.kind) == (DataType.BFLOAT16, 6, storage.ctypes.data, "cpu")
+    assert (b.dtype, b.count, b.ptr, b.device_type) == (DataType.BFLOAT16, 6, storage.ctypes.data, "cpu")
 
 
 def test_as_buffer_cuda_array_interface_without_cuda():
@@ -702,7 +702,7 @@ def test_as_buffer_cuda_array_interface_without_cuda():
     with pytest.raises(InvalidArgumentError, match="not CUDA device memory"):
         as_buffer(FakeDevArray(4))
     empty = as_buffer(FakeDevArray(0))
-    assert (empty.kind, empty.count) == ("cuda", 0)
+    assert (empty.device_type, empty.count) == ("cuda", 0)
 
 
 def test_as_buffer_cuda_array_interface_raising_falls_back_to_dlpack():
@@ -749,11 +749,11 @@ def test_unsupported_element_type_names_the_argument_and_what_is_supported(dtype
 def test_buffer_from_pointer_and_view():
     arr = np.zeros(8, np.uint16)
     b = Buffer.from_pointer(arr.ctypes.data, 8, "bfloat16", owner=arr)
-    assert (b.kind, b.device, b.readonly, b.nbytes, b.owner) == ("cpu", -1, False, 16, arr)
+    assert (b.device_type, b.device, b.readonly, b.nbytes, b.owner) == ("cpu", -1, False, 16, arr)
     v = b.view(3, 2)
     assert (v.ptr, v.count, v.dtype, v.owner) == (arr.ctypes.data + 6, 2, DataType.BFLOAT16, arr)
     d = Buffer.from_pointer(1 << 40, 4, DataType.FLOAT64, device=1, readonly=True)
-    assert (d.kind, d.device, d.readonly) == ("cuda", 1, True)
+    assert (d.device_type, d.device, d.readonly) == ("cuda", 1, True)
     for ptr, count in ((-1, 4), (4096, -1)):
         with pytest.raises(InvalidArgumentError):
             Buffer.from_pointer(ptr, count, "float32")
@@ -764,20 +764,20 @@ def test_buffer_from_pointer_and_view():
 
 
 def test_link_ahead_option_and_environment(monkeypatch):
-    from dfccl.options import ContextOptions, link_ahead, LINK_AHEAD_ENV
+    from dfccl.options import DaemonOptions, link_ahead, LINK_AHEAD_ENV
     monkeypatch.delenv(LINK_AHEAD_ENV, raising=False)
-    assert link_ahead(ContextOptions()) == 0
-    assert link_ahead(ContextOptions(link_ahead=1)) == 1
+    assert link_ahead(DaemonOptions()) == 0
+    assert link_ahead(DaemonOptions(link_ahead=1)) == 1
     monkeypatch.setenv(LINK_AHEAD_ENV, "3")
-    assert link_ahead(ContextOptions()) == 3
-    assert link_ahead(ContextOptions(link_ahead=2)) == 2, "the option wins over the environment"
+    assert link_ahead(DaemonOptions()) == 3
+    assert link_ahead(DaemonOptions(link_ahead=2)) == 2, "the option wins over the environment"
     for bad in ("4", "-1", "two"):
         monkeypatch.setenv(LINK_AHEAD_ENV, bad)
         with pytest.raises(InvalidArgumentError, match=LINK_AHEAD_ENV):
-            link_ahead(ContextOptions())
+            link_ahead(DaemonOptions())
     for bad in (4, -1, True, 1.0):
         with pytest.raises(InvalidArgumentError, match="link_ahead"):
-            ContextOptions(link_ahead=bad)
+            DaemonOptions(link_ahead=bad)
 
 
 def test_window_policy_adapts_towards_twice_the_p90_wait():
@@ -799,22 +799,22 @@ def test_empty_quit_defaults_and_bounds():
     """The empty quit: 50 us on a GPU, 2 ms in the simulator, never longer
     than the idle quit, negative refused; preemption off keeps the daemon
     (both infinite unless asked)."""
-    from dfccl.options import ContextOptions
+    from dfccl.options import DaemonOptions
     from dfccl.policy import EMPTY_QUIT_GPU_NS, INFINITE_NS, default_policy
 
-    gpu, sim = default_policy("cuda", ContextOptions()), default_policy("sim", ContextOptions())
+    gpu, sim = default_policy("cuda", DaemonOptions()), default_policy("sim", DaemonOptions())
     assert gpu.empty_quit_ns == EMPTY_QUIT_GPU_NS == 50_000 and gpu.idle_quit_ns == 5_000_000
     assert sim.empty_quit_ns == 2_000_000 and sim.idle_quit_ns == 20_000_000
-    assert default_policy("cuda", ContextOptions(empty_quit_ns=10**6)).empty_quit_ns == 10**6
-    capped = default_policy("cuda", ContextOptions(idle_quit_ns=30_000, empty_quit_ns=10**6))
+    assert default_policy("cuda", DaemonOptions(empty_quit_ns=10**6)).empty_quit_ns == 10**6
+    capped = default_policy("cuda", DaemonOptions(idle_quit_ns=30_000, empty_quit_ns=10**6))
     assert capped.empty_quit_ns == 30_000, "an empty daemon does not stay longer than an idle one"
-    assert default_policy("cuda", ContextOptions(preemption=False)).empty_quit_ns == INFINITE_NS
+    assert default_policy("cuda", DaemonOptions(preemption=False)).empty_quit_ns == INFINITE_NS
     with pytest.raises(InvalidArgumentError, match="empty_quit_ns"):
-        ContextOptions(empty_quit_ns=-1)
+        DaemonOptions(empty_quit_ns=-1)
 
 
 def test_daemon_share_gives_sharing_ranks_disjoint_blocks():
-    from dfccl.communicator import daemon_share
+    from dfccl.sharing import daemon_share
 
     def peer(pid, device, blocks=32):
         return {"host": "h", "pid": pid, "backend": "cuda", "device": device, "blocks": blocks}

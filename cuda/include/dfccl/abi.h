@@ -135,7 +135,7 @@ typedef struct dfccl_task_desc {
   uint16_t nchannels;     /* blocks taking part; blocks >= nchannels skip it */
   uint8_t kind, dtype, op, path;
   uint32_t first_block;   /* the daemon block that runs channel 0; channel c runs on block
-                             (first_block + c) % nblocks (Context.submit spreads tags and the
+                             (first_block + c) % nblocks (Daemon.submit spreads tags and the
                              ranks of one device over the blocks) */
   uint64_t aux_offset;    /* all-to-all: this instance's split table in its arena
                              (dfccl_a2a_table); zero otherwise */
@@ -236,7 +236,7 @@ typedef struct dfccl_task_ctx {
 #define DFCCL_CTX_DONE 3u
 
 /* Where one daemon block's time goes (its leader adds, the host reads the
- * totals: Context.daemon_profile).  Accumulated across launches. */
+ * totals: Daemon.daemon_profile).  Accumulated across launches. */
 typedef struct dfccl_block_profile {
   uint64_t passes;        /* scheduler passes */
   uint64_t runs;          /* task runs (a run ends done, failed or preempted) */

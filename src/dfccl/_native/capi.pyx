@@ -15,7 +15,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from dfccl._native.abi cimport *
-from dfccl._native.core cimport ctx_core, plan_t
+from dfccl._native.core cimport daemon_core, plan_t
 from dfccl._native.hotpath cimport (handle_release, handle_stream_wait, handle_test, handle_wait, submit,
                                     submitted_t)
 from dfccl._native.launch cimport core_incref, last_error_message, record_error
@@ -61,7 +61,7 @@ cdef int _submit(const dfccl_plan *plan, const dfccl_submit_at *at, dfccl_handle
     else:
         rc = submit(p.core, p, at.send_addr, at.recv_addr, at.has_stream != 0, at.stream, False, NULL, &s)
     if s.gen != 0:
-        # The handle keeps the context's C state (not the Context) alive.
+        # The handle keeps the daemon's C state (not the Daemon) alive.
         core_incref(p.core)
         out.context = p.core
         out.slot = s.slot
@@ -76,7 +76,7 @@ cdef int _test(const dfccl_handle *h, uint32_t *status, int32_t *detail) noexcep
     if h == NULL or h.context == NULL:
         return _invalid(b"test: the handle is NULL or released")
     state = _let_go()
-    rc = handle_test(<ctx_core *>h.context, h.slot, h.gen, status, detail)
+    rc = handle_test(<daemon_core *>h.context, h.slot, h.gen, status, detail)
     _take_back(state)
     return rc
 
@@ -87,7 +87,7 @@ cdef int _wait(const dfccl_handle *h, int64_t timeout_ns, uint32_t *status, int3
     if h == NULL or h.context == NULL:
         return _invalid(b"wait: the handle is NULL or released")
     state = _let_go()
-    rc = handle_wait(<ctx_core *>h.context, h.slot, h.gen, timeout_ns, status, detail)
+    rc = handle_wait(<daemon_core *>h.context, h.slot, h.gen, timeout_ns, status, detail)
     _take_back(state)
     return rc
 
@@ -98,7 +98,7 @@ cdef int _stream_wait(const dfccl_handle *h, uint64_t stream) noexcept nogil:
     if h == NULL or h.context == NULL:
         return _invalid(b"stream_wait: the handle is NULL or released")
     state = _let_go()
-    rc = handle_stream_wait(<ctx_core *>h.context, h.slot, h.gen, stream)
+    rc = handle_stream_wait(<daemon_core *>h.context, h.slot, h.gen, stream)
     _take_back(state)
     return rc
 
@@ -111,7 +111,7 @@ cdef int _release(dfccl_handle *h) noexcept nogil:
     if h.context == NULL:
         return DFCCL_API_OK
     state = _let_go()
-    rc = handle_release(<ctx_core *>h.context, h.slot, h.gen)
+    rc = handle_release(<daemon_core *>h.context, h.slot, h.gen)
     _take_back(state)
     if rc == DFCCL_API_OK:
         h.context = NULL
@@ -132,7 +132,7 @@ cdef const char *_error_string(int code) noexcept nogil:
     if code == DFCCL_API_E_RESOURCE:
         return b"out of completion slots, tag records or staging"
     if code == DFCCL_API_E_CLOSED:
-        return b"the communicator or its context is closed"
+        return b"the communicator or its daemon is closed"
     if code == DFCCL_API_E_BACKEND:
         return b"the device or the backend failed"
     if code == DFCCL_API_E_PYTHON:

@@ -1,8 +1,8 @@
 # The host runtime's C state, shared by its modules: structures only.
 #   tag_table: tag_core / tag_state (a rank's tags; the table owns them)
 #   descriptor: plan_t (a collective bound to its buffers)
-#   hotpath, retire, inspect, context: ctx_core / slot_rec (a device's
-#     daemon: slots, ring, launches; the context owns them)
+#   hotpath, retire, inspect, daemon: daemon_core / slot_rec (a device's
+#     daemon: slots, ring, launches; the daemon owns them)
 # Both shared structures are reference counted, so that a slot or a C
 # handle in flight keeps what it points at, whatever Python frees.
 from cpython.pythread cimport PyThread_type_lock
@@ -73,7 +73,7 @@ cdef struct tag_grant:
 cdef struct plan_t:
     dfccl_task_desc desc       # what every instance shares (first_block included)
     uint32_t block_offset      # added to the tag's hash to place channel 0 (dfccl_first_block)
-    ctx_core *core             # the context it was bound to (set by the context)
+    daemon_core *core          # the daemon it was bound to (set by the daemon)
     tag_core *tags
     tag_state *tag             # the tag's state when last seen (checked at every use)
     PyObject *descriptor       # the TaskDescriptor that owns this (borrowed)
@@ -99,7 +99,7 @@ cdef struct slot_rec:
     uint32_t gen
     uint32_t seen_done         # gen the watcher saw completed, unretired, at its last look
     uint32_t endpoint
-    uint32_t position          # index in ctx_core.outstanding while busy
+    uint32_t position          # index in daemon_core.outstanding while busy
     uint32_t status            # dfccl_status once retired (or failed on the host)
     int32_t detail
     uint8_t state              # slot_state
@@ -116,8 +116,8 @@ cdef struct slot_rec:
     uint64_t aux_bytes
 
 
-cdef struct ctx_core:
-    uint32_t refs              # the Context, and every C handle not released
+cdef struct daemon_core:
+    uint32_t refs              # the Daemon, and every C handle not released
     uint32_t nblocks
     uint32_t nslots
     uint32_t ring_size
@@ -165,5 +165,5 @@ cdef struct ctx_core:
     uint64_t pol_preemptions
     uint64_t *pol_waits
     uint32_t pol_nwaits
-    PyObject *backend          # the Backend (borrowed; NULL once the Context is gone)
-    PyObject *py_ctx           # the Context (borrowed; NULL once it is gone): the rare paths
+    PyObject *device           # the Device (borrowed; NULL once the Daemon is gone)
+    PyObject *py_daemon        # the Daemon (borrowed; NULL once it is gone): the rare paths

@@ -16,7 +16,7 @@ cdef class TaskDescriptor:
     cdef readonly object owners
     cdef TagTable tags
     cdef object flight        # the flight recorder's ring (a deque) or None
-    cdef object ctx           # the Context it is bound to: plan.core stays valid while this lives
+    cdef object daemon           # the Daemon it is bound to: plan.core stays valid while this lives
 
 
 cdef int override_fields(void *desc, dict fields) except -1

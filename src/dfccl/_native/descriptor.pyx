@@ -15,7 +15,7 @@ cdef class TaskDescriptor:
     """One collective as the daemon runs it: a dfccl_task_desc (abi.h) less
     what each instance adds (slot, generation, instance number, tag record,
     staging), plus what the host needs to name and retire it.  Built once per
-    bound plan, or once per plain call's shape; the context turns it into a
+    bound plan, or once per plain call's shape; the daemon turns it into a
     running instance (hotpath.pyx).  Its plan (core.pxd, plan_t) is what the
     C API submits: it lives as long as this object."""
 

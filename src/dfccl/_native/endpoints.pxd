@@ -1,9 +1,9 @@
-# A context's communicator ranks (endpoints.pyx): a base of Context.
+# A daemon's communicator ranks (endpoints.pyx): a base of Daemon.
 from libc.stdint cimport uint32_t, uint64_t
-from dfccl._native.inspection cimport ContextBase
+from dfccl._native.inspection cimport DaemonBase
 
 
-cdef class ContextEndpoints(ContextBase):
+cdef class DaemonEndpoints(DaemonBase):
     cdef readonly uint32_t max_endpoints
     cdef uint64_t endpoints_dev
     cdef list free_endpoints

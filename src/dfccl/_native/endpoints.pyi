@@ -1,8 +1,8 @@
 from typing import Callable
 
-from dfccl._native.inspection import ContextBase
+from dfccl._native.inspection import DaemonBase
 
-class ContextEndpoints(ContextBase):
+class DaemonEndpoints(DaemonBase):
     max_endpoints: int
     diagnostics: dict[int, object]
     def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,

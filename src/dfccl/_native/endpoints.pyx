@@ -1,8 +1,8 @@
 # cython: language_level=3
-"""The communicator ranks a context serves (endpoints): their entries in
+"""The communicator ranks a daemon serves (endpoints): their entries in
 the daemon's device memory, their abort words, and their release once the
-daemon has let go of every collective of theirs.  ContextEndpoints is a
-base of Context (context.pyx)."""
+daemon has let go of every collective of theirs.  DaemonEndpoints is a
+base of Daemon (daemon.pyx)."""
 
 from cpython.pythread cimport PyThread_release_lock
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
@@ -15,8 +15,8 @@ from dfccl._native.retire cimport lock_gil
 from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
 
 
-cdef class ContextEndpoints(ContextBase):
-    """A context's endpoints (Context builds it)."""
+cdef class DaemonEndpoints(DaemonBase):
+    """A daemon's endpoints (Daemon builds it)."""
 
     cdef void _abort_flags_changed(self) noexcept:
         """Tells the host link to copy the endpoints' abort flags again."""
@@ -43,7 +43,7 @@ cdef class ContextEndpoints(ContextBase):
         if not self.free_endpoints:
             self.reclaim_endpoints()
         if not self.free_endpoints:
-            where = f"{self.backend.name}:{self.backend.device}"
+            where = self.device.where
             if self.draining_endpoints:
                 raise ResourceError(f"too many communicators on {where} (max_endpoints={self.max_endpoints}; "
                                     f"{len(self.draining_endpoints)} of them closed, but the daemon still runs "
@@ -64,8 +64,8 @@ cdef class ContextEndpoints(ContextBase):
         for i in range(nranks):
             ep.peer_table[i] = peer_tables[i]
             ep.peer_arena[i] = peer_arenas[i]
-        self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
-                                    <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
+        self.device.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                   <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
         self.c.ep_abort[idx] = 0
         self._abort_flags_changed()
         return idx
@@ -81,7 +81,7 @@ cdef class ContextEndpoints(ContextBase):
         it is rejected (DFCCL_STATUS_BAD_TASK), and ``on_released()`` is
         called.  Returns whether it was released now."""
         if idx < 0 or idx >= <int>self.max_endpoints or idx in self.free_endpoints or idx in self.draining_endpoints:
-            raise InvalidArgumentError(f"endpoint {idx} is not registered with this context")
+            raise InvalidArgumentError(f"endpoint {idx} is not registered with this daemon")
         self.diagnostics.pop(idx, None)
         if not self.c.closed and self.held_by_daemon(idx) > 0:
             self.draining_endpoints[idx] = on_released
@@ -112,17 +112,17 @@ cdef class ContextEndpoints(ContextBase):
         if idx < 0 or idx >= <int>self.max_endpoints:
             raise InvalidArgumentError(f"endpoint {idx} is outside 0..{self.max_endpoints - 1}")
         if self.c.closed:
-            raise ClosedError(f"context {self.backend.name}:{self.backend.device} is closed")
-        self.backend.copy_from_device(<uint64_t><uintptr_t>&ep, self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
-                                      sizeof(dfccl_endpoint))
+            raise ClosedError(f"daemon {self.device.where} is closed")
+        self.device.copy_from_device(<uint64_t><uintptr_t>&ep, self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                     sizeof(dfccl_endpoint))
         return (ep.rank, ep.nranks)
 
     def _release_endpoint(self, int idx, on_released):
         cdef dfccl_endpoint ep
         if not self.c.closed and not self.c.device_fault:
             memset(&ep, 0, sizeof(dfccl_endpoint))
-            self.backend.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
-                                        <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
+            self.device.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
+                                       <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
         self.free_endpoints.append(idx)
         if on_released is not None:
             on_released()
@@ -145,5 +145,5 @@ cdef class ContextEndpoints(ContextBase):
                    for i in range(self.c.n_outstanding)]
         PyThread_release_lock(self.c.lock)
         for s, gen in pending:
-            self.backend.copy_to_device(self.c.armed_dev + 4 * <uint64_t>s, <uint64_t><uintptr_t>&gen, 4)
+            self.device.copy_to_device(self.c.armed_dev + 4 * <uint64_t>s, <uint64_t><uintptr_t>&gen, 4)
         self._ensure_running()

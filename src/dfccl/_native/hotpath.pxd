@@ -5,7 +5,7 @@
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from dfccl._native.abi cimport dfccl_result
-from dfccl._native.core cimport ctx_core, plan_t, tag_core, tag_state
+from dfccl._native.core cimport daemon_core, plan_t, tag_core, tag_state
 
 
 cdef struct submitted_t:
@@ -28,22 +28,22 @@ cdef struct retired_t:
 
 
 # submit
-cdef int submit(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
+cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
                 bint by_work, PyObject *raw, submitted_t *out) noexcept nogil
 
 # retire
-cdef bint completed(ctx_core *c, uint32_t s) noexcept nogil
-cdef void unlink(ctx_core *c, uint32_t s, const dfccl_result *result, retired_t *out) noexcept nogil
-cdef bint unlink_completed(ctx_core *c, uint32_t s, uint32_t gen, uint64_t now, retired_t *out) noexcept nogil
+cdef bint completed(daemon_core *c, uint32_t s) noexcept nogil
+cdef void unlink(daemon_core *c, uint32_t s, const dfccl_result *result, retired_t *out) noexcept nogil
+cdef bint unlink_completed(daemon_core *c, uint32_t s, uint32_t gen, uint64_t now, retired_t *out) noexcept nogil
 cdef int release_tag(retired_t *r, PyObject *owners) noexcept nogil
-cdef int retire_handle_slot(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil
-cdef void drop_stream_wait(ctx_core *c, uint32_t s) noexcept nogil
-cdef int hold_for_stream(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil
-cdef int stream_wait(ctx_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil
+cdef int retire_handle_slot(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil
+cdef void drop_stream_wait(daemon_core *c, uint32_t s) noexcept nogil
+cdef int hold_for_stream(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil
+cdef int stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil
 
 # C handles
-cdef int handle_test(ctx_core *c, uint32_t s, uint32_t gen, uint32_t *status, int32_t *detail) noexcept nogil
-cdef int handle_wait(ctx_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, uint32_t *status,
+cdef int handle_test(daemon_core *c, uint32_t s, uint32_t gen, uint32_t *status, int32_t *detail) noexcept nogil
+cdef int handle_wait(daemon_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, uint32_t *status,
                      int32_t *detail) noexcept nogil
-cdef int handle_stream_wait(ctx_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil
-cdef int handle_release(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil
+cdef int handle_stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil
+cdef int handle_release(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil

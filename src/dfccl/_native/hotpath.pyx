@@ -9,9 +9,9 @@ table's (a tag without its bucket, staging to reserve or give back), out
 of slots, errors (their messages come from the Python objects), the
 simulator's streams, tests' raw fields.
 
-Concurrency: one submission at a time per context (submit_lock: a tag's
+Concurrency: one submission at a time per daemon (submit_lock: a tag's
 instance, a slot and a ring entry are taken and published as one); the
-slots and the outstanding list are under the context's lock; a tag's state
+slots and the outstanding list are under the daemon's lock; a tag's state
 under its table's lock.  A thread never blocks on these locks while it
 holds the GIL (their holders may run Python code, which lets other threads
 take it); only submit_lock is held while the rare paths wait for the GIL."""
@@ -22,8 +22,8 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
-from dfccl._native.backend cimport Backend
-from dfccl._native.core cimport SLOT_BUSY, SLOT_FREE, SLOT_RETIRED, ctx_core, plan_t, slot_rec, tag_grant
+from dfccl._native.device cimport Device
+from dfccl._native.core cimport SLOT_BUSY, SLOT_FREE, SLOT_RETIRED, daemon_core, plan_t, slot_rec, tag_grant
 from dfccl._native.descriptor cimport TaskDescriptor, override_fields
 from dfccl._native.launch cimport (POLICY_WAITS, core_decref, ensure_running, fault_failure, record_error,
                                    signal_progress, wake_watch)
@@ -44,25 +44,25 @@ cdef enum:
 # ---------------------------------------------------------------------------
 # submit
 # ---------------------------------------------------------------------------
-cdef int _refusal(ctx_core *c, int nchannels, bint comm_closed) noexcept with gil:
+cdef int _refusal(daemon_core *c, int nchannels, bint comm_closed) noexcept with gil:
     """Why a collective (of ``nchannels`` channels) cannot be submitted here:
-    the context closed or failed, its communicator rank closed or aborted,
+    the daemon closed or failed, its communicator rank closed or aborted,
     bad channels."""
     try:
-        if c.py_ctx == NULL:
-            return record_error(ClosedError("the context of this collective is closed and gone"))
+        if c.py_daemon == NULL:
+            return record_error(ClosedError("the daemon of this collective is closed and gone"))
         if comm_closed and not c.closed and not c.device_fault:
             return record_error(ClosedError("the communicator rank of this collective is closed or aborted"))
-        return record_error((<object>c.py_ctx)._refusal(nchannels))
+        return record_error((<object>c.py_daemon)._refusal(nchannels))
     except BaseException as exc:
         return record_error(exc)
 
 
-cdef int _make_room(ctx_core *c) noexcept with gil:
+cdef int _make_room(daemon_core *c) noexcept with gil:
     """No free slot: completed collectives nobody has retired yet free theirs
     first; ResourceError if none does."""
     try:
-        (<object>c.py_ctx)._make_room()
+        (<object>c.py_daemon)._make_room()
         return 0
     except BaseException as exc:
         return record_error(exc)
@@ -83,14 +83,14 @@ cdef void _cancel_slow(plan_t *p) noexcept with gil:
     (<TaskDescriptor>p.descriptor).tags.cancel(p.key)
 
 
-cdef int _write_slow(ctx_core *c, PyObject *raw, dfccl_task_desc *d, bint has_stream, uint64_t stream,
+cdef int _write_slow(daemon_core *c, PyObject *raw, dfccl_task_desc *d, bint has_stream, uint64_t stream,
                      uint64_t addr, uint32_t gen) noexcept with gil:
     """Tests' raw fields, and stream writes that need the GIL (or failed)."""
     try:
         if raw != NULL:
             override_fields(d, <dict>raw)
         if has_stream:
-            (<Backend>c.backend).stream_write32(stream, addr, gen)
+            (<Device>c.device).stream_write32(stream, addr, gen)
         return 0
     except BaseException as exc:
         return record_error(exc)
@@ -101,7 +101,7 @@ cdef int _ring_full(uint64_t position) noexcept with gil:
                                       "held by one long run); the submission ring cannot take more"))
 
 
-cdef int _wait_ring_entry(ctx_core *c, uint64_t position) noexcept nogil:
+cdef int _wait_ring_entry(daemon_core *c, uint64_t position) noexcept nogil:
     """Returns once the daemon's host link has copied the ring entry at
     ``position`` (the one about to be rewritten).  It lags that far only
     while one long run holds a block; this waits for it (at most a second,
@@ -120,7 +120,7 @@ cdef int _wait_ring_entry(ctx_core *c, uint64_t position) noexcept nogil:
     return 0
 
 
-cdef int _write_entry(ctx_core *c, plan_t *p, uint32_t slot, uint32_t gen, const tag_grant *g, uint64_t send_addr,
+cdef int _write_entry(daemon_core *c, plan_t *p, uint32_t slot, uint32_t gen, const tag_grant *g, uint64_t send_addr,
                       uint64_t recv_addr, bint has_stream, uint64_t stream, PyObject *raw) noexcept nogil:
     """Fills the next ring entry (not yet published)."""
     cdef dfccl_sqe *e
@@ -147,7 +147,7 @@ cdef int _write_entry(ctx_core *c, plan_t *p, uint32_t slot, uint32_t gen, const
         tag_note_slot(p.tags, p.tag, ((<uint64_t>slot + 1) << 32) | gen)
     if has_stream:
         # The stream arms it: a write into device memory when it gets there.
-        if raw != NULL or (<Backend>c.backend).try_stream_write32(stream, c.armed_dev + 4 * slot, gen) != 0:
+        if raw != NULL or (<Device>c.device).try_stream_write32(stream, c.armed_dev + 4 * slot, gen) != 0:
             rc = _write_slow(c, raw, d, True, stream, c.armed_dev + 4 * slot, gen)
     else:
         if raw != NULL:
@@ -161,7 +161,7 @@ cdef int _write_entry(ctx_core *c, plan_t *p, uint32_t slot, uint32_t gen, const
     return 0
 
 
-cdef int _submit_locked(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream,
+cdef int _submit_locked(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream,
                         uint64_t stream, bint by_work, PyObject *raw, submitted_t *out) noexcept nogil:
     """submit() under the submit lock."""
     cdef tag_grant g
@@ -222,11 +222,11 @@ cdef int _submit_locked(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t rec
     return 0
 
 
-cdef int submit(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
+cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
                 bint by_work, PyObject *raw, submitted_t *out) noexcept nogil:
     """Publishes one instance of ``p`` to the daemon at the given buffers
     and stream; ``out`` names it (``out.gen`` 0: nothing was published).
-    ``by_work``: a Python Work will own the slot (Context attaches it);
+    ``by_work``: a Python Work will own the slot (Daemon attaches it);
     else a C handle does.  ``raw`` (tests only): fields to overwrite."""
     cdef int rc
     out.gen = 0
@@ -250,12 +250,12 @@ cdef int submit(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, 
 # ---------------------------------------------------------------------------
 # retire
 # ---------------------------------------------------------------------------
-cdef bint completed(ctx_core *c, uint32_t s) noexcept nogil:
+cdef bint completed(daemon_core *c, uint32_t s) noexcept nogil:
     """Slot ``s`` holds a collective the daemon has completed."""
     return dfccl_load_acquire_u32(&c.done[s]) == c.slots[s].gen
 
 
-cdef void drop_stream_wait(ctx_core *c, uint32_t s) noexcept nogil:
+cdef void drop_stream_wait(daemon_core *c, uint32_t s) noexcept nogil:
     """Under the lock: slot ``s`` no longer holds the daemon for a stream."""
     if c.slots[s].stream_waited:
         c.slots[s].stream_waited = 0
@@ -263,7 +263,7 @@ cdef void drop_stream_wait(ctx_core *c, uint32_t s) noexcept nogil:
         dfccl_store_release_u64(&c.ctrl.stream_waits, c.n_stream_waited)
 
 
-cdef void unlink(ctx_core *c, uint32_t s, const dfccl_result *result, retired_t *out) noexcept nogil:
+cdef void unlink(daemon_core *c, uint32_t s, const dfccl_result *result, retired_t *out) noexcept nogil:
     """Under the lock: takes busy slot ``s`` off the outstanding list with
     ``result``; frees it unless a C handle not released yet holds it.
     ``out`` takes its Work and its tag instance."""
@@ -296,9 +296,9 @@ cdef void unlink(ctx_core *c, uint32_t s, const dfccl_result *result, retired_t 
         r.state = SLOT_RETIRED
 
 
-cdef void _observe(ctx_core *c, const dfccl_result *res, uint64_t now) noexcept nogil:
+cdef void _observe(daemon_core *c, const dfccl_result *res, uint64_t now) noexcept nogil:
     """Under the lock: one retired collective, for the preemption policy
-    (policy.py), which adapts once per period (Context._adapt_policy)."""
+    (policy.py), which adapts once per period (Daemon._adapt_policy)."""
     c.pol_completions += 1
     c.pol_preemptions += res.preemptions
     if c.pol_nwaits < POLICY_WAITS:
@@ -308,7 +308,7 @@ cdef void _observe(ctx_core *c, const dfccl_result *res, uint64_t now) noexcept 
         c.pol_due = 1
 
 
-cdef bint unlink_completed(ctx_core *c, uint32_t s, uint32_t gen, uint64_t now, retired_t *out) noexcept nogil:
+cdef bint unlink_completed(daemon_core *c, uint32_t s, uint32_t gen, uint64_t now, retired_t *out) noexcept nogil:
     """Under the lock: unlinks slot ``s`` if it holds generation ``gen``, the
     daemon completed it and (for a Work's) its Work is attached."""
     cdef slot_rec *r = &c.slots[s]
@@ -333,7 +333,7 @@ cdef int _release_tag_slow(retired_t *r, PyObject *owners) noexcept with gil:
 
 
 cdef int release_tag(retired_t *r, PyObject *owners) noexcept nogil:
-    """Outside the context's lock: gives the retired instance back to its
+    """Outside the daemon's lock: gives the retired instance back to its
     tag table (its own path when it frees staging or keeps ``owners``)."""
     cdef int rc = 0
     if r.tags == NULL:
@@ -345,7 +345,7 @@ cdef int release_tag(retired_t *r, PyObject *owners) noexcept nogil:
     return rc
 
 
-cdef int retire_handle_slot(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
+cdef int retire_handle_slot(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     """Retires a C handle's slot if the daemon completed it: 1 if this call
     did, 0 if not (pending, or retired already)."""
     cdef retired_t r
@@ -362,7 +362,7 @@ cdef int retire_handle_slot(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogi
     return rc if rc < 0 else 1
 
 
-cdef int hold_for_stream(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
+cdef int hold_for_stream(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     """Counts slot ``s`` among the collectives streams wait for
     (ctrl.stream_waits), so that the daemon does not leave before it
     completes, and makes sure the daemon runs: a launch queued after the
@@ -388,7 +388,7 @@ cdef int hold_for_stream(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
 # ---------------------------------------------------------------------------
 # C handles
 # ---------------------------------------------------------------------------
-cdef int _check_handle(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
+cdef int _check_handle(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     cdef slot_rec *r
     if s < c.nslots:
         r = &c.slots[s]
@@ -399,19 +399,19 @@ cdef int _check_handle(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
 
 cdef int _bad_handle(uint32_t s, uint32_t gen) noexcept with gil:
     return record_error(InvalidArgumentError(f"handle (slot {s}, generation {gen}) names no collective of this "
-                                             "context (released already, or never returned by submit)"))
+                                             "daemon (released already, or never returned by submit)"))
 
 
-cdef int _device_failed(ctx_core *c) noexcept with gil:
+cdef int _device_failed(daemon_core *c) noexcept with gil:
     try:
-        if c.py_ctx != NULL:
-            (<object>c.py_ctx).fail_on_fault()
+        if c.py_daemon != NULL:
+            (<object>c.py_daemon).fail_on_fault()
     except BaseException as exc:
         return record_error(exc)
     return fault_failure(c)
 
 
-cdef int handle_test(ctx_core *c, uint32_t s, uint32_t gen, uint32_t *status, int32_t *detail) noexcept nogil:
+cdef int handle_test(daemon_core *c, uint32_t s, uint32_t gen, uint32_t *status, int32_t *detail) noexcept nogil:
     cdef slot_rec *r = &c.slots[s]
     cdef uint32_t st
     cdef int rc = _check_handle(c, s, gen)
@@ -437,7 +437,7 @@ cdef int handle_test(ctx_core *c, uint32_t s, uint32_t gen, uint32_t *status, in
     return DFCCL_API_OK if st == DFCCL_STATUS_OK else DFCCL_API_FAILED
 
 
-cdef int handle_wait(ctx_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, uint32_t *status,
+cdef int handle_wait(daemon_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, uint32_t *status,
                      int32_t *detail) noexcept nogil:
     """Spins on the completion word, then yields the CPU between polls; never
     sleeps.  Gives up after ``timeout_ns`` (< 0: never), on a device fault,
@@ -464,22 +464,22 @@ cdef int handle_wait(ctx_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, 
     return handle_test(c, s, gen, status, detail)
 
 
-cdef int _stream_wait_slow(ctx_core *c, uint64_t stream, uint64_t addr, uint32_t value) noexcept with gil:
+cdef int _stream_wait_slow(daemon_core *c, uint64_t stream, uint64_t addr, uint32_t value) noexcept with gil:
     try:
-        (<Backend>c.backend).stream_wait32(stream, addr, value)
+        (<Device>c.device).stream_wait32(stream, addr, value)
         return 0
     except BaseException as exc:
         return record_error(exc)
 
 
-cdef int handle_stream_wait(ctx_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil:
+cdef int handle_stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil:
     cdef int rc = _check_handle(c, s, gen)
     if rc < 0:
         return rc
     return stream_wait(c, s, gen, stream)
 
 
-cdef int stream_wait(ctx_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil:
+cdef int stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil:
     """Makes ``stream`` wait for slot ``s`` (cuStreamWaitValue32 on its
     completion word), once it holds the daemon for it."""
     cdef int rc
@@ -488,12 +488,12 @@ cdef int stream_wait(ctx_core *c, uint32_t s, uint32_t gen, uint64_t stream) noe
     rc = hold_for_stream(c, s, gen)
     if rc < 0:
         return rc
-    if (<Backend>c.backend).try_stream_wait32(stream, c.done_dev + 4 * s, gen) != 0:
+    if (<Device>c.device).try_stream_wait32(stream, c.done_dev + 4 * s, gen) != 0:
         return _stream_wait_slow(c, stream, c.done_dev + 4 * s, gen)
     return 0
 
 
-cdef int handle_release(ctx_core *c, uint32_t s, uint32_t gen) noexcept nogil:
+cdef int handle_release(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     """The handle's owner is done with it: its slot is freed now if it has
     retired, else when it retires.  Drops the handle's reference to ``c``."""
     cdef slot_rec *r = &c.slots[s]

@@ -1,8 +1,8 @@
-from dfccl._native.backend import Backend
+from dfccl._native.device import Device
 from dfccl._native.work import Work
 
-class ContextBase:
-    backend: Backend
+class DaemonBase:
+    device: Device
     @property
     def nblocks(self) -> int: ...
     @property

@@ -1,6 +1,6 @@
 # cython: language_level=3
-"""Inspection and diagnostics of a context: ContextBase, the base of
-Context (context.pyx), holds its C state (core.pxd, ctx_core) and shows it
+"""Inspection and diagnostics of a daemon: DaemonBase, the base of
+Daemon (daemon.pyx), holds its C state (core.pxd, daemon_core) and shows it
 and the daemon's: what is pending and for whom, what the daemon has taken,
 its state, its time profile.  Reading these never changes what runs."""
 
@@ -19,8 +19,8 @@ from dfccl.errors import BackendError
 _DAEMON_STATES = {0: "idle", 1: "running", 2: "quitting", 3: "exited", 4: "leaving"}
 
 
-cdef class ContextBase:
-    """What a context shows of itself and of its daemon (Context builds it)."""
+cdef class DaemonBase:
+    """What a Daemon shows of its host state and of its kernel's (Daemon builds it)."""
 
     @property
     def nblocks(self):
@@ -119,7 +119,7 @@ cdef class ContextBase:
     def held_by_daemon(self, uint32_t endpoint):
         """How many collectives of ``endpoint`` the daemon may still be running:
         in their slots, completion word not written, abandoned ones included
-        (Context.abandon fails them on the host at once; the daemon lets go
+        (Daemon.abandon fails them on the host at once; the daemon lets go
         of them only when it writes their completion word).  Until this is
         zero the endpoint's memory must stay."""
         cdef uint32_t i, s, n = 0
@@ -141,11 +141,11 @@ cdef class ContextBase:
         waiting stream, as every device read of an explanation)."""
         cdef uint32_t value = 0
         cdef uint32_t slot = work._slot
-        if work._ctx is not self or work._retired or not work.stream_ordered or slot >= self.c.nslots \
+        if work._daemon is not self or work._retired or not work.stream_ordered or slot >= self.c.nslots \
                 or self.c.slots[slot].gen != work._gen:
             return None
         try:
-            self.backend.read_device(<uint64_t><uintptr_t>&value, self.c.armed_dev + 4 * <uint64_t>slot, 4, timeout)
+            self.device.read_device(<uint64_t><uintptr_t>&value, self.c.armed_dev + 4 * <uint64_t>slot, 4, timeout)
         except BackendError:
             return None
         return value == work._gen
@@ -157,8 +157,8 @@ cdef class ContextBase:
         if st == NULL:
             raise MemoryError
         try:
-            self.backend.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.c.args.state,
-                                          sizeof(dfccl_daemon_state))
+            self.device.copy_from_device(<uint64_t><uintptr_t>st, <uint64_t><uintptr_t>self.c.args.state,
+                                         sizeof(dfccl_daemon_state))
         except BaseException:
             free(st)
             raise
@@ -174,7 +174,7 @@ cdef class ContextBase:
             free(st)
 
     def daemon_profile(self):
-        """Where each daemon block's time went since the context was created
+        """Where each daemon block's time went since the daemon was created
         (cuda/include/dfccl/abi.h, dfccl_block_profile): one dict per block
         with passes, runs and the nanoseconds spent pulling, picking,
         restoring, inside runs, saving and idle; and, from a daemon built with

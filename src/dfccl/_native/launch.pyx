@@ -1,6 +1,6 @@
 # cython: language_level=3
-"""A device's daemon on the host side, in C: the context's C state
-(core.pxd, ctx_core) and its lifetime, the daemon's launches and relaunch
+"""A device's daemon on the host side, in C: the daemon's C state
+(core.pxd, daemon_core) and its lifetime, the daemon's launches and relaunch
 decisions, device faults, the progress thread's wake-up, and how the C
 paths report errors.
 
@@ -18,8 +18,8 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport strncpy
 
 from dfccl._native.abi cimport *
-from dfccl._native.backend cimport Backend
-from dfccl._native.core cimport ctx_core, slot_rec
+from dfccl._native.device cimport Device
+from dfccl._native.core cimport daemon_core, slot_rec
 
 from dfccl.errors import BackendError, ClosedError, ResourceError
 
@@ -122,10 +122,10 @@ def wait_progress(double timeout):
 
 
 # ---------------------------------------------------------------------------
-# a context's C state
+# a daemon's C state
 # ---------------------------------------------------------------------------
-cdef ctx_core *core_new(uint32_t nslots, uint32_t nblocks) except NULL:
-    cdef ctx_core *c = <ctx_core *>calloc(1, sizeof(ctx_core))
+cdef daemon_core *core_new(uint32_t nslots, uint32_t nblocks) except NULL:
+    cdef daemon_core *c = <daemon_core *>calloc(1, sizeof(daemon_core))
     cdef uint32_t i
     if c == NULL:
         raise MemoryError
@@ -152,11 +152,11 @@ cdef ctx_core *core_new(uint32_t nslots, uint32_t nblocks) except NULL:
     return c
 
 
-cdef void core_incref(ctx_core *c) noexcept nogil:
+cdef void core_incref(daemon_core *c) noexcept nogil:
     dfccl_add_fetch_u32(&c.refs, 1)
 
 
-cdef void core_decref(ctx_core *c) noexcept nogil:
+cdef void core_decref(daemon_core *c) noexcept nogil:
     if dfccl_add_fetch_u32(&c.refs, -1) != 0:
         return
     free(c.slots)
@@ -175,7 +175,7 @@ cdef inline void _free_lock(PyThread_type_lock lock) noexcept nogil:
         _pythread_free_lock(lock)
 
 
-cdef void wake_watch(ctx_core *c) noexcept nogil:
+cdef void wake_watch(daemon_core *c) noexcept nogil:
     """Wakes an idle watcher (at most one token outstanding)."""
     if dfccl_exchange_u32(&c.watch_token, 1) == 0:
         PyThread_release_lock(c.watch_wake)
@@ -184,7 +184,7 @@ cdef void wake_watch(ctx_core *c) noexcept nogil:
 # ---------------------------------------------------------------------------
 # the daemon
 # ---------------------------------------------------------------------------
-cdef bint leaving(ctx_core *c) noexcept nogil:
+cdef bint leaving(daemon_core *c) noexcept nogil:
     """The daemon has not been launched, or its current launch is leaving or
     gone.  A launch that announced QUITTING is deciding (schedule.cuh,
     should_quit): this waits for its decision, so that no launch is queued
@@ -209,28 +209,28 @@ cdef bint leaving(ctx_core *c) noexcept nogil:
         dfccl_cpu_relax()
 
 
-cdef bint exited(ctx_core *c) noexcept nogil:
+cdef bint exited(daemon_core *c) noexcept nogil:
     """Every block of the current launch has left."""
     cdef uint64_t state = dfccl_load_acquire_u64(&c.ctrl.daemon_state)
     return (state >> DFCCL_DAEMON_EPOCH_SHIFT) == c.epoch and (state & DFCCL_DAEMON_STATE_MASK) == DFCCL_DAEMON_EXITED
 
 
-cdef int launch_locked(ctx_core *c) noexcept nogil:
+cdef int launch_locked(daemon_core *c) noexcept nogil:
     """Launches the daemon (the launch lock held); returns the backend's
     code, 0 on success."""
     cdef int rc
     c.epoch += 1
     c.args.epoch = <uint32_t>c.epoch
     c.exit_seen_ns = 0
-    rc = (<Backend>c.backend).launch(&c.args)
+    rc = (<Device>c.device).launch(&c.args)
     if rc == 0:
         c.launches += 1
     return rc
 
 
-cdef bint record_fault(ctx_core *c, int code) noexcept nogil:
+cdef bint record_fault(daemon_core *c, int code) noexcept nogil:
     """The device reported ``code`` (nonzero: it has failed): every pending
-    collective is to fail (Context.fail_on_fault, on the progress thread or a
+    collective is to fail (Daemon.fail_on_fault, on the progress thread or a
     waiter), and nothing more is submitted."""
     if code == 0:
         return False
@@ -240,21 +240,21 @@ cdef bint record_fault(ctx_core *c, int code) noexcept nogil:
     return True
 
 
-cdef int fault_failure(ctx_core *c) noexcept with gil:
+cdef int fault_failure(daemon_core *c) noexcept with gil:
     try:
-        return record_error((<object>c.py_ctx)._fault_error())
+        return record_error((<object>c.py_daemon)._fault_error())
     except BaseException as exc:
         return record_error(exc)
 
 
-cdef int _launch_failure(ctx_core *c, int rc) noexcept with gil:
+cdef int _launch_failure(daemon_core *c, int rc) noexcept with gil:
     # A launch on a failed device fails with its error: say that.
-    if record_fault(c, (<Backend>c.backend).query_fault()):
+    if record_fault(c, (<Device>c.device).query_fault()):
         return fault_failure(c)
-    return record_error((<Backend>c.backend).launch_error(rc))
+    return record_error((<Device>c.device).launch_error(rc))
 
 
-cdef int ensure_running(ctx_core *c) noexcept nogil:
+cdef int ensure_running(daemon_core *c) noexcept nogil:
     """Launches the daemon if it has not been launched or is leaving."""
     cdef int rc = 0
     if c.device_fault:

@@ -88,7 +88,7 @@ def instance_token(key, instance):
 def first_block(key, uint32_t offset, uint32_t nblocks):
     """The daemon block that runs channel 0 of the tag's instances on a rank
     whose block offset is ``offset`` (dfccl/hash.h; set when a descriptor is
-    bound to its context)."""
+    bound to its daemon)."""
     if nblocks == 0:
         raise ValueError("nblocks must be positive")
     return dfccl_first_block(<uint64_t>(key & _MASK64), offset, nblocks)

@@ -1,5 +1,5 @@
 """The progress thread: one per process.  It retires the collectives nobody
-waits for, once a context's watcher (Context._watch, which never takes the
+waits for, once a daemon's watcher (Daemon._watch, which never takes the
 GIL) has found them complete at two of its looks, and runs done-callbacks
 (Work.add_done_callback): user code that may block or take long, so it runs
 here rather than on the thread that retired the Work.  It sleeps until the
@@ -18,18 +18,18 @@ class _ProgressThread:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._contexts = []
+        self._daemons = []
         self._thread = None
         self._callbacks = []
 
-    def register(self, ctx):
+    def register(self, daemon):
         with self._lock:
-            self._contexts.append(weakref.ref(ctx))
+            self._daemons.append(weakref.ref(daemon))
             self._start_locked()
 
-    def unregister(self, ctx):
+    def unregister(self, daemon):
         with self._lock:
-            self._contexts = [r for r in self._contexts if r() is not None and r() is not ctx]
+            self._daemons = [r for r in self._daemons if r() is not None and r() is not daemon]
 
     def run_callbacks(self, work, callbacks):
         if threading.current_thread() is self._thread:
@@ -50,18 +50,18 @@ class _ProgressThread:
         while True:
             native.wait_progress(0.05)
             with self._lock:
-                contexts = [r() for r in self._contexts]
+                daemons = [r() for r in self._daemons]
                 pending, self._callbacks = self._callbacks, []
             for work, cbs in pending:
                 _call_all(work, cbs)
-            for ctx in contexts:
-                if ctx is None:
+            for daemon in daemons:
+                if daemon is None:
                     continue
                 try:
-                    ctx._retire_due()
+                    daemon._retire_due()
                 except Exception as exc:  # never let the progress thread die
                     warnings.warn(f"dfccl progress thread: {exc!r}", RuntimeWarning)
-            del contexts
+            del daemons
 
 
 def _native():
@@ -80,7 +80,7 @@ def _call_all(work, callbacks):
 
 progress = _ProgressThread()
 
-# A forked child has no progress thread and none of the parent's contexts
+# A forked child has no progress thread and none of the parent's daemons
 # (runtime.py forgets them): it starts with an empty one.
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=progress.__init__)

@@ -10,7 +10,7 @@ and wait), the submitter that runs out of slots, or the progress thread
 after the watcher found it.  A C handle's slot is retired in C
 (hotpath.retire_handle_slot); a Work's needs the GIL to fill the Work.
 
-The watcher (a thread per context, never holding the GIL) looks at the
+The watcher (a thread per daemon, never holding the GIL) looks at the
 completion words and the daemon every WATCH_POLL_NS while collectives are
 outstanding: a collective it sees completed at two looks in a row was not
 retired by a thread waiting for it (at the first look if it has
@@ -27,8 +27,8 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
 from dfccl._native.abi cimport *
-from dfccl._native.backend cimport Backend
-from dfccl._native.core cimport NO_SLOT, ctx_core, slot_rec
+from dfccl._native.device cimport Device
+from dfccl._native.core cimport NO_SLOT, daemon_core, slot_rec
 from dfccl._native.hotpath cimport completed, drop_stream_wait, release_tag, retire_handle_slot, retired_t, unlink
 from dfccl._native.hotpath cimport unlink_completed
 from dfccl._native.launch cimport exited, launch_locked, leaving, record_fault, signal_progress, take_error
@@ -43,7 +43,7 @@ cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(void *lock, long long microseconds, int intr_flag) nogil
 
 cdef enum:
-    # How often the watcher of a busy context looks at the completion words
+    # How often the watcher of a busy daemon looks at the completion words
     # and the daemon's state (the relaunch backoff is measured in time, not
     # in looks).
     WATCH_POLL_NS = 100000
@@ -52,13 +52,13 @@ cdef enum:
     # time, up to this many doublings: it does not spin the device (or, in the
     # simulator, the CPU) at full duty for collectives that cannot move.
     WATCH_BACKOFF_DOUBLINGS = 4
-    # How often the watcher of a busy context asks the device whether it has
-    # failed (Backend.query_fault: one driver call).
+    # How often the watcher of a busy daemon asks the device whether it has
+    # failed (Device.query_fault: one driver call).
     FAULT_POLL_NS = 100000000
 
 
-cdef void lock_gil(ctx_core *c) noexcept:
-    """Takes the context's lock from a thread that holds the GIL, without
+cdef void lock_gil(daemon_core *c) noexcept:
+    """Takes the daemon's lock from a thread that holds the GIL, without
     holding the GIL while blocked: the lock's holder may need it to finish
     (any allocation can run the garbage collector, and with it Python code
     that lets other threads in)."""
@@ -70,14 +70,14 @@ cdef void lock_gil(ctx_core *c) noexcept:
 # ---------------------------------------------------------------------------
 # retiring
 # ---------------------------------------------------------------------------
-cdef inline bint _due(ctx_core *c, uint32_t s) noexcept nogil:
+cdef inline bint _due(daemon_core *c, uint32_t s) noexcept nogil:
     """A completed slot the progress thread should retire: the watcher saw it
     completed at its previous look as well, or it is wanted soon."""
     cdef slot_rec *r = &c.slots[s]
     return r.retire_soon or r.seen_done == r.gen
 
 
-cdef int retire_work(ctx_core *c, object policy, uint32_t s, uint32_t gen) except -1:
+cdef int retire_work(daemon_core *c, object policy, uint32_t s, uint32_t gen) except -1:
     """Moves a completed Work's result into it and frees its slot.
     Idempotent: whoever sees the completion first retires it."""
     cdef retired_t r
@@ -97,7 +97,7 @@ cdef int retire_work(ctx_core *c, object policy, uint32_t s, uint32_t gen) excep
     return 0
 
 
-cdef int after_retire(ctx_core *c, object policy, Work work, retired_t *r) except -1:
+cdef int after_retire(daemon_core *c, object policy, Work work, retired_t *r) except -1:
     """Outside the lock: the tag's bookkeeping, the policy, callbacks."""
     held, work._keepalive = work._keepalive, None
     if not r.abandoned and work._status != DFCCL_STATUS_MISMATCH:
@@ -125,7 +125,7 @@ cdef int release_tag_of(retired_t *r, object owners) except -1:
     return 0
 
 
-cdef int retire_completed(ctx_core *c, object policy, bint due_only) except -1:
+cdef int retire_completed(daemon_core *c, object policy, bint due_only) except -1:
     """Retires completed slots: every one, or (the progress thread) those the
     watcher's look found due."""
     cdef uint32_t i, s, gen
@@ -150,7 +150,7 @@ cdef int retire_completed(ctx_core *c, object policy, bint due_only) except -1:
     return 0
 
 
-cdef int adapt_policy(ctx_core *c, object policy) except -1:
+cdef int adapt_policy(daemon_core *c, object policy) except -1:
     """Once per period: the policy adapts the base window to what retired
     (policy.py) and the daemon gets the new one."""
     cdef uint32_t i
@@ -174,7 +174,7 @@ cdef int adapt_policy(ctx_core *c, object policy) except -1:
 # ---------------------------------------------------------------------------
 # failing on the host
 # ---------------------------------------------------------------------------
-cdef list fail_unretired(ctx_core *c, object err, bint completed_too):
+cdef list fail_unretired(daemon_core *c, object err, bint completed_too):
     """Fails on the host every outstanding collective not retired yet (and,
     unless ``completed_too``, not completed by the daemon either: those
     retire as usual): Works with ``err``, C handles as aborted; their slots
@@ -204,7 +204,7 @@ cdef list fail_unretired(ctx_core *c, object err, bint completed_too):
     return failed
 
 
-cdef bint abandon_work(ctx_core *c, Work work) except -1:
+cdef bint abandon_work(daemon_core *c, Work work) except -1:
     """Fails ``work`` now with AbortedError without waiting for the daemon
     (an abort that must return); its slot, tag record and buffers stay
     reserved until the daemon lets go of them."""
@@ -222,7 +222,7 @@ cdef bint abandon_work(ctx_core *c, Work work) except -1:
     return True
 
 
-cdef int abandon_handles(ctx_core *c, uint32_t endpoint) noexcept nogil:
+cdef int abandon_handles(daemon_core *c, uint32_t endpoint) noexcept nogil:
     """Fails now, as aborted, every C handle of ``endpoint`` the daemon has
     not completed; their slots stay taken until it lets go.  Returns how many."""
     cdef uint32_t i, s, n = 0
@@ -246,10 +246,10 @@ cdef void run_callbacks(Work work):
         _progress.run_callbacks(work, callbacks)
 
 
-cdef list close_slots(ctx_core *c, bint daemon_exited):
-    """The context closes: every outstanding collective is retired now, with
+cdef list close_slots(daemon_core *c, bint daemon_exited):
+    """The daemon closes: every outstanding collective is retired now, with
     its result if the daemon finished it, else as aborted; nothing may read
-    the context's memory after this.  Returns what collectives pending under
+    the daemon's memory after this.  Returns what collectives pending under
     a daemon that did not leave kept alive (it may still touch them)."""
     cdef dfccl_result aborted
     cdef retired_t *rs
@@ -306,7 +306,7 @@ cdef list close_slots(ctx_core *c, bint daemon_exited):
 # ---------------------------------------------------------------------------
 # the watcher
 # ---------------------------------------------------------------------------
-cdef uint32_t _look(ctx_core *c, bint *unfinished) noexcept nogil:
+cdef uint32_t _look(daemon_core *c, bint *unfinished) noexcept nogil:
     """The watcher's look at the completion words: returns how many completed
     slots are due for retirement, marks the others seen, and sets
     ``unfinished`` when some collective has not completed."""
@@ -331,7 +331,7 @@ cdef uint32_t _look(ctx_core *c, bint *unfinished) noexcept nogil:
     return due
 
 
-cdef bint _check_fault(ctx_core *c) noexcept nogil:
+cdef bint _check_fault(daemon_core *c) noexcept nogil:
     """The watcher, every FAULT_POLL_NS while busy: whether the device has
     failed under the daemon.  A failed device runs no kernel again, so
     nothing pending will complete: the progress thread (and any waiter,
@@ -340,11 +340,11 @@ cdef bint _check_fault(ctx_core *c) noexcept nogil:
     if now < c.fault_next_ns:
         return False
     c.fault_next_ns = now + FAULT_POLL_NS
-    return record_fault(c, (<Backend>c.backend).query_fault())
+    return record_fault(c, (<Device>c.device).query_fault())
 
 
-cdef int watch(ctx_core *c) noexcept nogil:
-    """The watcher's loop (module docstring), until the context stops it.
+cdef int watch(daemon_core *c) noexcept nogil:
+    """The watcher's loop (module docstring), until the daemon stops it.
     It never takes the GIL: a thread that blocks in a CUDA call while holding
     the GIL (a synchronising torch op waiting for a collective, say) must not
     keep the daemon away, or the collective it waits for never runs.
@@ -355,7 +355,7 @@ cdef int watch(ctx_core *c) noexcept nogil:
     while not c.watch_stop:
         if c.n_outstanding == 0:
             c.watch_streak = 0
-            # Idle: sleep until a submission makes the context busy
+            # Idle: sleep until a submission makes the daemon busy
             # (wake_watch), looking again at least every 50 ms.
             if PyThread_acquire_lock_timed(c.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
                 dfccl_exchange_u32(&c.watch_token, 0)
@@ -396,13 +396,13 @@ cdef int watch(ctx_core *c) noexcept nogil:
             if rc != 0:
                 # The daemon cannot come back (a failed device, say): what
                 # is pending would never complete, so it fails as on a
-                # failed device (Context.fail_on_fault).
-                code = (<Backend>c.backend).query_fault()
+                # failed device (Daemon.fail_on_fault).
+                code = (<Device>c.device).query_fault()
                 record_fault(c, code if code != 0 else rc)
                 break
     return rc
 
 
-def warn_relaunch_failed(Backend backend, int rc):
-    warnings.warn(f"dfccl: relaunching the daemon on {backend.name}:{backend.device} failed: "
-                  f"{backend.launch_error(rc)}; its pending collectives fail", RuntimeWarning)
+def warn_relaunch_failed(Device device, int rc):
+    warnings.warn(f"dfccl: relaunching the daemon on {device.where} failed: "
+                  f"{device.launch_error(rc)}; its pending collectives fail", RuntimeWarning)

@@ -1,15 +1,15 @@
 # The Work a collective returns (work.pyx): a Python handle on a completion
-# slot; the context fills it at submission and retires it (retire.pyx).
+# slot; the daemon fills it at submission and retires it (retire.pyx).
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from dfccl._native.abi cimport dfccl_result
 from dfccl._native.core cimport NO_SLOT
 
 
 cdef class Work:
-    cdef object _ctx              # the Context that submitted it (None: refers to nothing)
+    cdef object _daemon           # the Daemon that submitted it (None: refers to nothing)
     cdef uint32_t *_done          # its slot's completion word (host-mapped)
     cdef uint32_t *_waiting       # its slot's live "waiting on" word (host-mapped)
-    cdef uint32_t *_fault         # its context's fault word: nonzero once the device failed
+    cdef uint32_t *_fault         # its daemon's fault word: nonzero once the device failed
     cdef uint32_t _slot
     cdef uint32_t _gen
     cdef bint _retired
@@ -25,7 +25,7 @@ cdef class Work:
     cdef readonly object tag
     cdef readonly int rank
     cdef readonly int instance
-    cdef readonly uint64_t position   # its entry in the submission ring (Context.submissions)
+    cdef readonly uint64_t position   # its entry in the submission ring (Daemon.submissions)
     cdef readonly bint stream_ordered # armed by a stream write, not at submission
     cdef uint64_t _submitted_ns
     cdef uint64_t _retired_ns

@@ -2,8 +2,8 @@
 """The Work a collective returns: the Python side of a completion handle
 (slot and generation, as the C API's dfccl_handle), waiting for it on the
 host (``synchronize``, without the GIL) or on a stream (``wait``),
-callbacks, its counters, and the typed error it failed with.  The context
-(context.pyx) attaches it to the slot the C hot path submitted and
+callbacks, its counters, and the typed error it failed with.  The daemon
+(daemon.pyx) attaches it to the slot the C hot path submitted and
 retirement (retire.pyx) fills it; the daemon's completion word is what
 both watch."""
 
@@ -68,7 +68,7 @@ cdef class Work:
         return w
 
     cdef int _check_submitted(self) except -1:
-        if self._ctx is None and not self._retired:
+        if self._daemon is None and not self._retired:
             raise InvalidArgumentError("this Work was not returned by a collective: it refers to nothing "
                                        "(Works are created by Communicator collectives and plans)")
         return 0
@@ -79,7 +79,7 @@ cdef class Work:
     def _peek_done(self):
         """Whether the daemon has written the completion word, without
         retiring (for probes that time retirement apart)."""
-        return self._retired or (self._ctx is not None and self._device_done())
+        return self._retired or (self._daemon is not None and self._device_done())
 
     def done(self):
         """True once the collective has completed (successfully or not)."""
@@ -87,10 +87,10 @@ cdef class Work:
             return True
         self._check_submitted()
         if self._device_done():
-            self._ctx._retire(self._slot, self._gen)
+            self._daemon._retire(self._slot, self._gen)
             return True
         if self._fault != NULL and dfccl_load_acquire_u32(self._fault) != 0:
-            self._ctx.fail_on_fault()   # the device failed: it never completes
+            self._daemon.fail_on_fault()   # the device failed: it never completes
             return self._retired
         return False
 
@@ -150,11 +150,11 @@ cdef class Work:
                                 # ends the wait; the collective stays pending.
                                 PyErr_CheckSignals()
             if faulted:
-                self._ctx.fail_on_fault()
+                self._daemon.fail_on_fault()
             elif not ok:
                 raise self._timeout_error(timeout)
             if not self._retired:
-                self._ctx._retire(self._slot, self._gen)
+                self._daemon._retire(self._slot, self._gen)
         if self._get_error() is not None:
             raise self._error
 
@@ -167,7 +167,7 @@ cdef class Work:
                 raise self._error
             return
         self._check_submitted()
-        self._ctx._stream_wait(stream_handle(stream), self._slot, self._gen)
+        self._daemon._stream_wait(stream_handle(stream), self._slot, self._gen)
 
     def add_done_callback(self, fn):
         """Calls ``fn(work)`` once the collective is complete: at once if it
@@ -182,8 +182,8 @@ cdef class Work:
             self._callbacks = []
         self._callbacks.append(fn)
         # Retired (and the callback run) on the progress thread once the
-        # context's watcher sees it complete, even if nobody synchronizes it.
-        self._ctx._retire_soon(self._slot, self._gen)
+        # daemon's watcher sees it complete, even if nobody synchronizes it.
+        self._daemon._retire_soon(self._slot, self._gen)
 
     def exception(self):
         """The error of a completed collective, or None."""
@@ -238,7 +238,7 @@ cdef class Work:
         for, or None.  A host-memory word the daemon stores while it waits:
         reading it never waits for the device."""
         cdef uint32_t word = 0
-        if self._retired or self._ctx is None or self._ctx.closed or self._waiting == NULL:
+        if self._retired or self._daemon is None or self._daemon.closed or self._waiting == NULL:
             return None
         word = dfccl_load_acquire_u32(self._waiting)
         waiting = <int>word - 1
@@ -248,7 +248,7 @@ cdef class Work:
         # Written live by the daemon into host memory (wait.cuh).
         waiting = self.waiting_for()
         what = f"rank {self.rank}: {self.kind} {self.name} did not complete within {timeout} s"
-        diag = self._ctx.diagnostics.get(self.endpoint) if not self._ctx.closed else None
+        diag = self._daemon.diagnostics.get(self.endpoint) if not self._daemon.closed else None
         joined = missing = None
         if diag is not None:
             # Who has published this instance, read from the peers' records.
@@ -274,7 +274,7 @@ cdef class Work:
                                       missing_ranks=missing, joined_ranks=joined)
 
     cdef void _finish(self, const dfccl_result *res, uint64_t now):
-        """The leader of retirement (retire.pyx, under the context lock):
+        """The leader of retirement (retire.pyx, under the daemon lock):
         copies the result; the error object is built only on failure."""
         self._result = res[0]
         self._has_result = True
@@ -300,8 +300,8 @@ cdef class Work:
         self._retired = True
 
     cdef void _fail_closed(self, uint64_t now):
-        """The context closed under this pending collective, its daemon gone
-        (Context.close keeps the buffers of one it could not stop)."""
+        """The daemon closed under this pending collective, its daemon gone
+        (Daemon.close keeps the buffers of one it could not stop)."""
         self._fail_on_host(now)
         self._keepalive = None
 
@@ -315,7 +315,7 @@ cdef class Work:
         cdef int32_t detail = self._detail
         if status == DFCCL_STATUS_OK:
             return None
-        diag = self._ctx.diagnostics.get(self.endpoint) if self._ctx is not None else None
+        diag = self._daemon.diagnostics.get(self.endpoint) if self._daemon is not None else None
         if status == DFCCL_STATUS_MISMATCH and diag is not None:
             try:
                 err = diag.mismatch_error(self)

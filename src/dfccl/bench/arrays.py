@@ -53,7 +53,7 @@ class DeviceArray:
         self.device = device
         self.dtype = np.dtype(dtype)
         self.count = int(count)
-        self._backend = runtime.get_backend("cuda", device)
+        self._backend = runtime.get_device("cuda", device)
         self._block = _round_block(self.nbytes)
         ptr = _cache.take(device, self._block)
         self.ptr = ptr if ptr is not None else self._backend.alloc_device(self._block)

@@ -147,7 +147,7 @@ class Floor:
 
 # -- the kernel module, once per process and device --------------------------------------------------
 class _Module:
-    __slots__ = ("ctx", "module", "host_fn", "device_fn")
+    __slots__ = ("primary_context", "module", "host_fn", "device_fn")
 
 
 _modules: dict[int, _Module] = {}
@@ -170,8 +170,8 @@ def _module(device: int) -> _Module:
         cubin = nvrtc_cubin(KERNEL_SOURCE.encode(), "bench_floor.cu", compute_capability(device), [])
         dev = driver_ok(driver.cuDeviceGet(device), "cuDeviceGet")
         mod = _Module()
-        mod.ctx = driver_ok(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        driver_ok(driver.cuCtxPushCurrent(mod.ctx), "cuCtxPushCurrent")
+        mod.primary_context = driver_ok(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        driver_ok(driver.cuCtxPushCurrent(mod.primary_context), "cuCtxPushCurrent")
         try:
             mod.module = driver_ok(driver.cuModuleLoadData(cubin), "cuModuleLoadData(bench floor)")
             mod.host_fn = driver_ok(driver.cuModuleGetFunction(mod.module, b"dfccl_floor_host"),
@@ -335,7 +335,7 @@ def _host_doorbell(device: int, iters: int, reps: int, warmup: int, idle_timeout
     from dfccl.runtime import driver_ok
 
     mod = _module(device)
-    driver_ok(driver.cuCtxPushCurrent(mod.ctx), "cuCtxPushCurrent")
+    driver_ok(driver.cuCtxPushCurrent(mod.primary_context), "cuCtxPushCurrent")
     kernel = _Resident(device, True, idle_timeout_s, timeout_s)
     try:
         kernel.start()
@@ -371,7 +371,7 @@ def _stream_doorbell(device: int, iters: int, reps: int, warmup: int, idle_timeo
     from dfccl.runtime import driver_ok
 
     mod = _module(device)
-    driver_ok(driver.cuCtxPushCurrent(mod.ctx), "cuCtxPushCurrent")
+    driver_ok(driver.cuCtxPushCurrent(mod.primary_context), "cuCtxPushCurrent")
     kernel = _Resident(device, False, idle_timeout_s, timeout_s)
     queue = None
     try:

@@ -341,17 +341,17 @@ def _run_process_mode(cfg: BenchConfig, base_seed: int, total: int, out,
     import dfccl
 
     n = len(cfg.devices)
-    ctx = multiprocessing.get_context("spawn")
+    mp_context = multiprocessing.get_context("spawn")
     uid = dfccl.UniqueId.create()
-    barrier = ctx.Barrier(n)
-    results = ctx.Queue()
+    barrier = mp_context.Barrier(n)
+    results = mp_context.Queue()
     # Decided once, here, so that every rank agrees on joining the process group.
     status = "disabled (--no-nccl)" if not cfg.nccl else (
         torch_nccl_status() if cfg.backend == "cuda" else NCCL_UNAVAILABLE_NO_GPU)
     port = free_port()
     cfg_dict = asdict(cfg)
-    procs = [ctx.Process(target=_worker, args=(r, cfg_dict, uid, status is None, port, base_seed, barrier, results),
-                         name=f"dfccl-bench-rank{r}", daemon=True) for r in range(n)]
+    procs = [mp_context.Process(target=_worker, args=(r, cfg_dict, uid, status is None, port, base_seed, barrier, results),
+                                name=f"dfccl-bench-rank{r}", daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     inbox = _Inbox(results, procs)

@@ -94,10 +94,10 @@ def create_process_group(store: dist.Store, rank: int, size: int, timeout: timed
 
 def communicator(group: Any = None, device: Any = None) -> dfccl.Communicator:
     """The dfccl :class:`~dfccl.Communicator` of ``group`` (default: the
-    default group) for ``device`` (default: the group's default memory
-    kind), for the low-level API (tags, plans, stats, ``status()``)."""
-    kind = torch.device(device).type if device is not None else "cpu"
-    backend = backend_of(group, kind)
+    default group) for ``device`` (default: the communicator the group
+    created first), for the low-level API (tags, plans, stats, ``status()``)."""
+    device_type = torch.device(device).type if device is not None else "cpu"
+    backend = backend_of(group, device_type)
     side = backend if isinstance(backend, ProcessGroupDfccl) else backend.group
     return side.communicator(device)
 

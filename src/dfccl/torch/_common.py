@@ -17,10 +17,10 @@ from dfccl.types import ReduceOp, as_data_type, as_reduce_op
 
 __all__ = ["BACKEND_ENV", "DEFAULT_TIMEOUT", "NotSupportedError", "TorchCollectiveTimeoutError",
            "premul_sum_supported", "map_error", "reduce_op", "plain_ops", "op_name", "data_type", "as_buffer",
-           "contiguous_or_copy", "seconds", "current_stream_handle", "capturing", "capture_error", "default_kind",
+           "contiguous_or_copy", "seconds", "current_stream_handle", "capturing", "capture_error", "group_backend",
            "shape_tag", "status_error"]
 
-#: Environment variable forcing the memory kind of a group's first
+#: Environment variable forcing the backend of a group's first
 #: communicator ("cuda" or "sim"); default: "cuda" where torch and dfccl see a
 #: GPU, else "sim".
 BACKEND_ENV = "DFCCL_TORCH_BACKEND"
@@ -109,12 +109,12 @@ _OPS = {
 }
 
 #: The same, as dfccl's ReduceOp, for the ops that need no premultiplication.
-plain_ops: dict[Any, ReduceOp] = {kind: as_reduce_op(name) for kind, name in _OPS.items()}
+plain_ops: dict[Any, ReduceOp] = {op: as_reduce_op(name) for op, name in _OPS.items()}
 
 
-def op_name(kind: Any) -> str:
+def op_name(op: Any) -> str:
     """dfccl's name of a plain torch reduction (a RedOpType)."""
-    return _OPS[kind]
+    return _OPS[op]
 
 
 def premul_sum_supported() -> bool:
@@ -125,8 +125,8 @@ def premul_sum_supported() -> bool:
 
 def reduce_op(op: Any) -> tuple[str, float | None]:
     """(dfccl op, premultiply factor or None) for a torch ReduceOp."""
-    kind = op.op if hasattr(op, "op") else op
-    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+    red_op = op.op if hasattr(op, "op") else op
+    if red_op == dist.ReduceOp.RedOpType.PREMUL_SUM:
         if not premul_sum_supported():
             raise NotSupportedError(f"PREMUL_SUM: torch {torch.__version__} does not give a backend the op's "
                                     "factor (ReduceOp.factor); multiply the tensor by the factor and use SUM")
@@ -137,9 +137,9 @@ def reduce_op(op: Any) -> tuple[str, float | None]:
             factor = factor.item()
         return "sum", float(factor)
     try:
-        return _OPS[kind], None
+        return _OPS[red_op], None
     except (KeyError, TypeError):
-        raise NotSupportedError(f"reduction {kind} is not supported by dfccl (supported: SUM, PRODUCT, MIN, MAX, "
+        raise NotSupportedError(f"reduction {red_op} is not supported by dfccl (supported: SUM, PRODUCT, MIN, MAX, "
                                 "AVG, PREMUL_SUM; bitwise BAND/BOR/BXOR are not)") from None
 
 
@@ -195,8 +195,8 @@ def shape_tag(kind: str, t: torch.Tensor, count: int, op: str, root: int) -> tup
     return ("torch", kind, count, str(t.dtype), op, root)
 
 
-def default_kind() -> str:
-    """The memory kind of a group's first communicator."""
+def group_backend() -> str:
+    """The backend ("cuda" or "sim") of a group's first communicator."""
     env = os.environ.get(BACKEND_ENV, "").strip()
     if env:
         if env not in ("cuda", "sim"):

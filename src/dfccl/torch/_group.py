@@ -4,7 +4,7 @@ Python side everywhere (its communicators, the plans it submits, and the
 forms it hands over: lists, all-to-all, point-to-point, non-contiguous
 tensors, PREMUL_SUM, barrier).
 
-Each group gets one dfccl :class:`~dfccl.Communicator` per kind of memory it
+Each group gets one dfccl :class:`~dfccl.Communicator` per backend it
 moves: "cuda" for CUDA tensors (device = the tensor's ordinal) and "sim" for
 CPU tensors (simulated GPU = this process's global rank).  Ranks of a group
 share a :class:`~dfccl.UniqueId` through the group's store.
@@ -26,7 +26,7 @@ import dfccl
 from dfccl.errors import CollectiveTimeoutError, DfcclError, InvalidArgumentError
 from dfccl.torch._common import (DEFAULT_TIMEOUT, NotSupportedError, TorchCollectiveTimeoutError, as_buffer,
                                  capture_error, capturing, contiguous_or_copy, current_stream_handle, data_type,
-                                 default_kind, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
+                                 group_backend, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
                                  status_error)
 
 __all__ = ["BACKEND_NAME", "DEVICE_TYPES", "DfcclWork", "ProcessGroupDfccl"]
@@ -215,10 +215,10 @@ class DfcclWork(dist._Work):
 
 # -- the process group -------------------------------------------------------------
 
-def _derived_uid(uid: dfccl.UniqueId, kind: str) -> dfccl.UniqueId:
+def _derived_uid(uid: dfccl.UniqueId, backend: str) -> dfccl.UniqueId:
     """Same store, another communicator: one UniqueId (one store server) per
     group serves both its cuda and its sim communicator."""
-    sub = hashlib.blake2b(uid.uid + kind.encode(), digest_size=16).digest()
+    sub = hashlib.blake2b(uid.uid + backend.encode(), digest_size=16).digest()
     return dfccl.UniqueId(uid.host, uid.port, uid.secret, sub)
 
 
@@ -226,9 +226,9 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on dfccl.
 
     Created by ``dist.init_process_group("dfccl")`` / ``dist.new_group(...,
-    backend="dfccl")``; the communicator for the group's default memory kind
+    backend="dfccl")``; the communicator of the group's default backend
     is created at once (a collective rendezvous, as group creation is), the
-    other kind's on first use."""
+    other backend's on first use."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta | None = None, *,
                  compiled: bool = False) -> None:
@@ -256,8 +256,8 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         self._tag_ids: dict[Any, int] = {}
         self._tags: list[Any] = [None]
         self._uid = self._exchange_uid()
-        self._default_kind = default_kind()
-        self._communicator(self._default_kind, self._default_device(self._default_kind))
+        self._default_backend = group_backend()
+        self._communicator(self._default_backend, self._default_device(self._default_backend))
 
     # -- identity ------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -293,9 +293,9 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         # torch >= 2.14 asks a group for its per-device backend (batch_isend_irecv
         # reads its supports_coalescing); a Python group registers none and
         # acts as its own backend, the way torch expects of Python groups.
-        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-        if kind not in DEVICE_TYPES:
-            raise RuntimeError(f"No backend type associated with device type {kind}")
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if device_type not in DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type {device_type}")
         return self
 
     def __repr__(self) -> str:
@@ -315,27 +315,27 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         value = self._store.get(_UID_KEY)
         return dfccl.UniqueId.from_string(value.decode() if isinstance(value, bytes) else value)
 
-    def _default_device(self, kind: str) -> int:
-        if kind == "cuda":
+    def _default_device(self, backend: str) -> int:
+        if backend == "cuda":
             return torch.cuda.current_device()
         # One simulated GPU per process (like one GPU per process on CUDA): every
-        # group of this process shares its daemon context.
+        # group of this process shares its daemon.
         return dist.get_rank() if dist.is_initialized() else self._rank
 
-    def _communicator(self, kind: str, device: int) -> dfccl.Communicator:
-        key = kind
+    def _communicator(self, backend: str, device: int) -> dfccl.Communicator:
+        key = backend
         with self._comm_lock:
             if self._closed:
                 raise dfccl.ClosedError(f"process group {self._group_name!r} is shut down", rank=self._rank)
             comm = self._comms.get(key)
             if comm is None:
-                uid = self._uid if kind == self._default_kind else _derived_uid(self._uid, kind)
-                comm = dfccl.Communicator(uid, self._rank, self._size, device=device, backend=kind,
+                uid = self._uid if backend == self._default_backend else _derived_uid(self._uid, backend)
+                comm = dfccl.Communicator(uid, self._rank, self._size, device=device, backend=backend,
                                           timeout=self._timeout.total_seconds())
                 self._comms[key] = comm
         if comm.device != device:
-            raise InvalidArgumentError(f"process group {self._group_name!r} runs on {kind}:{comm.device}; got a "
-                                       f"tensor on {kind}:{device} (one device per rank, like NCCL)",
+            raise InvalidArgumentError(f"process group {self._group_name!r} runs on {backend}:{comm.device}; got a "
+                                       f"tensor on {backend}:{device} (one device per rank, like NCCL)",
                                        rank=self._rank)
         return comm
 
@@ -357,9 +357,9 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
     def communicator(self, device: torch.device | str | None = None) -> dfccl.Communicator:
         """The dfccl communicator of this group for ``device`` (default: the
-        group's default kind), for the low-level API (tags, plans, stats)."""
+        communicator the group created first), for the low-level API (tags, plans, stats)."""
         if device is None:
-            return self._communicator(self._default_kind, self._default_device(self._default_kind))
+            return self._communicator(self._default_backend, self._default_device(self._default_backend))
         device = torch.device(device)
         if device.type == "cuda":
             return self._communicator("cuda", device.index if device.index is not None
@@ -681,10 +681,10 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     # -- barrier ----------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> DfcclWork:
         device = getattr(opts, "device", None) if opts is not None else None
-        kind = self._default_kind
+        backend = self._default_backend
         if device is not None and device.type == "cpu":
-            kind = "sim"
-        if kind == "cuda":
+            backend = "sim"
+        if backend == "cuda":
             index = device.index if device is not None and device.type == "cuda" and device.index is not None \
                 else torch.cuda.current_device()
             t = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))

@@ -2,9 +2,9 @@ from libc.stdint cimport uint32_t, uint64_t
 from dfccl._native.abi cimport dfccl_daemon_args
 
 
-cdef class Backend:
-    cdef readonly str name
-    cdef readonly int device
+cdef class Device:
+    cdef readonly str backend    # "cuda" or "sim": the implementation
+    cdef readonly int ordinal    # the device number within its backend
     cdef readonly int default_blocks
     cdef readonly int block_threads
     cdef readonly int resident_blocks   # daemon blocks that can be resident at once (0: no limit)

@@ -12,7 +12,7 @@ from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 from dfccl._native.abi cimport dfccl_daemon_args
-from dfccl._native.backend cimport Backend
+from dfccl._native.device cimport Device
 
 from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.shared_files import create_mapped, shared_directory
@@ -40,11 +40,11 @@ cdef extern from "sim_stream.h":
     void dfccl_sim_stream_destroy(dfccl_sim_stream *s) nogil
 
 
-cdef class SimBackend(Backend)
+cdef class SimDevice(Device)
 
 
 cdef class SimStream:
-    """A stream of a simulated GPU (SimBackend.create_stream): its operations
+    """A stream of a simulated GPU (SimDevice.create_stream): its operations
     run in order on a host thread of its own, as a CUDA stream's run on the
     device.  Pass it (or its ``handle``) as ``stream=`` to a collective or to
     ``Work.wait``: a stream-ordered collective runs once the stream reaches
@@ -53,10 +53,10 @@ cdef class SimStream:
     ``runtime.device_synchronize`` does not wait for simulated streams."""
 
     cdef dfccl_sim_stream *s
-    cdef readonly SimBackend backend
+    cdef readonly SimDevice device
 
-    def __cinit__(self, SimBackend backend):
-        self.backend = backend
+    def __cinit__(self, SimDevice device):
+        self.device = device
         self.s = dfccl_sim_stream_create()
         if self.s == NULL:
             raise BackendError("sim backend: cannot create a stream")
@@ -103,7 +103,7 @@ cdef class SimStream:
         """Drops what has not run, a wait that would never end included.
         Idempotent."""
         if self.s != NULL:
-            self.backend._streams.pop(<uint64_t><uintptr_t>self.s, None)
+            self.device._streams.pop(<uint64_t><uintptr_t>self.s, None)
             with nogil:
                 dfccl_sim_stream_destroy(self.s)
             self.s = NULL
@@ -127,7 +127,7 @@ def _unlink(path):
         pass
 
 
-cdef class SimBackend(Backend):
+cdef class SimDevice(Device):
     """One simulated GPU."""
 
     cdef dfccl_sim_device *dev
@@ -137,8 +137,8 @@ cdef class SimBackend(Backend):
     cdef dict _imported    # address -> mmap for memory other processes created
 
     def __cinit__(self, int device, int blocks=2):
-        self.name = "sim"
-        self.device = device
+        self.backend = "sim"
+        self.ordinal = device
         self.default_blocks = blocks
         self.block_threads = 1
         self.resident_blocks = 0  # a thread per block: no limit
@@ -160,7 +160,7 @@ cdef class SimBackend(Backend):
     def inject_fault(self, int code):
         """Tests only: the device reports ``code`` from now on, as a GPU
         does after a fault (the daemon blocks, host threads here, go on; the
-        context treats the device as failed all the same)."""
+        daemon treats the device as failed all the same)."""
         self.fault = code
 
     def fault_name(self, int code):
@@ -176,7 +176,7 @@ cdef class SimBackend(Backend):
         st = self._streams.get(stream)
         if st is None:
             raise InvalidArgumentError(f"{what} on the simulator needs one of its streams "
-                                       f"(SimBackend.create_stream() of sim:{self.device}), not {stream:#x}")
+                                       f"(SimDevice.create_stream() of sim:{self.ordinal}), not {stream:#x}")
         return <SimStream>st
 
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
@@ -227,7 +227,7 @@ cdef class SimBackend(Backend):
         entry = self._shared.get(ptr)
         if entry is None:
             raise InvalidArgumentError("sim backend: only memory allocated with shareable=True can be exported")
-        return {"kind": "sim-shm", "path": entry[1], "size": entry[2]}
+        return {"via": "sim-shm", "path": entry[1], "size": entry[2]}
 
     def shared_allocation(self, uint64_t ptr):
         """(base, size, name) of the shareable allocation holding ``ptr``
@@ -246,8 +246,8 @@ cdef class SimBackend(Backend):
             _unlink(entry[1])
 
     def import_memory(self, desc):
-        if desc.get("kind") != "sim-shm":
-            raise InvalidArgumentError(f"sim backend cannot map memory of kind {desc.get('kind')!r}")
+        if desc.get("via") != "sim-shm":
+            raise InvalidArgumentError(f"sim backend cannot map memory exported via {desc.get('via')!r}")
         try:
             fd = os.open(desc["path"], os.O_RDWR)
         except FileNotFoundError:
@@ -269,10 +269,10 @@ cdef class SimBackend(Backend):
             except BufferError:
                 pass
 
-    def can_access(self, Backend other):
-        return isinstance(other, SimBackend)
+    def can_access(self, Device other):
+        return isinstance(other, SimDevice)
 
-    def enable_access(self, Backend other):
+    def enable_access(self, Device other):
         pass
 
     def synchronize(self):

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""A device's daemon in this process: the Context.  It lays out the memory
+"""A device's daemon in this process: the Daemon.  It lays out the memory
 the host and the daemon share (control words, submission ring, completion
 slots and results) and the daemon's device memory, registers communicator
 ranks (endpoints), submits for Python (a Work per collective), and closes.
@@ -7,8 +7,8 @@ ranks (endpoints), submits for Python (a Work per collective), and closes.
 Its parts live in their own modules: the C state and launches (launch.pyx),
 the hot path that submits, tests and waits (hotpath.pyx, which the C API of
 capi.pyx calls too), retirement and the watcher (retire.pyx), its
-communicator ranks (endpoints.pyx, ContextEndpoints), what it shows
-(inspection.pyx, ContextBase), and the descriptor it submits
+communicator ranks (endpoints.pyx, DaemonEndpoints), what it shows
+(inspection.pyx, DaemonBase), and the descriptor it submits
 (descriptor.pyx).  Data path, host side: submit() publishes a ring entry
 and returns the Work (work.pyx); the daemon schedules and transfers, then
 writes done[slot], which Work.synchronize() observes (or, for a collective
@@ -25,11 +25,11 @@ from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 
 from dfccl._native.abi cimport *
-from dfccl._native.backend cimport Backend
-from dfccl._native.core cimport SLOT_BUSY, ctx_core, slot_rec
+from dfccl._native.device cimport Device
+from dfccl._native.core cimport SLOT_BUSY, daemon_core, slot_rec
 from dfccl._native.descriptor cimport TaskDescriptor
 from dfccl._native.hotpath cimport hold_for_stream, stream_wait, submit, submitted_t
-from dfccl._native.endpoints cimport ContextEndpoints
+from dfccl._native.endpoints cimport DaemonEndpoints
 from dfccl._native.launch cimport core_decref, core_new, exited, take_error, wake_watch
 from dfccl._native.retire cimport (abandon_handles, abandon_work, adapt_policy, close_slots, fail_unretired, lock_gil,
                                    retire_completed, retire_work, run_callbacks, watch)
@@ -39,9 +39,9 @@ from dfccl._native.progress import progress as _progress
 from dfccl._native.retire import warn_relaunch_failed
 from dfccl.errors import BackendError, ClosedError, ResourceError
 
-# What collectives pending when their context closed under a daemon that
-# would not leave kept alive: that daemon may still touch them, and its
-# memory is kept mapped too (Context.close), for the life of the process.
+# What collectives pending when their Daemon closed under a daemon kernel
+# that would not leave kept alive: that kernel may still touch them, and its
+# memory is kept mapped too (Daemon.close), for the life of the process.
 cdef list _kept_for_running_daemons = []
 
 
@@ -49,7 +49,7 @@ cdef inline uint64_t _align(uint64_t x, uint64_t a):
     return (x + a - 1) // a * a
 
 
-cdef class Context(ContextEndpoints):
+cdef class Daemon(DaemonEndpoints):
     """The daemon of one device in this process, shared by every communicator
     (and every rank) this process runs on that device."""
 
@@ -61,9 +61,9 @@ cdef class Context(ContextEndpoints):
     cdef object watcher
     cdef object __weakref__
 
-    def __init__(self, Backend backend, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0,
+    def __init__(self, Device device, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0,
                  bint link_block=False):
-        cdef ctx_core *c
+        cdef daemon_core *c
         cdef uint64_t off, size
         if slots & (slots - 1) or slots < 8:
             raise ValueError("slots must be a power of two >= 8")
@@ -72,9 +72,9 @@ cdef class Context(ContextEndpoints):
         if link_ahead < 0 or link_ahead > <int>DFCCL_LINK_AHEAD_MAX:
             raise ValueError(f"link_ahead must be in 0..{DFCCL_LINK_AHEAD_MAX}")
         c = self.c = core_new(slots, blocks)
-        self.backend = backend
-        c.backend = <PyObject *>backend
-        c.py_ctx = <PyObject *>self
+        self.device = device
+        c.device = <PyObject *>device
+        c.py_daemon = <PyObject *>self
         self.max_endpoints = max_endpoints
         self.policy = policy
 
@@ -95,7 +95,7 @@ cdef class Context(ContextEndpoints):
         off = _align(off + slots * 4, 256)
         abort_off = off
         size = _align(off + abort_words * 4, 4096)
-        host, dev = backend.alloc_mapped(size)
+        host, dev = device.alloc_mapped(size)
         self.mapped_host = host
         self.mapped_dev = dev
         c.ctrl = <dfccl_control *><uintptr_t>host
@@ -125,7 +125,7 @@ cdef class Context(ContextEndpoints):
         off = _align(off + abort_words * 4, 256)
         ep_off = off
         size = _align(off + <uint64_t>abort_words * sizeof(dfccl_endpoint), 4096)  # the daemon checks indices against abort_words
-        self.device_mem = backend.alloc_device(size)
+        self.device_mem = device.alloc_device(size)
         base = self.device_mem
         self.endpoints_dev = base + ep_off
         c.armed_dev = base + armed_off
@@ -181,8 +181,8 @@ cdef class Context(ContextEndpoints):
             st.base_window_ns = self.c.ctrl.base_window_ns
             st.max_window_ns = self.c.ctrl.max_window_ns
             st.idle_quit_ns = self.c.ctrl.idle_quit_ns
-            self.backend.copy_to_device(<uint64_t><uintptr_t>self.c.args.state, <uint64_t><uintptr_t>st,
-                                        sizeof(dfccl_daemon_state))
+            self.device.copy_to_device(<uint64_t><uintptr_t>self.c.args.state, <uint64_t><uintptr_t>st,
+                                       sizeof(dfccl_daemon_state))
         finally:
             free(st)
         return 0
@@ -191,8 +191,8 @@ cdef class Context(ContextEndpoints):
         # C handles may outlive this object: their state stays, closed.
         if self.c != NULL:
             self.c.closed = 1
-            self.c.py_ctx = NULL
-            self.c.backend = NULL
+            self.c.py_daemon = NULL
+            self.c.device = NULL
             core_decref(self.c)
             self.c = NULL
 
@@ -224,13 +224,13 @@ cdef class Context(ContextEndpoints):
 
     def c_plan(self, TaskDescriptor task):
         """The address of ``task``'s plan for the C API (dfccl_api.h: a
-        const dfccl_plan *), bound to this context; valid while ``task``
+        const dfccl_plan *), bound to this daemon; valid while ``task``
         lives (or while the C side retains it)."""
         self._bind(task)
         return <uintptr_t>&task.plan
 
     cdef void _bind(self, TaskDescriptor task):
-        task.ctx = self
+        task.daemon = self
         task.plan.core = self.c
         task.plan.desc.first_block = dfccl_first_block(task.key, task.plan.block_offset, self.c.nblocks)
 
@@ -258,7 +258,7 @@ cdef class Context(ContextEndpoints):
         retires the slot."""
         cdef Work work = Work.__new__(Work)
         cdef slot_rec *r = &self.c.slots[out.slot]
-        work._ctx = self
+        work._daemon = self
         work._keepalive = owners
         work._key = task.key
         work.endpoint = task.plan.desc.endpoint
@@ -279,18 +279,18 @@ cdef class Context(ContextEndpoints):
             Py_INCREF(work)
             r.work = <PyObject *>work
         else:
-            work._fail_closed(dfccl_now_ns())   # the context closed under the submission
+            work._fail_closed(dfccl_now_ns())   # the daemon closed under the submission
         PyThread_release_lock(self.c.lock)
         return work
 
     def _refusal(self, int nchannels):
         """Why a submission is refused (hotpath.submit's checks)."""
-        where = f"{self.backend.name}:{self.backend.device}"
+        where = self.device.where
         if self.c.closed:
             if self.c.forked_from:
-                return ClosedError(f"context {where} belongs to process {self.c.forked_from}, which forked this "
+                return ClosedError(f"daemon {where} belongs to process {self.c.forked_from}, which forked this "
                                    "process")
-            return ClosedError(f"context {where} is closed")
+            return ClosedError(f"daemon {where} is closed")
         if self.c.device_fault:
             return self._fault_error()
         return ValueError(f"nchannels {nchannels} outside 1..{self.c.nblocks}")
@@ -301,8 +301,8 @@ cdef class Context(ContextEndpoints):
         retire_completed(self.c, self.policy, False)
         if self.c.n_free == 0:
             raise ResourceError(
-                f"{self.c.nslots} collectives are already outstanding on {self.backend.name}:{self.backend.device}; "
-                "raise ContextOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
+                f"{self.c.nslots} collectives are already outstanding on {self.device.where}; "
+                "raise DaemonOptions.max_outstanding or synchronize earlier ones (waiting here could deadlock)")
 
     # -- complete ------------------------------------------------------------
     def _retire(self, uint32_t slot, uint32_t gen):
@@ -355,8 +355,8 @@ cdef class Context(ContextEndpoints):
 
     def _fault_error(self):
         return BackendError(
-            f"the device {self.backend.name}:{self.backend.device} failed under the dfccl daemon: "
-            f"{self.backend.fault_name(self.c.device_fault)}.  A kernel of this process faulted (an illegal address "
+            f"the device {self.device.where} failed under the dfccl daemon: "
+            f"{self.device.fault_name(self.c.device_fault)}.  A kernel of this process faulted (an illegal address "
             "from a bad pointer, say: a collective's buffer that is not valid device memory, or another library's "
             "kernel); the device runs nothing more in this process, so every pending collective failed and new ones "
             "are refused: restart the process", driver_code=self.c.device_fault)
@@ -385,14 +385,14 @@ cdef class Context(ContextEndpoints):
             run_callbacks(work)
 
     def forget_after_fork(self, int parent_pid):
-        """In a forked child: this context is the parent's.  Its daemon, its
+        """In a forked child: this Daemon is the parent's.  Its kernel, its
         threads and (on GPUs) its pinned memory do not exist here, so the
         child must neither use nor free it: it counts as closed, its locks
         are new (another thread may have held them at the fork), and every
         Work still pending fails now with ClosedError, touching no memory the
         child may not have.  Done-callbacks are dropped (the parent runs
-        them).  The backend is runtime.py's to forget."""
-        cdef ctx_core *c = self.c
+        them).  The Device is runtime.py's to forget."""
+        cdef daemon_core *c = self.c
         cdef Work work
         c.forked_from = parent_pid
         c.closed = 1
@@ -421,7 +421,7 @@ cdef class Context(ContextEndpoints):
         with nogil:
             rc = watch(self.c)
         if rc != 0:
-            warn_relaunch_failed(self.backend, rc)
+            warn_relaunch_failed(self.device, rc)
 
     cdef int _stop_watch(self) except -1:
         """Stops the watcher and waits for it (idempotent)."""
@@ -435,8 +435,8 @@ cdef class Context(ContextEndpoints):
     def close(self, timeout=10.0):
         """Stops the daemon (aborting whatever is still pending: those Works
         complete with AbortedError, C handles report it) and frees the
-        context's memory."""
-        cdef ctx_core *c = self.c
+        daemon's memory."""
+        cdef daemon_core *c = self.c
         if c.closed:
             return
         c.closed = 1
@@ -464,8 +464,8 @@ cdef class Context(ContextEndpoints):
             return
         # The daemon has left: what draining endpoints kept can go now.
         self.reclaim_endpoints()
-        self.backend.synchronize()
-        self.backend.free_device(self.device_mem)
-        self.backend.free_mapped(self.mapped_host)
+        self.device.synchronize()
+        self.device.free_device(self.device_mem)
+        self.device.free_mapped(self.mapped_host)
         self.device_mem = 0
         self.mapped_host = 0

@@ -1,15 +1,15 @@
 from typing import Any
 
-from dfccl._native.backend import Backend
+from dfccl._native.device import Device
 from dfccl._native.descriptor import TaskDescriptor
-from dfccl._native.endpoints import ContextEndpoints
+from dfccl._native.endpoints import DaemonEndpoints
 from dfccl._native.work import Work
 
-class Context(ContextEndpoints):
+class Daemon(DaemonEndpoints):
     mapped_dev: int
     policy: Any
     link_block: bool
-    def __init__(self, backend: Backend, *, blocks: int, slots: int, max_endpoints: int, policy: Any,
+    def __init__(self, device: Device, *, blocks: int, slots: int, max_endpoints: int, policy: Any,
                  link_ahead: int = 0, link_block: bool = False) -> None: ...
     def abandon_handles(self, endpoint: int) -> int: ...
     def submit(self, task: TaskDescriptor, raw_fields: dict[str, int] | None = None) -> Work: ...

@@ -10,7 +10,7 @@ import threading
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 from dfccl._native.abi cimport dfccl_daemon_args, dfccl_now_ns, dfccl_sleep_ns
-from dfccl._native.backend cimport Backend
+from dfccl._native.device cimport Device
 
 from dfccl.errors import BackendError, InvalidArgumentError
 
@@ -167,7 +167,7 @@ def pointer_device(uint64_t ptr):
     return ordinal
 
 
-cdef class CudaBackend(Backend):
+cdef class CudaDevice(Device):
     """One GPU: its primary context, the daemon module and a private stream."""
 
     cdef CUdevice cu_device
@@ -192,8 +192,8 @@ cdef class CudaBackend(Backend):
         cdef int value = 0
         cdef char bus[32]
         cdef CUuuid uu
-        self.name = "cuda"
-        self.device = device
+        self.backend = "cuda"
+        self.ordinal = device
         self.block_threads = BLOCK_THREADS
         self._imported = {}
         self._read_lock = threading.Lock()
@@ -253,7 +253,7 @@ cdef class CudaBackend(Backend):
         return _error_name(code)
 
     def launch_error(self, int code):
-        return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.device} failed: {_error_name(code)}",
+        return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.ordinal} failed: {_error_name(code)}",
                             driver_code=code)
 
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
@@ -418,11 +418,11 @@ cdef class CudaBackend(Backend):
                 if rc == DFCCL_CUDA_SUCCESS:
                     memcpy(<void *><uintptr_t>dst_host, self._bounce, nbytes)
             if failed == 1:
-                raise BackendError(f"device {self.device}: an earlier read of device memory is still queued behind "
+                raise BackendError(f"device {self.ordinal}: an earlier read of device memory is still queued behind "
                                    "an application stream that waits for a collective")
             if failed == 2:
                 self._bounce_pending = True
-                raise BackendError(f"device {self.device}: reading device memory took over {timeout:g} s (the copy "
+                raise BackendError(f"device {self.ordinal}: reading device memory took over {timeout:g} s (the copy "
                                    "is queued behind an application stream that waits for a collective)")
             check(rc, what.decode())
 
@@ -430,13 +430,13 @@ cdef class CudaBackend(Backend):
         cdef CUipcMemHandle h
         self.make_current()
         check(API.cuIpcGetMemHandle(&h, <CUdeviceptr>ptr), "cuIpcGetMemHandle")
-        return {"kind": "cuda-ipc", "handle": (<bytes>h.reserved[:64]).hex(), "uuid": self.uuid.hex()}
+        return {"via": "cuda-ipc", "handle": (<bytes>h.reserved[:64]).hex(), "uuid": self.uuid.hex()}
 
     def import_memory(self, desc):
         cdef CUipcMemHandle h
         cdef CUdeviceptr p = 0
-        if desc.get("kind") != "cuda-ipc":
-            raise InvalidArgumentError(f"cuda backend cannot map memory of kind {desc.get('kind')!r}")
+        if desc.get("via") != "cuda-ipc":
+            raise InvalidArgumentError(f"cuda backend cannot map memory exported via {desc.get('via')!r}")
         raw = bytes.fromhex(desc["handle"])
         memcpy(h.reserved, <const char *>raw, 64)
         self.make_current()
@@ -450,12 +450,12 @@ cdef class CudaBackend(Backend):
             check(API.cuIpcCloseMemHandle(<CUdeviceptr>ptr), "cuIpcCloseMemHandle")
 
     # -- peers -------------------------------------------------------------
-    def can_access(self, Backend other):
+    def can_access(self, Device other):
         cdef int ok = 0, atomics = 0
-        cdef CudaBackend o
-        if not isinstance(other, CudaBackend):
+        cdef CudaDevice o
+        if not isinstance(other, CudaDevice):
             return False
-        o = <CudaBackend>other
+        o = <CudaDevice>other
         if o.cu_device == self.cu_device:
             return True
         check(API.cuDeviceCanAccessPeer(&ok, self.cu_device, o.cu_device), "cuDeviceCanAccessPeer")
@@ -466,15 +466,15 @@ cdef class CudaBackend(Backend):
                                           self.cu_device, o.cu_device), "cuDeviceGetP2PAttribute")
         return atomics != 0
 
-    def enable_access(self, Backend other):
-        cdef CudaBackend o = <CudaBackend>other
+    def enable_access(self, Device other):
+        cdef CudaDevice o = <CudaDevice>other
         cdef CUresult rc
         if o.cu_device == self.cu_device:
             return
         self.make_current()
         rc = API.cuCtxEnablePeerAccess(o.cu_ctx, 0)
         if rc != DFCCL_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-            check(rc, f"cuCtxEnablePeerAccess({self.device} -> {o.device})")
+            check(rc, f"cuCtxEnablePeerAccess({self.ordinal} -> {o.ordinal})")
 
     # -- daemon ------------------------------------------------------------
     def synchronize(self):

@@ -1,10 +1,10 @@
-from dfccl._native.backend import Backend
+from dfccl._native.device import Device
 
 def load_driver() -> bool: ...
 def device_count() -> int: ...
 def pointer_device(ptr: int) -> int | None: ...
 
-class CudaBackend(Backend):
+class CudaDevice(Device):
     sm_count: int
     compute_capability: int
     pci_bus_id: str

@@ -1,15 +1,20 @@
 # cython: language_level=3
-"""What a context needs from the machine it runs on: memory the daemon and the
+"""What a daemon needs from the machine it runs on: memory the daemon and the
 host both see, device memory, daemon launches, and stream operations.  Two
-implementations: the CUDA driver (cuda_backend) and the simulator
-(sim_backend)."""
+implementations: the CUDA driver (cuda_device) and the simulator
+(sim_device)."""
 
 from libc.stdint cimport uint32_t, uint64_t
 from dfccl._native.abi cimport dfccl_daemon_args
 
 
-cdef class Backend:
-    """Abstract base; see SimBackend and CudaBackend."""
+cdef class Device:
+    """Abstract base; see SimDevice and CudaDevice."""
+
+    @property
+    def where(self):
+        """``backend:ordinal``, as messages name this device (``cuda:0``)."""
+        return f"{self.backend}:{self.ordinal}"
 
     cdef int launch(self, const dfccl_daemon_args *args) noexcept nogil:
         return -1
@@ -18,7 +23,7 @@ cdef class Backend:
         """Nonzero (the device's error code) once the device has failed
         under the daemon (a fault that ends every kernel of the process, as an
         illegal address does on a GPU); 0 otherwise.  Called without the GIL,
-        by the context's watcher."""
+        by the daemon's watcher."""
         return 0
 
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
@@ -98,18 +103,18 @@ cdef class Backend:
         pass
 
     # -- peers -------------------------------------------------------------
-    def can_access(self, Backend other):
+    def can_access(self, Device other):
         """Can this device's daemon address ``other``'s memory in place?"""
         raise NotImplementedError
 
-    def enable_access(self, Backend other):
+    def enable_access(self, Device other):
         raise NotImplementedError
 
     # -- daemon ------------------------------------------------------------
     def launch_error(self, int code):
         """The exception for a failed launch() return code."""
         from dfccl.errors import BackendError
-        return BackendError(f"{self.name} backend: daemon launch failed ({code})")
+        return BackendError(f"{self.backend} backend: daemon launch failed ({code})")
 
     def fault_name(self, int code):
         """What a query_fault() code is called."""
