@@ -123,6 +123,9 @@ cdef inline void _set_layout(tag_state *st, const tag_layout *layout, bint has_l
 
 cdef enum:
     NO_FIT = 1     # _fifo_shape: the FIFO holds less than two 16-byte slots per channel
+    # _reserve: the smallest shared FIFO handed out short of the planned one,
+    # in reserved blocks (smaller than that, a reserved block serves as well).
+    SHARED_FIFO_BLOCKS = 4
 
 
 cdef inline bint _staged(const tag_layout *layout, bint has_layout) noexcept nogil:
@@ -420,11 +423,24 @@ cdef class TagTable:
         if off is None and _loops(layout, has_layout):
             if st.fifo >= 0 and _fifo_shape(st.fifo_bytes, layout) != NO_FIT:
                 return 0
-            off = self._staging.alloc_block()
-            nbytes = self._staging.block_bytes
-            if off is not None and _fifo_shape(nbytes, layout) == NO_FIT:
-                self._staging.free(off, nbytes)
-                off = None
+            # A smaller shared FIFO first (halving down to a few reserved
+            # blocks' worth): a deep queue of large messages then loops
+            # through FIFOs of tens or hundreds of KiB rather than all but
+            # the first few through a minimum one (thousands of slices each).
+            smaller = nbytes // 2
+            while off is None and smaller >= SHARED_FIFO_BLOCKS * self._staging.block_bytes:
+                if _fifo_shape(smaller, layout) == NO_FIT:
+                    break
+                off = self._staging.alloc(smaller)
+                if off is not None:
+                    nbytes = smaller
+                smaller //= 2
+            if off is None:
+                off = self._staging.alloc_block()
+                nbytes = self._staging.block_bytes
+                if off is not None and _fifo_shape(nbytes, layout) == NO_FIT:
+                    self._staging.free(off, nbytes)
+                    off = None
         if off is None:
             raise ResourceError(f"staging memory exhausted ({self._staging.in_use} of {self._staging.size} bytes "
                                 f"held by tags with pending collectives, {nbytes} more needed, "
