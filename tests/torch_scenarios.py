@@ -117,7 +117,7 @@ def _all_reduce_ops(rank, ws):
     import dfccl.torch as dt
 
     pg = dist.group.WORLD
-    assert dist.get_device() == "dfccl"
+    assert dist.get_backend() == "dfccl"
     assert pg.group_name  # torch set it through setGroupName
     # The GPU tests run these scenarios with CUDA as torch's default device.
     assert dt.communicator().backend == ("cuda" if torch.get_default_device().type == "cuda" else "sim")
