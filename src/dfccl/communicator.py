@@ -24,7 +24,7 @@ from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_
                                   KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
                                   RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
 from dfccl._native.work import Work
-from dfccl.arguments import check_int, check_options, check_overlap, check_seconds, is_simple_tag
+from dfccl.arguments import check_int, check_options, check_overlap, check_seconds, is_simple_tag, overlaps
 from dfccl.bootstrap import StoreBootstrap
 from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
 from dfccl.diagnostics import EndpointDiagnostics
