@@ -19,6 +19,7 @@
   changed.  pip shows what is built with `pip install -v`.
 """
 
+import concurrent.futures
 import importlib.util
 import os
 import shutil
@@ -189,14 +190,24 @@ def copy_kernel_sources(out_dir):
 
 
 class BuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        # pip asks for no parallelism: the extension modules are independent,
+        # so use the machine's cores.
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
     def run(self):
-        super().run()
         # Next to the extension modules: in place for editable installs, in
         # build_lib otherwise.
         native = os.path.dirname(self.get_ext_fullpath("dfccl._native.daemon"))
         kernels = os.path.join(os.path.dirname(native), "_kernels")
         copy_kernel_sources(kernels)
-        compile_kernels(kernels)
+        # nvcc's one long compile beside the modules' compiles, not after them.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            kernel = pool.submit(compile_kernels, kernels)
+            super().run()
+            kernel.result()
 
     def build_extension(self, ext):
         # pip builds each install in a fresh build_lib, where distutils'
