@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 import traceback
 
@@ -148,6 +150,21 @@ def test_divergent_orders_complete(nranks):
 @needs_ucx
 def test_point_to_point_refused_across_hosts():
     _run("refused", 2)
+
+
+@needs_ucx
+def test_bench_net_script(tmp_path):
+    """benchmarks/bench_net.py runs both sides and writes its record."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_net.py"), "--iters", "2",
+                           "--warmup", "1", "--sizes", "65536", "--perftest-iters", "20", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rec = json.loads((tmp_path / "net.jsonl").read_text().splitlines()[-1])
+    row = rec["results"]["rows"][0]
+    assert row["size"] == 65536 and row["broadcast_mib_s"] > 0 and row["ucx_perftest_mib_s"] > 0, row
 
 
 def test_transports_of_one_process(monkeypatch):

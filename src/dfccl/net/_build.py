@@ -37,7 +37,7 @@ def ucx_root() -> Path:
     except ImportError:
         raise NetUnavailableError(
             f"dfccl: ranks on other hosts talk through UCX, which is not installed: pip install \"{EXTRA}\" "
-            "(the libucx-cu12 wheel)") from None
+            "(the libucx-cu13 wheel)") from None
     return Path(libucx.__file__).parent
 
 
