@@ -38,7 +38,7 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 MIB = 1 << 20
 
 
-def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, results) -> None:
+def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, options: dict, results) -> None:
     try:
         os.environ.update(UCX_ENV)
         os.environ["DFCCL_HOST_ID"] = f"bench-host-{rank}"
@@ -46,7 +46,7 @@ def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, result
         from dfccl.bench import arrays
 
         comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, 2, backend="sim", device=4300 + rank,
-                                  timeout=120)
+                                  options=dfccl.CommOptions(**options), timeout=120)
         assert comm.transports[1 - rank] == "ucx", comm.transports
         rows = []
         for size in sizes:
@@ -75,13 +75,13 @@ def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, result
         results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
 
 
-def run_dfccl(sizes: list[int], iters: int, warmup: int) -> list[dict]:
+def run_dfccl(sizes: list[int], iters: int, warmup: int, options: dict) -> list[dict]:
     import dfccl
 
     uid = dfccl.UniqueId.create()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(str(uid), r, sizes, iters, warmup, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(str(uid), r, sizes, iters, warmup, options, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -130,9 +130,13 @@ def main(argv=None) -> int:
     p = suite.parser(__doc__.split("\n\n")[0], iters=20, warmup=2, placement=False)
     p.add_argument("--sizes", default="65536,1048576,4194304,16777216")
     p.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations per size")
+    p.add_argument("--max-slice-bytes", type=int, default=None, help="CommOptions.max_slice_bytes (default: its own)")
+    p.add_argument("--ring-slots", type=int, default=None, help="CommOptions.ring_slots (default: its own)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    rows = run_dfccl(sizes, args.iters, args.warmup)
+    options = {k: v for k, v in (("max_slice_bytes", args.max_slice_bytes), ("ring_slots", args.ring_slots))
+               if v is not None}
+    rows = run_dfccl(sizes, args.iters, args.warmup, options)
     for row in rows:
         row["ucx_perftest_mib_s"] = run_perftest(row["size"], args.perftest_iters)
         ref = row["ucx_perftest_mib_s"]

@@ -13,7 +13,7 @@
 namespace dfccl {
 
 DFCCL_DEV bool net_peer(const dfccl_endpoint *ep, uint32_t rank) {
-  return rank < 64 && ((ep->net_remote >> rank) & 1ull) != 0;
+  return rank < DFCCL_MAX_RANKS && ((ep->net_remote >> rank) & 1ull) != 0;
 }
 DFCCL_DEV bool net_endpoint(const dfccl_endpoint *ep) { return ep->net_queues != 0; }
 

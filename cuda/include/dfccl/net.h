@@ -17,7 +17,7 @@
 #ifndef DFCCL_NET_H
 #define DFCCL_NET_H
 
-#include <stdint.h>
+#include "dfccl/abi.h"  /* the fixed-width types, NVRTC included */
 
 /* Entries per queue (a power of two).  A ring step posts at most two. */
 #define DFCCL_NET_QUEUE_ENTRIES 256u

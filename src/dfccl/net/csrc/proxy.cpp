@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 #include <atomic>
@@ -364,7 +365,7 @@ struct Proxy {
   }
 
   void run() {
-    uint64_t idle = 0, last_beat = now_ns();
+    uint64_t last_beat = now_ns(), last_busy = last_beat;
     while (!stop.load(std::memory_order_acquire)) {
       bool any = ucp_worker_progress(worker) != 0;
       any |= drain_queues();
@@ -377,9 +378,14 @@ struct Proxy {
       if (beat) last_beat = now;
       any |= push_status(beat);
       reap_sent();
+      // While traffic flows, only yield: a sleep costs a timer tick or more
+      // on every hop, and a ring step waits for several hops.  After 2 ms
+      // without any, sleep between polls.
       if (any) {
-        idle = 0;
-      } else if (++idle > 256) {
+        last_busy = now;
+      } else if (now - last_busy < 2000000ull) {
+        sched_yield();
+      } else {
         timespec ts = {0, 20000};
         nanosleep(&ts, nullptr);
       }
