@@ -3,6 +3,7 @@
 #pragma once
 
 #include "move.cuh"
+#include "net.cuh"
 #include "wait.cuh"
 
 namespace dfccl {
@@ -213,6 +214,28 @@ DFCCL_DEV void mark_abort(uint64_t rec, uint32_t channel, uint64_t token, uint64
   store_release(&pc->abort_token, token);
 }
 
+// mark_abort into `rank`'s record `rec`; a remote rank's through the proxy
+// (a failure path: with no room in the queue the mark is dropped, and the
+// peer learns of the failure when it times out or sees this rank leave).
+DFCCL_DEV void net_mark_abort(const BlockEnv &env, const TaskRun &run, uint32_t rank, uint64_t rec, uint64_t info) {
+  if (!net_peer(run.ep, rank)) {
+    mark_abort(rec, run.chan, run.token, info);
+    return;
+  }
+  if (!net_room(env, run.ep, 2)) return;
+  dfccl_chan_state *pc = record_chan(rec, run.chan);
+  net_store(env, run.ep, rank, &pc->abort_info, info);
+  fence_system();
+  net_store(env, run.ep, rank, &pc->abort_token, run.token);
+}
+
+struct RingNeighbours {
+  uint32_t prev, next;
+};
+DFCCL_DEV RingNeighbours ring_neighbours(const dfccl_endpoint *ep) {
+  return RingNeighbours{(ep->rank + ep->nranks - 1) % ep->nranks, (ep->rank + 1) % ep->nranks};
+}
+
 DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   if (!is_leader()) return;
   // What travels: a failure that came from elsewhere keeps its status and
@@ -227,15 +250,18 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   }
   const uint64_t info = ((uint64_t)status << 32) | origin;
   mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), run.chan, run.token, info);
+  if (net_room(env, run.ep, 1)) net_push_record(env, run);
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
       uint32_t p = (run.ep->rank + 1 + i) % run.ep->nranks;
       uint64_t rec = peer_record(run, i, p);
-      if (rec != 0) mark_abort(rec, run.chan, run.token, info);
+      if (rec != 0) net_mark_abort(env, run, p, rec, info);
     }
   } else {
+    // The ring's cache: the previous rank at 0, the next at 1.
+    const RingNeighbours nb = ring_neighbours(run.ep);
     for (uint32_t i = 0; i < 2; ++i)
-      if (run.ctx->peer_rec[i] != 0) mark_abort(run.ctx->peer_rec[i], run.chan, run.token, info);
+      if (run.ctx->peer_rec[i] != 0) net_mark_abort(env, run, i == 0 ? nb.prev : nb.next, run.ctx->peer_rec[i], info);
   }
   // The marks before anything this channel publishes next (the tag's next
   // instance rewrites this record's fields): a peer that reads those fields

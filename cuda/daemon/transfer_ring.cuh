@@ -195,7 +195,7 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   int w = block_wait(env, run, (p.flags & P_RECV) ? g.prev : g.next, [&]() -> int {
     if ((p.flags & P_RECV) && count_for(load_acquire(&m->recv_posted), inst) < recvd + 1) return 0;
     if ((p.flags & P_SEND) && sent - count_for(load_acquire(&m->send_credit), inst) >= nbr_slots) return 0;
-    return 1;
+    return net_room(env, run.ep, 2) ? 1 : 0;
   });
   if (w != WAIT_OK) return w;
 
@@ -214,10 +214,13 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   move_data(env, run, nsrcs, ndsts, p.len, postdiv);
   release_fence();  // with it, the relaxed stores below release the slice
   if (is_leader()) {
+    // A remote neighbour's record and FIFO are mirrors here: the proxy
+    // carries the slice, then the word (net.cuh).
     if (p.flags & P_RECV)
-      store_relaxed(&record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
+      net_store(env, run.ep, g.prev, &record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
     if (p.flags & P_SEND)
-      store_relaxed(&record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1));
+      net_store(env, run.ep, g.next, &record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1),
+                env.sm->dsts[ndsts - 1], p.len * g.esize);
   }
   run.pos[1] += 1;
   run.pos[2] += (p.flags & P_SEND) ? 1 : 0;
@@ -252,13 +255,17 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run, uint32_t base) {
   const uint64_t meets = g.n == 2 ? 2 : g.n - 1;
   for (;;) {
     switch (run.step - base) {
-      case R_PUBLISH:
+      case R_PUBLISH: {
+        int w = net_wait_room(env, run, 1);
+        if (w != WAIT_OK) return stop_run(w);
         publish_instance(run, own_fifo_word(run, g.c), d->send_addr, d->recv_addr);
+        if (is_leader()) net_push_record(env, run);
         run.pos[0] = 0;
         run.pos[3] = fifo_shape(d, d->fifo_offset).slot_bytes;
         run.step = base + R_MEET;
         run.progressed = true;
         break;
+      }
       case R_MEET: {
         // pos[0]: peers met so far (ring_peer order); pos[3]: the smallest
         // slot size seen, ours included; pos[2]: the next rank's word.
@@ -273,7 +280,10 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run, uint32_t base) {
           run.pos[0] += 1;
           run.progressed = true;
         }
+        int w = net_wait_room(env, run, 1);
+        if (w != WAIT_OK) return stop_run(w);
         start_ring(run, g, run.pos[3], run.pos[2]);
+        if (is_leader()) net_push_record(env, run);
         g = ring_geometry(run, run.pos[0]);
         run.step = base + R_PRIMS;
         break;

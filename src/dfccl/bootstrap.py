@@ -59,9 +59,13 @@ class StoreBootstrap:
         except Exception:
             pass
 
-    def run(self, description: dict, connect: Callable[[list[dict]], None]) -> None:
+    def run(self, description: dict, connect: Callable[[list[dict], Callable], None]) -> None:
         """Publishes ``description``, calls ``connect`` with every rank's once
-        all have arrived, then waits until every rank has connected."""
+        all have arrived, then waits until every rank has connected.
+        ``connect`` also gets ``exchange(phase, value)``, which publishes
+        this rank's ``value`` and returns every rank's (for what ranks can
+        say only once they have seen the others: the network addresses of
+        ranks on other hosts)."""
         uid, rank = self.unique_id, self.rank
         try:
             store = uid.connect(timeout=max(self.deadline - time.monotonic(), 0.05))
@@ -74,12 +78,16 @@ class StoreBootstrap:
             try:
                 store.set(f"{self.prefix}/ep/{rank}", json.dumps(description).encode())
                 self.published = True
-                connect(self._gather(store, "ep"))
+                connect(self._gather(store, "ep"), lambda phase, value: self._exchange(store, phase, value))
                 store.set(f"{self.prefix}/ready/{rank}", b"{}")
                 self._gather(store, "ready")
             except BaseException as exc:
                 _publish_failure(store, self.prefix, rank, exc, not self.published)
                 raise
+
+    def _exchange(self, store, phase: str, value: dict) -> list[dict]:
+        store.set(f"{self.prefix}/{phase}/{self.rank}", json.dumps(value).encode())
+        return self._gather(store, phase)
 
     def _gather(self, store, phase: str) -> list[dict]:
         """Every rank's value of ``phase``, waiting until the deadline at most
@@ -90,7 +98,8 @@ class StoreBootstrap:
         got: dict[int, dict] = {}
         start = deadline - timeout
         next_log = time.monotonic() + STARTUP_LOG_INTERVAL
-        doing, did = ("arrive", "arrived") if phase == "ep" else ("map their peers' memory", "mapped its peers")
+        doing, did = {"ep": ("arrive", "arrived"), "net": ("start their network proxies", "started its proxy")}.get(
+            phase, ("map their peers' memory", "mapped its peers"))
         while True:
             pending = [p for p in range(n) if p not in got]
             try:

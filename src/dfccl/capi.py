@@ -13,8 +13,8 @@ include path."""
 from __future__ import annotations
 
 import ctypes
-import os
 
+from dfccl import kernel_image
 from dfccl._native.capi import API_VERSION, CAPSULE_NAME, api_capsule
 
 __all__ = ["API_VERSION", "CAPSULE_NAME", "capsule", "table_address", "include_dir"]
@@ -37,9 +37,4 @@ def table_address() -> int:
 def include_dir() -> str:
     """Where ``<dfccl/dfccl_api.h>`` is: the headers shipped with the
     package, or those of a source checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(here, "_kernels", "src", "include"),
-              os.path.join(os.path.dirname(os.path.dirname(here)), "cuda", "include")):
-        if os.path.isfile(os.path.join(d, "dfccl", "dfccl_api.h")):
-            return d
-    raise FileNotFoundError("dfccl/dfccl_api.h is neither shipped with this package nor in a source checkout")
+    return kernel_image.include_dir()

@@ -231,9 +231,9 @@ class Communicator:
         self._seq_key = tag_key(comm_key, ("#seq",))
         self._plain_tasks: dict[tuple, TaskDescriptor] = {}   # _plain_task's, by shape
 
-    def _finish_init(self, peers):
+    def _finish_init(self, peers, exchange=None):
         self._channels, self._block_offset = daemon_share(peers, self._rank, self._channels)
-        mode = self._endpoint.connect(peers, self._comm_key)
+        mode = self._endpoint.connect(peers, self._comm_key, exchange)
         why = shared_gpu_warning(peers, self._rank)
         if why is not None:
             warnings.warn(why, RuntimeWarning, stacklevel=3)
@@ -280,8 +280,17 @@ class Communicator:
         """The data path collectives take: "direct" (peers' buffers read in
         place), "staged" (the direct path through copies in the arenas, for
         peers in other processes, up to CommOptions.staged_max_bytes; the ring
-        above) or "ring"."""
+        above) or "ring" (also whenever a peer is on another host:
+        :attr:`transports`)."""
         return self._mode
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """How this rank reaches each rank, by rank: "self", "local" (a rank
+        of this process), "host" (another process of this host: shared
+        memory or CUDA IPC) or "ucx" (another host: the network proxy,
+        docs/multi-node.md)."""
+        return tuple(self._endpoint.transports())
 
     @property
     def ll_max_bytes(self) -> int:
@@ -613,6 +622,7 @@ class Communicator:
 
     def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
         what = KIND_NAMES[kind]
+        self._check_not_networked(what)
         if self._state.forked_from:
             self._check_open()
         self._check_tag(tag, what)
@@ -640,7 +650,15 @@ class Communicator:
             stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
         return self._submit_task(task)
 
+    def _check_not_networked(self, what: str) -> None:
+        # The network path carries the ring collectives so far.
+        if "ucx" in self.transports:
+            raise InvalidArgumentError(f"{what} between ranks on different hosts is not supported yet (the network "
+                                       "path carries all_reduce, all_gather, reduce_scatter, broadcast and reduce)",
+                                       rank=self._rank)
+
     def _all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
+        self._check_not_networked(what)
         self._check_tag(tag, what)
         s, r = self._pair(send, recv, what)
         self._check_dtype(s, r, what)

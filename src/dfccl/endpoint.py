@@ -20,6 +20,7 @@ from dfccl import runtime
 from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, FIFO_OFFSET_MASK, MAX_CHANNELS, RANK_LIVE,
                                   RECORD_HEADER_BYTES, REG_SLOTS)
 from dfccl.errors import BackendError, InvalidArgumentError
+from dfccl.net import NetLink, host_id
 from dfccl.planning import fifo_blocks, ll_region_bytes, reserved_staging_bytes
 from dfccl.processes import start_time
 from dfccl.staging import StagingPool
@@ -79,6 +80,8 @@ class Endpoint:
         # Peers in other processes watch this rank through its status page.
         self.page: StatusPage | None = StatusPage.create(RANK_LIVE) if shareable else None
         self._peer_pages: dict[int, StatusPage] = {}
+        # Ranks on other hosts: mirrors of their arenas and the proxy (connect).
+        self.net: NetLink | None = None
         self.write_status(RANK_LIVE)
 
     # -- bootstrap ---------------------------------------------------------------
@@ -88,6 +91,7 @@ class Endpoint:
             "pid": os.getpid(),
             "start_time": start_time(os.getpid()),
             "host": socket.gethostname(),
+            "host_id": host_id(),
             "backend": self.device.backend,
             "device": self.device.ordinal,
             "blocks": self.daemon.nblocks,
@@ -107,16 +111,26 @@ class Endpoint:
     def describe_process() -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
-    def connect(self, peers: list[dict], comm_key: int) -> bool:
-        """Maps every peer's arena and registers this rank with the daemon.
-        Returns how peers reach each other for the direct path: "direct"
-        (every rank in this process, with peer access between their devices:
-        buffers are read in place), "staged" (some in other processes of this
-        host, every device pair with peer access: through copies in the
-        arenas) or "ring" (some peer out of reach)."""
+    def connect(self, peers: list[dict], comm_key: int, exchange=None) -> str:
+        """Maps every peer's arena (a mirror of it for a peer on another
+        host, dfccl.net) and registers this rank with the daemon.  Returns
+        how peers reach each other for the direct path: "direct" (every rank
+        in this process, with peer access between their devices: buffers are
+        read in place), "staged" (some in other processes of this host, every
+        device pair with peer access: through copies in the arenas) or "ring"
+        (some peer out of reach).  ``exchange(phase, value)``: every rank's
+        value, through the bootstrap store (needed for peers on other hosts)."""
         me = peers[self.rank]
         mode = "direct"
         arenas = []
+        remote = [p for p, info in enumerate(peers) if info.get("host_id") != me.get("host_id")]
+        if remote:
+            if exchange is None:
+                raise BackendError(f"ranks {remote} are on other hosts than rank {self.rank}: the network path is "
+                                   "set up for communicators built from a UniqueId (not yet for split() children)")
+            self.net = NetLink.create(self.device, self.rank, self.nranks, self.arena, self.arena_size,
+                                      self.daemon.nblocks, remote)
+            mode = "ring"
         for p, info in enumerate(peers):
             if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
                 raise BackendError(f"rank {p} uses {info['capacity']} tag records of {info['stride']} bytes, "
@@ -129,6 +143,8 @@ class Endpoint:
             same_process = info["pid"] == me["pid"] and info["host"] == me["host"]
             if p == self.rank:
                 arenas.append(self.arena)
+            elif p in remote:
+                arenas.append(self.net.mirror(p))
             elif same_process:
                 other = runtime.get_device(info["backend"], info["device"])
                 if not (self.device.can_access(other) and other.can_access(self.device)):
@@ -152,9 +168,15 @@ class Endpoint:
                     raise BackendError(f"cannot open the status page of rank {p} ({info['status_page']}): {exc}; "
                                        "ranks of one host must see the same status directory "
                                        "($DFCCL_STATUS_DIR, else /dev/shm)") from exc
+        if self.net is not None:
+            addresses = exchange("net", {"address": self.net.address()})
+            self.net.connect({p: addresses[p]["address"] for p in remote})
+            self.write_status(int(self._status[0]))
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
-                                           tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes)
+                                           tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes,
+                                           net_remote=self.net.remote_mask if self.net else 0,
+                                           net_queues=self.net.queues if self.net else 0)
         self.arenas = arenas
         self.peers = peers
         return mode
@@ -203,6 +225,8 @@ class Endpoint:
         the status header of its arena, for the peers' daemons.  A heartbeat
         alone never touches the device (nothing to wait for there)."""
         self._status[1] += np.uint64(1)
+        if self.net is not None:
+            self.net.set_status(int(state if state is not None else self._status[0]), int(self._status[1]))
         if self.page is not None:
             self.page.write(int(state if state is not None else self._status[0]), int(self._status[1]))
         if state is None or not self.arena:
@@ -214,8 +238,22 @@ class Endpoint:
 
     def peer_status(self, rank: int) -> tuple[int, int, int]:
         """(state, heartbeat, pid) of ``rank``, a peer in another process,
-        from its status page: plain loads of host memory."""
+        from its status page, or for a peer on another host as it last sent
+        them (OSError once its connection failed): plain loads of host
+        memory."""
+        if self.net is not None and rank in self.net.remote:
+            return self.net.peer_status(rank)
         return self._peer_pages[rank].read()
+
+    def transports(self) -> list[str]:
+        """How this rank reaches each rank (after connect): "self", "local"
+        (this process), "host" (another process of this host: shared memory
+        or CUDA IPC) or "ucx" (another host: the network proxy)."""
+        me = self.peers[self.rank]
+        remote = self.net.remote if self.net is not None else []
+        return ["self" if p == self.rank else "ucx" if p in remote
+                else "local" if info["pid"] == me["pid"] and info["host"] == me["host"] else "host"
+                for p, info in enumerate(self.peers)]
 
     # -- teardown ----------------------------------------------------------------
     def abort(self, lost_rank: int = -1) -> None:
@@ -240,10 +278,15 @@ class Endpoint:
             self.page = None
         self.unlink_export()
         imported, self._imported = self._imported, []
+        net = self.net
+        if net is not None:
+            net.close()   # its last status first: the remote peers see this rank leave
 
         def release_memory() -> None:
             if self.daemon.device_fault:
                 return   # the memory of a failed device cannot be freed; it goes with the process
+            if net is not None:
+                net.free()   # the mirrors and queues the daemon read
             for ptr in imported:
                 try:
                     self.device.release_import(ptr)

@@ -158,6 +158,24 @@ def _defaults(backend: str) -> dict:
             "ll_memory_mib": comm.ll_memory_bytes / (1 << 20)}
 
 
+def _network() -> dict:
+    """This host's identity and UCX for ranks on other hosts (dfccl.net)."""
+    from dfccl import net
+    from dfccl.net import _build
+
+    info = {"host_id": net.host_id(), "host_id_from": net.HOST_ID_ENV if os.environ.get(net.HOST_ID_ENV)
+            else "hostname and boot id", "ucx": None, "proxy": None,
+            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice")}
+    try:
+        root = _build.ucx_root()
+        info["ucx"] = f"{(root / 'UCX_WHEEL_VERSION.txt').read_text().strip()} ({root})"
+        path = _build.library_path()
+        info["proxy"] = str(path) if path.is_file() else "not built yet (python -m dfccl.net builds it)"
+    except net.NetUnavailableError as exc:
+        info["ucx"] = f"not available: {exc}"
+    return info
+
+
 def collect_info() -> dict:
     import dfccl
     from dfccl import runtime
@@ -181,6 +199,7 @@ def collect_info() -> dict:
         "gpu_error": gpu_error,
         "peer_access": peer,
         "kernel": kernel_image_info(),
+        "network": _network(),
         "defaults": {b: _defaults(b) for b in (("cuda", "sim") if gpus else ("sim",))},
     }
 
@@ -214,6 +233,12 @@ def print_info(out: TextIO = sys.stdout) -> dict:
           f"{r.get('SHARED', '?')} B shared memory per block")
     if k["note"]:
         p(f"  {k['note']}")
+    n = info["network"]
+    p(f"network: host id {n['host_id']} ({n['host_id_from']}); peers with another host id are reached over "
+      "UCX (Communicator.transports: 'ucx')")
+    p(f"  UCX: {n['ucx']}; transports {n['ucx_tls']}")
+    if n["proxy"]:
+        p(f"  proxy: {n['proxy']}")
     for backend, d in info["defaults"].items():
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")

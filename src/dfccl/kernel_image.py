@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-__all__ = ["CACHE_DIR_ENV", "CUDA_ARCHS_ENV", "SKIP_KERNEL_ENV", "DEFAULT_CUDA_ARCHS", "cache_dir", "tree_digest",
-           "cache_key", "atomic_write", "cached_build", "gpu_present", "kernel_build_plan"]
+__all__ = ["CACHE_DIR_ENV", "CUDA_ARCHS_ENV", "SKIP_KERNEL_ENV", "DEFAULT_CUDA_ARCHS", "cache_dir", "include_dir",
+           "tree_digest", "cache_key", "atomic_write", "cached_build", "gpu_present", "kernel_build_plan"]
 
 #: Overrides where run-time compiled images are kept.
 CACHE_DIR_ENV = "DFCCL_CACHE_DIR"
@@ -119,6 +119,17 @@ def cached_build(path: str | os.PathLike, build: Callable[[], bytes],
     except OSError as exc:
         print(f"dfccl: could not keep the compiled image in {path.parent}: {exc}", file=sys.stderr)
     return data, False
+
+
+def include_dir() -> str:
+    """Where dfccl's C headers (``<dfccl/...>``) are: those shipped with the
+    package, or those of a source checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(here, "_kernels", "src", "include"),
+              os.path.join(os.path.dirname(os.path.dirname(here)), "cuda", "include")):
+        if os.path.isfile(os.path.join(d, "dfccl", "dfccl_api.h")):
+            return d
+    raise FileNotFoundError("dfccl/dfccl_api.h is neither shipped with this package nor in a source checkout")
 
 
 def gpu_present() -> bool:

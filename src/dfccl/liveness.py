@@ -154,13 +154,16 @@ class _PeerWatch:
             info = ep.peers[p]
             try:
                 state, beat, _pid = ep.peer_status(p)
+            except OSError as exc:
+                return p, str(exc)
             except Exception:
                 return p, "its status page can no longer be read"
             if state == _RANK_FAILED:
                 return p, "its device failed under its daemon (that rank raised BackendError)"
             if state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
-            if info["host"] == ep.peers[ep.rank]["host"] and not process_alive(info["pid"], info.get("start_time")):
+            if info.get("host_id") == ep.peers[ep.rank].get("host_id") and not process_alive(info["pid"],
+                                                                                         info.get("start_time")):
                 self.saw_exit = True
                 return p, f"its process {info['pid']} has exited"
             last, since = self.last_beat[p]

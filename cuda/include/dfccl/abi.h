@@ -296,7 +296,9 @@ typedef struct dfccl_endpoint {
   uint64_t ll_offset;       /* LL region in each rank's arena (docs/architecture.md, "LL") */
   uint32_t ll_max_bytes;    /* LL payload per (sender, receiver); 0 = no LL region */
   uint32_t ll_pad;
-  uint64_t pad[2];
+  uint64_t net_remote;      /* bit p: rank p is on another host, reached through the network proxy
+                               (net.h); its peer_table / peer_arena are this rank's mirror of it */
+  uint64_t net_queues;      /* this rank's net queues (net.h), one per daemon block; 0 = no remote peer */
   uint64_t peer_table[DFCCL_MAX_RANKS]; /* each rank's tag table, as mapped here */
   uint64_t peer_arena[DFCCL_MAX_RANKS]; /* each rank's arena base, as mapped here */
 } dfccl_endpoint;

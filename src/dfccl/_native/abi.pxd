@@ -135,6 +135,8 @@ cdef extern from "dfccl/abi.h":
         uint64_t reg_table
         uint64_t ll_offset
         uint32_t ll_max_bytes
+        uint64_t net_remote
+        uint64_t net_queues
         uint64_t peer_table[64]
         uint64_t peer_arena[64]
 

@@ -34,11 +34,13 @@ cdef class DaemonEndpoints(DaemonBase):
     # -- endpoints -----------------------------------------------------------
     def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
                      peer_tables, peer_arenas, uint64_t reg_table=0, uint64_t ll_offset=0,
-                     uint32_t ll_max_bytes=0):
+                     uint32_t ll_max_bytes=0, uint64_t net_remote=0, uint64_t net_queues=0):
         """Registers one rank of a communicator with the daemon; returns its id.
         ``reg_table``: the peers' registered allocations as mapped here
         (registration.py); ``ll_offset`` / ``ll_max_bytes``: the LL region of
-        every rank's arena (endpoint.py, ll_region_bytes)."""
+        every rank's arena (endpoint.py, ll_region_bytes); ``net_remote`` /
+        ``net_queues``: the ranks on other hosts (a bit each) and this rank's
+        net queues (dfccl.net)."""
         cdef dfccl_endpoint ep
         if not self.free_endpoints:
             self.reclaim_endpoints()
@@ -61,6 +63,8 @@ cdef class DaemonEndpoints(DaemonBase):
         ep.reg_table = reg_table
         ep.ll_offset = ll_offset
         ep.ll_max_bytes = ll_max_bytes
+        ep.net_remote = net_remote
+        ep.net_queues = net_queues
         for i in range(nranks):
             ep.peer_table[i] = peer_tables[i]
             ep.peer_arena[i] = peer_arenas[i]

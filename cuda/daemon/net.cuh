@@ -1,0 +1,74 @@
+// Peers on other hosts: the daemon's side of the network proxy (dfccl/net.h,
+// docs/multi-node.md).  A remote peer's arena is a mirror here: the daemon
+// reads and writes it as if it were the peer's, and after each store the
+// peer must see it posts an entry for the proxy.  Only the block's leader
+// posts; a step that posts checks for room in the same wait that checks its
+// peers, so a full queue is one more reason to wait (bounded, preemptible:
+// the proxy drains it without waiting for any peer).
+#pragma once
+
+#include "wait.cuh"
+#include "dfccl/net.h"
+
+namespace dfccl {
+
+DFCCL_DEV bool net_peer(const dfccl_endpoint *ep, uint32_t rank) {
+  return rank < DFCCL_MAX_RANKS && ((ep->net_remote >> rank) & 1ull) != 0;
+}
+DFCCL_DEV bool net_endpoint(const dfccl_endpoint *ep) { return ep->net_queues != 0; }
+
+DFCCL_DEV dfccl_net_queue *net_queue(const BlockEnv &env, const dfccl_endpoint *ep) {
+  return ptr<dfccl_net_queue>(ep->net_queues + (uint64_t)env.block * sizeof(dfccl_net_queue));
+}
+
+// Leader: whether this block's queue holds `n` more entries (always, on a
+// rank without remote peers).
+DFCCL_DEV bool net_room(const BlockEnv &env, const dfccl_endpoint *ep, uint32_t n) {
+  if (!net_endpoint(ep)) return true;
+  dfccl_net_queue *q = net_queue(env, ep);
+  return load_own(&q->tail) + n - load_acquire(&q->head) <= DFCCL_NET_QUEUE_ENTRIES;
+}
+
+// Leader, with room checked: one entry.  What it names (a slice the movers
+// wrote, a word) is ordered before it by the caller's release_fence().
+DFCCL_DEV void net_post(const BlockEnv &env, const dfccl_endpoint *ep, uint32_t kind, uint32_t peer,
+                        uint64_t offset, uint64_t len, uint64_t word_offset, uint64_t word) {
+  dfccl_net_queue *q = net_queue(env, ep);
+  const uint64_t t = load_own(&q->tail);
+  dfccl_net_entry *e = &q->entries[t & (DFCCL_NET_QUEUE_ENTRIES - 1)];
+  e->kind = kind;
+  e->peer = peer;
+  e->offset = offset;
+  e->len = len;
+  e->word_offset = word_offset;
+  e->word = word;
+  store_release(&q->tail, t + 1);
+}
+
+// Leader: stores `v` into `word`, which lies in `rank`'s arena as mapped
+// here; for a remote rank the proxy then carries it there, after the `len`
+// bytes at `data` of the same arena (0: none).
+DFCCL_DEV void net_store(const BlockEnv &env, const dfccl_endpoint *ep, uint32_t rank, uint64_t *word, uint64_t v,
+                         uint64_t data = 0, uint64_t len = 0) {
+  store_relaxed(word, v);
+  if (!net_peer(ep, rank)) return;
+  const uint64_t base = ep->peer_arena[rank];
+  net_post(env, ep, DFCCL_NET_PUT, rank, len != 0 ? data - base : 0, len, (uint64_t)word - base, v);
+}
+
+// Leader, with room checked: has the proxy copy what this rank published
+// in its record (this channel) into every remote peer's mirror of it.
+DFCCL_DEV void net_push_record(const BlockEnv &env, const TaskRun &run) {
+  if (!net_endpoint(run.ep)) return;
+  const uint64_t base = run.ep->peer_arena[run.ep->rank];
+  const uint64_t header = record_at(run.ep, run.ep->rank, run.d->bucket);
+  net_post(env, run.ep, DFCCL_NET_RECORD, run.ep->rank, (uint64_t)run.mine - base, 0, header - base, 0);
+}
+
+// Waits (bounded, preemptible) until the queue holds `n` more entries.
+DFCCL_DEV int net_wait_room(BlockEnv &env, TaskRun &run, uint32_t n) {
+  if (!net_endpoint(run.ep)) return WAIT_OK;
+  return block_wait(env, run, run.ep->rank, [&]() -> int { return net_room(env, run.ep, n) ? 1 : 0; });
+}
+
+}  // namespace dfccl

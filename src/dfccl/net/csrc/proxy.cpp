@@ -1,0 +1,566 @@
+// The network proxy of one communicator rank (docs/multi-node.md): a native
+// thread that never takes the GIL.  It drains the rank's net queues (one per
+// daemon block, dfccl/net.h) into UCX tagged messages to the remote peers,
+// and lands what the peers send: slices and words into this rank's arena,
+// their published records and rank status into its mirrors of their arenas.
+//
+// Messages from one peer are applied strictly in the order it sent them (a
+// word never overtakes the slice posted before it): every message carries
+// the sender's sequence number in its tag, receives are posted for exact
+// sequence numbers, and a completed message is applied only after all
+// earlier ones were.  A message is a fixed-size header, then, for a put
+// with bytes, the bytes as a second message under the same sequence
+// number, received straight into the arena.
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sched.h>
+#include <time.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ucp/api/ucp.h>
+
+#include "dfccl/abi.h"
+#include "dfccl/net.h"
+
+namespace {
+
+enum MsgKind : uint32_t { MSG_PUT = 1, MSG_RECORD = 2, MSG_STATUS = 3 };
+
+constexpr uint32_t kChanWords = sizeof(dfccl_chan_state) / 8;
+constexpr uint32_t kStatusWords = 3;  // state, heartbeat, pid (dfccl_rank_status)
+constexpr uint32_t kWindow = 16;      // header receives posted ahead, per peer
+constexpr uint64_t kPayloadBit = 1ull << 63;
+constexpr uint64_t kSeqMask = (1ull << 48) - 1;
+
+struct Msg {
+  uint32_t kind, pad;
+  uint64_t offset, len, word_offset, word;
+  uint64_t data[1 + kChanWords];  // RECORD: the header's key, then the channel; STATUS: its words
+};
+
+uint64_t make_tag(uint32_t sender, uint64_t seq, bool payload) {
+  return (payload ? kPayloadBit : 0) | ((uint64_t)sender << 48) | (seq & kSeqMask);
+}
+
+uint64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t load_acq(const void *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
+uint64_t load_rlx(const void *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_RELAXED); }
+void store_rel(void *p, uint64_t v) { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELEASE); }
+void store_rlx(void *p, uint64_t v) { __atomic_store_n((uint64_t *)p, v, __ATOMIC_RELAXED); }
+
+// One operation UCX may complete later; `done` is set by its callback.  Its
+// request is freed only once done (a receive freed early is dropped).
+struct Op {
+  std::atomic<int> done{0};
+  ucs_status_t status = UCS_OK;
+  void *req = nullptr;
+  ~Op() {
+    if (req != nullptr) ucp_request_free(req);
+  }
+};
+
+// A message being received from one peer, applied when it and every
+// earlier one are complete.
+struct Incoming {
+  Msg msg;
+  Op header, payload;
+  bool payload_posted = false;
+};
+
+// A message being sent: the header lives here until UCX is done with it.
+struct Outgoing {
+  Msg msg;
+  Op header, payload;
+  bool has_payload = false;
+};
+
+struct Peer {
+  bool remote = false;
+  ucp_ep_h ep = nullptr;
+  uint8_t *mirror = nullptr;        // this rank's mirror of the peer's arena (host view)
+  uint64_t send_seq = 0, recv_seq = 0;
+  std::deque<std::unique_ptr<Incoming>> incoming;
+  std::atomic<int> lost{0};
+  std::string error;
+};
+
+struct Proxy;
+
+void on_op(void *request, ucs_status_t status, void *user) {
+  Op *op = static_cast<Op *>(user);
+  op->status = status;
+  op->done.store(1, std::memory_order_release);
+  (void)request;
+}
+void on_recv(void *request, ucs_status_t status, const ucp_tag_recv_info_t *, void *user) {
+  on_op(request, status, user);
+}
+
+struct Proxy {
+  uint32_t rank = 0, nranks = 0;
+  uint8_t *arena = nullptr;          // this rank's arena (host view)
+  uint64_t arena_bytes = 0;
+  dfccl_net_queue *queues = nullptr;
+  uint32_t nqueues = 0;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  std::vector<Peer> peers;
+  std::vector<std::unique_ptr<std::pair<Proxy *, uint32_t>>> handler_args;  // the connections' error handlers'
+  std::deque<std::unique_ptr<Outgoing>> outgoing;
+  std::thread thread;
+  std::atomic<int> stop{0};
+  // This rank's status, as the host last set it (pushed when it changes).
+  std::atomic<uint64_t> status[kStatusWords];
+  uint64_t pushed_status[kStatusWords] = {~0ull, ~0ull, ~0ull};
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, messages{0};
+
+  void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
+    Peer &peer = peers[p];
+    if (peer.lost.load()) return;
+    peer.error = std::string(what) + ": " + ucs_status_string(st);
+    peer.lost.store(1, std::memory_order_release);
+  }
+
+  // ---- sending -------------------------------------------------------------
+  bool send_part(uint32_t p, const void *buf, size_t len, uint64_t tag, Op *op) {
+    ucp_request_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.send = on_op;
+    prm.user_data = op;
+    ucs_status_ptr_t r = ucp_tag_send_nbx(peers[p].ep, buf, len, tag, &prm);
+    if (r == nullptr) {
+      op->done.store(1);
+      return true;
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+      fail_peer(p, "send", UCS_PTR_STATUS(r));
+      op->done.store(1);
+      return false;
+    }
+    op->req = r;
+    return true;
+  }
+
+  void send(uint32_t p, std::unique_ptr<Outgoing> out, const void *payload) {
+    Peer &peer = peers[p];
+    if (peer.lost.load()) return;
+    const uint64_t seq = peer.send_seq++;
+    send_part(p, &out->msg, sizeof(Msg), make_tag(rank, seq, false), &out->header);
+    if (out->has_payload) {
+      send_part(p, payload, out->msg.len, make_tag(rank, seq, true), &out->payload);
+      bytes_sent.fetch_add(out->msg.len, std::memory_order_relaxed);
+    } else {
+      out->payload.done.store(1);
+    }
+    messages.fetch_add(1, std::memory_order_relaxed);
+    outgoing.push_back(std::move(out));
+  }
+
+  void reap_sent() {
+    while (!outgoing.empty()) {
+      Outgoing *o = outgoing.front().get();
+      if (!o->header.done.load(std::memory_order_acquire) || !o->payload.done.load(std::memory_order_acquire)) break;
+      outgoing.pop_front();
+    }
+  }
+
+  // One queue entry from the daemon.
+  void take(const dfccl_net_entry &e) {
+    if (e.kind == DFCCL_NET_PUT) {
+      if (e.peer >= nranks || !peers[e.peer].remote) return;
+      std::unique_ptr<Outgoing> out(new Outgoing());
+      out->msg.kind = MSG_PUT;
+      out->msg.offset = e.offset;
+      out->msg.len = e.len;
+      out->msg.word_offset = e.word_offset;
+      out->msg.word = e.word;
+      out->has_payload = e.len != 0;
+      send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
+    } else if (e.kind == DFCCL_NET_RECORD) {
+      // What the owner publishes, read now (the latest state: a later
+      // entry for the same channel only brings newer values).
+      Msg m;
+      memset(&m, 0, sizeof(m));
+      m.kind = MSG_RECORD;
+      m.offset = e.offset;
+      m.word_offset = e.word_offset;
+      const uint8_t *chan = arena + e.offset;
+      m.data[1] = load_acq(chan);  // ready first: the fields read after it are at least as new
+      for (uint32_t i = 1; i < kChanWords; ++i) m.data[1 + i] = load_rlx(chan + 8 * i);
+      m.data[0] = load_rlx(arena + e.word_offset);
+      for (uint32_t p = 0; p < nranks; ++p) {
+        if (!peers[p].remote) continue;
+        std::unique_ptr<Outgoing> out(new Outgoing());
+        out->msg = m;
+        send(p, std::move(out), nullptr);
+      }
+    }
+  }
+
+  bool drain_queues() {
+    bool any = false;
+    for (uint32_t b = 0; b < nqueues; ++b) {
+      dfccl_net_queue *q = &queues[b];
+      const uint64_t tail = load_acq(&q->tail);
+      uint64_t head = load_rlx(&q->head);
+      while (head != tail) {
+        take(q->entries[head & (DFCCL_NET_QUEUE_ENTRIES - 1)]);
+        ++head;
+        store_rel(&q->head, head);
+        any = true;
+      }
+    }
+    return any;
+  }
+
+  bool push_status(bool beat) {
+    uint64_t s[kStatusWords];
+    bool changed = false;
+    for (uint32_t i = 0; i < kStatusWords; ++i) {
+      s[i] = status[i].load(std::memory_order_acquire);
+      changed |= s[i] != pushed_status[i];
+    }
+    if (!changed && !beat) return false;
+    for (uint32_t i = 0; i < kStatusWords; ++i) pushed_status[i] = s[i];
+    for (uint32_t p = 0; p < nranks; ++p) {
+      if (!peers[p].remote) continue;
+      std::unique_ptr<Outgoing> out(new Outgoing());
+      memset(&out->msg, 0, sizeof(Msg));
+      out->msg.kind = MSG_STATUS;
+      for (uint32_t i = 0; i < kStatusWords; ++i) out->msg.data[i] = s[i];
+      send(p, std::move(out), nullptr);
+    }
+    return true;
+  }
+
+  // ---- receiving -----------------------------------------------------------
+  bool post_recv(uint32_t p, void *buf, size_t len, uint64_t tag, Op *op) {
+    ucp_request_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.recv = on_recv;
+    prm.user_data = op;
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker, buf, len, tag, ~0ull, &prm);
+    if (r == nullptr) {
+      op->done.store(1);
+      return true;
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+      fail_peer(p, "receive", UCS_PTR_STATUS(r));
+      return false;
+    }
+    op->req = r;
+    return true;
+  }
+
+  void post_headers(uint32_t p) {
+    Peer &peer = peers[p];
+    while (peer.incoming.size() < kWindow && !peer.lost.load()) {
+      std::unique_ptr<Incoming> in(new Incoming());
+      Incoming *raw = in.get();
+      const uint64_t seq = peer.recv_seq + peer.incoming.size();
+      peer.incoming.push_back(std::move(in));
+      if (!post_recv(p, &raw->msg, sizeof(Msg), make_tag(p, seq, false), &raw->header)) return;
+    }
+  }
+
+  void apply(uint32_t p, const Msg &m) {
+    if (m.kind == MSG_PUT) {
+      if (m.word_offset != DFCCL_NET_NO_WORD && m.word_offset + 8 <= arena_bytes) {
+        __atomic_thread_fence(__ATOMIC_RELEASE);  // the slice before the word
+        store_rel(arena + m.word_offset, m.word);
+      }
+    } else if (m.kind == MSG_RECORD) {
+      if (m.offset + sizeof(dfccl_chan_state) > arena_bytes || m.word_offset + 8 > arena_bytes) return;
+      uint8_t *chan = peers[p].mirror + m.offset;
+      const uint64_t *w = m.data + 1;
+      // What the owner writes; the words peers write into the record
+      // (posted, credit, phase2) are this rank's own business.
+      const size_t fields[] = {offsetof(dfccl_chan_state, signature), offsetof(dfccl_chan_state, count),
+                               offsetof(dfccl_chan_state, send_addr), offsetof(dfccl_chan_state, recv_addr),
+                               offsetof(dfccl_chan_state, fifo),      offsetof(dfccl_chan_state, slice_bytes),
+                               offsetof(dfccl_chan_state, phase1),    offsetof(dfccl_chan_state, instance),
+                               offsetof(dfccl_chan_state, abort_info)};
+      for (size_t f : fields) store_rlx(chan + f, w[f / 8]);
+      store_rel(chan + offsetof(dfccl_chan_state, abort_token), w[offsetof(dfccl_chan_state, abort_token) / 8]);
+      store_rel(peers[p].mirror + m.word_offset, m.data[0]);  // the header's key
+      store_rel(chan + offsetof(dfccl_chan_state, ready), w[offsetof(dfccl_chan_state, ready) / 8]);
+    } else if (m.kind == MSG_STATUS) {
+      uint8_t *s = peers[p].mirror;
+      store_rlx(s + offsetof(dfccl_rank_status, heartbeat), m.data[1]);
+      store_rlx(s + offsetof(dfccl_rank_status, pid), m.data[2]);
+      store_rel(s + offsetof(dfccl_rank_status, state), m.data[0]);
+    }
+  }
+
+  bool receive(uint32_t p) {
+    Peer &peer = peers[p];
+    bool any = false;
+    // A put's bytes are received once its header is in, straight into the
+    // arena (any order: the tags are exact).
+    for (size_t i = 0; i < peer.incoming.size(); ++i) {
+      Incoming *in = peer.incoming[i].get();
+      if (in->payload_posted || !in->header.done.load(std::memory_order_acquire)) continue;
+      in->payload_posted = true;
+      const Msg &m = in->msg;
+      if (in->header.status != UCS_OK || m.kind != MSG_PUT || m.len == 0) {
+        in->payload.done.store(1);
+        continue;
+      }
+      if (m.offset + m.len > arena_bytes) {
+        in->payload.status = UCS_ERR_INVALID_PARAM;
+        in->payload.done.store(1);
+        continue;
+      }
+      post_recv(p, arena + m.offset, m.len, make_tag(p, peer.recv_seq + i, true), &in->payload);
+    }
+    while (!peer.incoming.empty()) {
+      Incoming *in = peer.incoming.front().get();
+      if (!in->header.done.load(std::memory_order_acquire) || !in->payload.done.load(std::memory_order_acquire))
+        break;
+      if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
+        apply(p, in->msg);
+        if (in->msg.kind == MSG_PUT) bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
+      } else {
+        fail_peer(p, "receive", in->payload.status != UCS_OK ? in->payload.status : in->header.status);
+      }
+      peer.incoming.pop_front();
+      peer.recv_seq += 1;
+      any = true;
+    }
+    post_headers(p);
+    return any;
+  }
+
+  // At close: what peers sent that nobody will receive now (their status
+  // pushes, say), taken off the worker so that it goes quietly.
+  void drain_unexpected(uint64_t until) {
+    std::vector<uint8_t> scratch;
+    while (now_ns() < until) {
+      ucp_tag_recv_info_t info;
+      ucp_tag_message_h m = ucp_tag_probe_nb(worker, 0, 0, 1, &info);
+      if (m == nullptr) break;
+      scratch.resize(info.length ? info.length : 1);
+      ucp_request_param_t prm;
+      memset(&prm, 0, sizeof(prm));
+      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker, scratch.data(), info.length, m, &prm);
+      if (r == nullptr || UCS_PTR_IS_ERR(r)) continue;
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until) ucp_worker_progress(worker);
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker, r);
+      ucp_request_free(r);
+    }
+  }
+
+  void run() {
+    uint64_t last_beat = now_ns(), last_busy = last_beat;
+    while (!stop.load(std::memory_order_acquire)) {
+      bool any = ucp_worker_progress(worker) != 0;
+      any |= drain_queues();
+      for (uint32_t p = 0; p < nranks; ++p)
+        if (peers[p].remote && !peers[p].lost.load()) any |= receive(p);
+      const uint64_t now = now_ns();
+      // A heartbeat every 50 ms whether or not the status changed, so that
+      // a peer's silence means it is gone.
+      const bool beat = now - last_beat > 50000000ull;
+      if (beat) last_beat = now;
+      any |= push_status(beat);
+      reap_sent();
+      // While traffic flows, only yield: a sleep costs a timer tick or more
+      // on every hop, and a ring step waits for several hops.  After 2 ms
+      // without any, sleep between polls.
+      if (any) {
+        last_busy = now;
+      } else if (now - last_busy < 2000000ull) {
+        sched_yield();
+      } else {
+        timespec ts = {0, 20000};
+        nanosleep(&ts, nullptr);
+      }
+    }
+  }
+};
+
+void err_handler(void *arg, ucp_ep_h, ucs_status_t status) {
+  auto *pair = static_cast<std::pair<Proxy *, uint32_t> *>(arg);
+  pair->first->fail_peer(pair->second, "connection", status);
+}
+
+void set_error(char *err, size_t len, const std::string &what) {
+  if (err != nullptr && len > 0) snprintf(err, len, "%s", what.c_str());
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t dfccl_net_queue_bytes(void) { return sizeof(dfccl_net_queue); }
+
+void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t arena_bytes, uint64_t queues,
+                       uint32_t nqueues, char *err, size_t errlen) {
+  std::unique_ptr<Proxy> px(new Proxy());
+  px->rank = rank;
+  px->nranks = nranks;
+  px->arena = reinterpret_cast<uint8_t *>(arena);
+  px->arena_bytes = arena_bytes;
+  px->queues = reinterpret_cast<dfccl_net_queue *>(queues);
+  px->nqueues = nqueues;
+  px->peers = std::vector<Peer>(nranks);
+  for (auto &s : px->status) s.store(0);
+  ucp_params_t params;
+  memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_config_t *config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) {
+    set_error(err, errlen, std::string("ucp_config_read: ") + ucs_status_string(st));
+    return nullptr;
+  }
+  st = ucp_init(&params, config, &px->context);
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    set_error(err, errlen, std::string("ucp_init: ") + ucs_status_string(st));
+    return nullptr;
+  }
+  ucp_worker_params_t wp;
+  memset(&wp, 0, sizeof(wp));
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // set up by the caller, then run by the proxy thread
+  st = ucp_worker_create(px->context, &wp, &px->worker);
+  if (st != UCS_OK) {
+    ucp_cleanup(px->context);
+    set_error(err, errlen, std::string("ucp_worker_create: ") + ucs_status_string(st));
+    return nullptr;
+  }
+  return px.release();
+}
+
+// This rank's worker address: what a peer needs to reach it.
+int dfccl_net_address(void *h, uint8_t *buf, size_t cap, size_t *len) {
+  Proxy *px = static_cast<Proxy *>(h);
+  ucp_address_t *addr = nullptr;
+  size_t n = 0;
+  if (ucp_worker_get_address(px->worker, &addr, &n) != UCS_OK) return -1;
+  *len = n;
+  const int ok = n <= cap ? 0 : 1;
+  if (ok == 0) memcpy(buf, addr, n);
+  ucp_worker_release_address(px->worker, addr);
+  return ok;
+}
+
+int dfccl_net_connect(void *h, uint32_t peer, const uint8_t *addr, size_t len, uint64_t mirror, char *err,
+                      size_t errlen) {
+  Proxy *px = static_cast<Proxy *>(h);
+  (void)len;
+  if (peer >= px->nranks) return -1;
+  Peer &p = px->peers[peer];
+  px->handler_args.emplace_back(new std::pair<Proxy *, uint32_t>(px, peer));
+  auto *arg = px->handler_args.back().get();
+  ucp_ep_params_t ep;
+  memset(&ep, 0, sizeof(ep));
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t *>(addr);
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = err_handler;
+  ep.err_handler.arg = arg;
+  ucs_status_t st = ucp_ep_create(px->worker, &ep, &p.ep);
+  if (st != UCS_OK) {
+    set_error(err, errlen, std::string("ucp_ep_create: ") + ucs_status_string(st));
+    return -1;
+  }
+  p.remote = true;
+  p.mirror = reinterpret_cast<uint8_t *>(mirror);
+  return 0;
+}
+
+void dfccl_net_start(void *h) {
+  Proxy *px = static_cast<Proxy *>(h);
+  for (uint32_t p = 0; p < px->nranks; ++p)
+    if (px->peers[p].remote) px->post_headers(p);
+  px->thread = std::thread([px] { px->run(); });
+}
+
+void dfccl_net_set_status(void *h, uint64_t state, uint64_t heartbeat, uint64_t pid) {
+  Proxy *px = static_cast<Proxy *>(h);
+  px->status[1].store(heartbeat, std::memory_order_relaxed);
+  px->status[2].store(pid, std::memory_order_relaxed);
+  px->status[0].store(state, std::memory_order_release);
+}
+
+// 0: the peer is reachable; 1: its connection failed (`err` says how).
+int dfccl_net_peer_lost(void *h, uint32_t peer, char *err, size_t errlen) {
+  Proxy *px = static_cast<Proxy *>(h);
+  if (peer >= px->nranks || !px->peers[peer].lost.load(std::memory_order_acquire)) return 0;
+  set_error(err, errlen, px->peers[peer].error);
+  return 1;
+}
+
+// Bytes sent, bytes received (slices), messages sent.
+void dfccl_net_counters(void *h, uint64_t *out) {
+  Proxy *px = static_cast<Proxy *>(h);
+  out[0] = px->bytes_sent.load();
+  out[1] = px->bytes_received.load();
+  out[2] = px->messages.load();
+}
+
+// Stops the thread after up to `linger_ns` spent sending what is queued
+// (the last status above all, so that peers see this rank leave before its
+// connection drops), then closes the connections and the worker.
+void dfccl_net_close(void *h, uint64_t linger_ns) {
+  Proxy *px = static_cast<Proxy *>(h);
+  if (px->thread.joinable()) {
+    px->stop.store(1, std::memory_order_release);
+    px->thread.join();
+  }
+  const uint64_t until = now_ns() + linger_ns;
+  px->drain_queues();
+  px->push_status(true);
+  while (!px->outgoing.empty() && now_ns() < until) {
+    ucp_worker_progress(px->worker);
+    px->reap_sent();
+  }
+  for (uint32_t p = 0; p < px->nranks; ++p) {
+    Peer &peer = px->peers[p];
+    if (peer.ep == nullptr) continue;
+    ucp_request_param_t prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &prm);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until + 100000000ull)
+        ucp_worker_progress(px->worker);
+      ucp_request_free(r);
+    }
+    peer.ep = nullptr;
+  }
+  // Receives still posted: cancelled, their requests freed before the worker goes.
+  for (auto &peer : px->peers) {
+    for (auto &in : peer.incoming)
+      for (Op *op : {&in->header, &in->payload})
+        if (op->req != nullptr && !op->done.load()) ucp_request_cancel(px->worker, op->req);
+  }
+  for (int i = 0; i < 100; ++i) ucp_worker_progress(px->worker);
+  for (auto &peer : px->peers) peer.incoming.clear();
+  px->drain_unexpected(until);
+  px->outgoing.clear();
+  ucp_worker_destroy(px->worker);
+  ucp_cleanup(px->context);
+  delete px;
+}
+
+}  // extern "C"

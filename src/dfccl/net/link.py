@@ -1,0 +1,149 @@
+"""One communicator rank's side of the network (docs/multi-node.md): its
+mirrors of the remote peers' arenas, its net queues (one per daemon block)
+and its proxy thread (csrc/proxy.cpp, UCX), which carries what the daemon
+posts and lands what the peers send."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from dfccl.errors import BackendError
+from dfccl.net._build import NetUnavailableError, load
+
+__all__ = ["NetLink"]
+
+_ERR_BYTES = 512
+_ADDRESS_BYTES = 1 << 16
+#: Seconds a closing rank gives its proxy to send what is queued (its
+#: leaving above all) before the connections drop.
+CLOSE_LINGER = 1.0
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    u32, u64, vp, cp, sz = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+    lib.dfccl_net_queue_bytes.restype = sz
+    lib.dfccl_net_create.restype = vp
+    lib.dfccl_net_create.argtypes = [u32, u32, u64, u64, u64, u32, cp, sz]
+    lib.dfccl_net_address.argtypes = [vp, cp, sz, ctypes.POINTER(sz)]
+    lib.dfccl_net_connect.argtypes = [vp, u32, cp, sz, u64, cp, sz]
+    lib.dfccl_net_start.argtypes = [vp]
+    lib.dfccl_net_set_status.argtypes = [vp, u64, u64, u64]
+    lib.dfccl_net_peer_lost.argtypes = [vp, u32, cp, sz]
+    lib.dfccl_net_counters.argtypes = [vp, ctypes.POINTER(u64)]
+    lib.dfccl_net_close.argtypes = [vp, u64]
+    return lib
+
+
+class NetLink:
+    """The network side of one rank whose communicator has ranks on other
+    hosts.  Built with :meth:`create`; :meth:`connect` starts the proxy;
+    :meth:`close` stops it (idempotent); :meth:`free` gives the memory back
+    once the daemon holds nothing of the rank."""
+
+    def __init__(self):
+        raise TypeError("NetLink is built with NetLink.create()")
+
+    @staticmethod
+    def create(device, rank: int, nranks: int, arena: int, arena_bytes: int, nblocks: int,
+               remote: list[int]) -> "NetLink":
+        """Mirrors for the ``remote`` ranks (arenas of ``arena_bytes``) and
+        a proxy for this rank's ``arena`` with ``nblocks`` queues.
+
+        Raises:
+            NetUnavailableError: UCX or a C++ compiler is missing.
+            BackendError: the device cannot run the network path.
+        """
+        if device.backend != "sim":
+            raise BackendError(
+                "dfccl: ranks on other hosts run on the simulator in this release; on GPUs the proxy needs to "
+                "land slices in device memory (docs/multi-node.md, 'Status')")
+        lib = _declare(load())
+        self = NetLink.__new__(NetLink)
+        self._lib = lib
+        self._device = device
+        self.rank = rank
+        self.remote = list(remote)
+        self.remote_mask = sum(1 << p for p in remote)
+        self._mirrors: dict[int, tuple[int, int]] = {}   # rank -> (host, device) address
+        self._queues_host, self.queues = device.alloc_mapped(nblocks * lib.dfccl_net_queue_bytes())
+        for p in remote:
+            self._mirrors[p] = device.alloc_mapped(arena_bytes)
+        err = ctypes.create_string_buffer(_ERR_BYTES)
+        self._handle = lib.dfccl_net_create(rank, nranks, arena, arena_bytes, self._queues_host, nblocks, err,
+                                            _ERR_BYTES)
+        if not self._handle:
+            self.free()
+            raise NetUnavailableError(f"dfccl: rank {rank}: cannot start UCX: {err.value.decode()}")
+        self._started = False
+        return self
+
+    def mirror(self, rank: int) -> int:
+        """Where the daemon finds ``rank``'s arena: this rank's mirror of it."""
+        return self._mirrors[rank][1]
+
+    def address(self) -> str:
+        """This rank's UCX worker address (hex), for its peers."""
+        buf = ctypes.create_string_buffer(_ADDRESS_BYTES)
+        n = ctypes.c_size_t(0)
+        if self._lib.dfccl_net_address(self._handle, buf, _ADDRESS_BYTES, ctypes.byref(n)) != 0:
+            raise BackendError(f"dfccl: rank {self.rank}: cannot read the UCX worker address")
+        return buf.raw[:n.value].hex()
+
+    def connect(self, addresses: dict[int, str]) -> None:
+        """Connects to every remote rank (its worker address) and starts the
+        proxy thread."""
+        err = ctypes.create_string_buffer(_ERR_BYTES)
+        for p in self.remote:
+            addr = bytes.fromhex(addresses[p])
+            if self._lib.dfccl_net_connect(self._handle, p, addr, len(addr), self._mirrors[p][0], err,
+                                           _ERR_BYTES) != 0:
+                raise BackendError(f"dfccl: rank {self.rank}: cannot connect to rank {p} through UCX: "
+                                   f"{err.value.decode()}")
+        self._lib.dfccl_net_start(self._handle)
+        self._started = True
+
+    def set_status(self, state: int, heartbeat: int) -> None:
+        """This rank's status as its remote peers should see it (pushed when
+        it changes)."""
+        if self._handle:
+            self._lib.dfccl_net_set_status(self._handle, state, heartbeat, os.getpid())
+
+    def peer_status(self, rank: int) -> tuple[int, int, int]:
+        """(state, heartbeat, pid) of a remote ``rank`` as it last sent them.
+
+        Raises:
+            OSError: its connection failed while it had not left.
+        """
+        words = (ctypes.c_uint64 * 3).from_address(self._mirrors[rank][0])
+        state, beat, pid = int(words[0]), int(words[1]), int(words[2])
+        if state == 0 and self._handle:
+            err = ctypes.create_string_buffer(_ERR_BYTES)
+            if self._lib.dfccl_net_peer_lost(self._handle, rank, err, _ERR_BYTES):
+                raise OSError(f"its network connection failed ({err.value.decode()})")
+        return state, beat, pid
+
+    def counters(self) -> dict[str, int]:
+        """Bytes of slices sent and received, messages sent."""
+        out = (ctypes.c_uint64 * 3)()
+        if self._handle:
+            self._lib.dfccl_net_counters(self._handle, out)
+        return {"bytes_sent": out[0], "bytes_received": out[1], "messages": out[2]}
+
+    def close(self) -> None:
+        """Sends what is queued (this rank's last status above all), then
+        stops the proxy and drops the connections."""
+        handle, self._handle = self._handle, None
+        if handle:
+            self._lib.dfccl_net_close(handle, int(CLOSE_LINGER * 1e9))
+
+    def free(self) -> None:
+        """Gives the mirrors and queues back (after close, once the daemon
+        holds nothing of this rank)."""
+        self.close()
+        for host, _dev in self._mirrors.values():
+            self._device.free_mapped(host)
+        self._mirrors = {}
+        if self._queues_host:
+            self._device.free_mapped(self._queues_host)
+            self._queues_host = self.queues = 0
