@@ -175,7 +175,8 @@ def test_a_captured_work_refuses_host_waits():
 def test_a_failed_replay_is_raised_by_the_next_call():
     """Rank 1 captures a collective of another size under the same tag: the
     replay fails on both ranks (MismatchError) without holding the stream,
-    and each rank's next collective raises it."""
+    the rank's status shows it, and each rank's next collective raises it
+    (once: the one after runs)."""
     comms, streams = _setup(DEV + 10)
     graphs = []
     try:
@@ -187,10 +188,15 @@ def test_a_failed_replay_is_raised_by_the_next_call():
         for s in streams:
             assert s.synchronize(timeout=TIMEOUT)        # a failed replay releases its stream
         for r in range(2):
+            shown = str(comms[r].status())               # what `dfccl status` prints
+            assert "1 with a failed replay" in shown and "replay 1 of a captured collective failed" in shown
             with pytest.raises(dfccl.MismatchError, match="replay 1 of a captured collective failed"):
                 comms[r].all_reduce(np.ones(4, np.float32), tag="after")
             failed = [n for n in comms[r]._ctx.captured if n["error"]]
             assert len(failed) == 1 and "replay 1" in failed[0]["error"]
+        ws = [comms[r].all_reduce(np.ones(4, np.float32), tag="after") for r in range(2)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
     finally:
         _close(comms, streams, graphs)
 

@@ -77,6 +77,7 @@ cdef class Context(ContextEndpoints):
     cdef readonly bint link_block      # the daemon has a link block (link.cuh)
     cdef object watcher
     cdef dict _graphs             # slot -> _CapturedNode: collectives captured in CUDA graphs
+    cdef list _graph_errors       # failed replays seen and not raised yet
     cdef uint64_t _bindings       # captures so far: each binds a slot under a new number
     cdef object __weakref__
 
@@ -193,6 +194,7 @@ cdef class Context(ContextEndpoints):
         c.pol_min_completions = policy.min_completions
 
         self._graphs = {}
+        self._graph_errors = []
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
         self.draining_endpoints = {}
         self.diagnostics = {}
@@ -272,7 +274,7 @@ cdef class Context(ContextEndpoints):
         cdef Work work = None
         if task.plan.core != self.c:
             self._bind(task)
-        if self.c.ctrl.graph_failed != 0:
+        if self.c.ctrl.graph_failed != 0 or self.c.n_graph_errors != 0:
             self.check_graphs()
         if has_stream and self.backend.stream_capturing(stream):
             return self._capture(task, send_addr, recv_addr, stream, owners)
@@ -457,9 +459,11 @@ cdef class Context(ContextEndpoints):
     @property
     def captured(self):
         """Collectives captured in CUDA graphs that are still alive, as dicts
-        (kind, tag, rank, slot, replays seen failed: the error)."""
+        (kind, tag, rank, endpoint, slot, and the error of its last failed
+        replay or None)."""
+        self._scan_graphs()
         self._reap_graphs()
-        return [{"kind": n.kind, "tag": n.tag, "rank": n.rank, "slot": n.slot,
+        return [{"kind": n.kind, "tag": n.tag, "rank": n.rank, "endpoint": n.endpoint, "slot": n.slot,
                  "error": None if n.failed is None else str(n.failed)} for n in self._graphs.values()]
 
     def _graph_stream_wait(self, uint64_t stream, uint32_t slot):
@@ -472,8 +476,20 @@ cdef class Context(ContextEndpoints):
 
     def check_graphs(self):
         """Raises the error of a replay of a captured collective that failed
-        since the last look (the daemon flags it in ctrl.graph_failed); the
-        collective's later replays run as usual."""
+        since the last call (the daemon flags it in ctrl.graph_failed); the
+        collective's later replays run as usual.  Every failure seen is in
+        ``captured``."""
+        self._scan_graphs()
+        if self._graph_errors:
+            first = self._graph_errors[0]
+            self._graph_errors = []
+            self.c.n_graph_errors = 0
+            raise first
+
+    def _scan_graphs(self):
+        """Records the replays that failed since the daemon last flagged
+        one (each captured collective's last error, and the errors for
+        check_graphs to raise)."""
         cdef ctx_core *c = self.c
         cdef uint32_t word
         cdef Work w
@@ -481,7 +497,6 @@ cdef class Context(ContextEndpoints):
             return
         dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
         dfccl_fence_seq_cst()
-        first = None
         for node in self._graphs.values():
             word = dfccl_load_acquire_u32(&c.done[node.slot])
             if not (word & DFCCL_GRAPH_GEN_BIT) or c.results[node.slot].status == DFCCL_STATUS_OK:
@@ -500,10 +515,8 @@ cdef class Context(ContextEndpoints):
             err = type(cause)(f"replay {replay} of a captured collective failed: {cause}", rank=node.rank,
                               tag=node.tag)
             node.failed = err
-            if first is None:
-                first = err
-        if first is not None:
-            raise first
+            self._graph_errors.append(err)
+        c.n_graph_errors = len(self._graph_errors)
 
     def _refusal(self, int nchannels):
         """Why a submission is refused (hotpath.submit's checks)."""

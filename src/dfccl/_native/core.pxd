@@ -150,6 +150,7 @@ cdef struct ctx_core:
     uint32_t n_free
     uint32_t n_stream_waited   # mirrored in ctrl.stream_waits for the daemon
     uint32_t n_graph_slots     # slots held by captured collectives: the watcher watches graph_arms
+    uint32_t n_graph_errors    # failed replays seen and not raised yet (Context.check_graphs)
     uint64_t graph_arms_launched   # ctrl.graph_arms when the daemon was last launched
     PyThread_type_lock lock          # slots and the outstanding list
     PyThread_type_lock launch_lock

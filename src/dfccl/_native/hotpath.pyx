@@ -258,7 +258,7 @@ cdef int submit(ctx_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, 
     if c.n_graph_slots != 0:
         # Captured collectives exist: a replay's failure is raised here, and a
         # C handle is not submitted under capture.
-        if c.ctrl.graph_failed != 0:
+        if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
             rc = _graph_failed(c)
             if rc < 0:
                 return rc
