@@ -39,6 +39,13 @@ int t_submit_at(const dfccl_api *a, const dfccl_plan *p, uint64_t send, uint64_t
   return a->submit(p, &at, h);
 }
 
+/* t_submit_at, armed when `stream` reaches it. */
+int t_submit_on(const dfccl_api *a, const dfccl_plan *p, uint64_t send, uint64_t recv, uint64_t stream,
+                dfccl_handle *h) {
+  dfccl_submit_at at = {send, recv, stream, 1, 0};
+  return a->submit(p, &at, h);
+}
+
 int t_test(const dfccl_api *a, const dfccl_handle *h, uint32_t *status, int32_t *detail) {
   return a->test(h, status, detail);
 }

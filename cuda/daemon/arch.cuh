@@ -186,6 +186,10 @@ DFCCL_DEV uint64_t cas_relaxed(uint64_t *p, uint64_t expect, uint64_t v) {
 DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// Sets / clears bits of a word only this GPU's blocks and its graph arm
+// nodes share (graph.cuh's replay mask).
+DFCCL_DEV void atomic_or_local(uint32_t *p, uint32_t v) { atomicOr(p, v); }
+DFCCL_DEV void atomic_and_local(uint32_t *p, uint32_t v) { atomicAnd(p, v); }
 // Words only this GPU's blocks share (daemon state, contexts): GPU scope, so
 // nothing waits on traffic to the host or to peers.
 DFCCL_DEV uint64_t load_gpu(const uint64_t *p) {
@@ -268,6 +272,8 @@ DFCCL_DEV void atomic_max_local(uint64_t *p, uint64_t v) {
   while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
   }
 }
+DFCCL_DEV void atomic_or_local(uint32_t *p, uint32_t v) { __atomic_fetch_or(p, v, __ATOMIC_ACQ_REL); }
+DFCCL_DEV void atomic_and_local(uint32_t *p, uint32_t v) { __atomic_fetch_and(p, v, __ATOMIC_ACQ_REL); }
 DFCCL_DEV uint64_t load_gpu(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 DFCCL_DEV uint32_t load_gpu(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 DFCCL_DEV uint64_t load_acquire_gpu(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }

@@ -3,7 +3,7 @@
 // polls (Work.synchronize) and streams wait on (cuStreamWaitValue32).
 #pragma once
 
-#include "block_env.cuh"
+#include "graph.cuh"
 
 namespace dfccl {
 
@@ -31,6 +31,7 @@ DFCCL_DEV void complete_single(const dfccl_daemon_args *a, const dfccl_task_ctx 
   res.waiting_on = ctx->waiting_on;
   res.max_wait_ns = ctx->max_wait_ns;
   if (res.status != DFCCL_STATUS_OK) store_gpu(&a->slot_error[slot], 0u);
+  graph_retire(a, &ctx->desc, res.status);
   publish_result(a, slot, ctx->desc.gen, res);
 }
 
@@ -82,6 +83,7 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   // Reset the slot's device words before the host may reuse the slot.
   store_gpu(&a->slot_counter[slot], 0u);
   store_gpu(&a->slot_error[slot], 0u);
+  graph_retire(a, d, res.status);
   // One system-scope release: the result and every block's data (gathered
   // by the slot counter) before the completion word.
   publish_result(a, slot, d->gen, res);

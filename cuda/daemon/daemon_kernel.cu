@@ -25,3 +25,10 @@ extern "C" __global__ void __launch_bounds__(512, 1) dfccl_daemon(dfccl_daemon_a
     dfccl::mover_loop(&sm);
   }
 }
+
+// A CUDA graph's arm node (graph.cuh): one thread pushes one replay of a
+// captured collective.  Captured on the application's stream with the
+// descriptor bound at capture, so every replay runs it.
+extern "C" __global__ void __launch_bounds__(32, 1) dfccl_graph_arm_node(dfccl_daemon_args args, dfccl_graph_arm arm) {
+  if (threadIdx.x == 0) dfccl::graph_arm(&args, &arm);
+}

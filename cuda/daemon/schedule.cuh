@@ -108,7 +108,7 @@ DFCCL_DEV uint64_t daemon_state_word(uint32_t epoch, uint32_t state) {
 //   - a submission is never stranded: either the daemon sees it and stays,
 //     or the host sees QUITTING, then LEAVING, and launches again;
 //   - the daemon never leaves while a stream waits for one of its
-//     collectives.  Its relaunch could not be trusted to run: the launch may
+//     collectives (a graph replay pending counts: graph.cuh).  Its relaunch could not be trusted to run: the launch may
 //     be queued on the same hardware queue as the waiting stream, behind the
 //     wait (CUDA_DEVICE_MAX_CONNECTIONS=1, or MPS), and then neither ever
 //     runs.  Leaving would not help a device synchronisation either: it
@@ -175,10 +175,12 @@ DFCCL_DEV bool should_quit(const BlockEnv &env, const PolicyCache &p, uint64_t n
     // of the handshake.
     const uint64_t tail = load_acquire(&ctrl->sq_tail);
     const uint64_t stream_waits = load_acquire(&ctrl->stream_waits);
-    if (tail != st->sq_head[0] || stream_waits != 0) {
+    // A graph replay pending is a stream waiting too (its graph's captured wait).
+    const uint64_t graph_pending = load_gpu(&st->graph_pending);
+    if (tail != st->sq_head[0] || stream_waits != 0 || graph_pending != 0) {
       // Staying for a stream restarts the idle clock: the next look is
       // idle_quit_ns away, not one pass.
-      if (stream_waits != 0) atomic_max_local(&st->last_progress_ns, now);
+      if (stream_waits != 0 || graph_pending != 0) atomic_max_local(&st->last_progress_ns, now);
       store_release(&ctrl->daemon_state, daemon_state_word(a->epoch, DFCCL_DAEMON_RUNNING));
       return false;
     }
@@ -350,6 +352,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   dfccl_step_profile steps = st->steps[block];
   env.steps = &steps;
   uint64_t sq_head = st->sq_head[block];
+  uint64_t graph_seen = 0;  // graph_seq as last scanned: a launch scans once (graph.cuh)
   uint64_t link_seen_ns = 0;
   uint32_t quiet_passes = 0;
   uint64_t picked_ns = 0;
@@ -368,8 +371,10 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
       if (check_quit) quiet_passes = 0;
       QuitWords quit_seen = {0, 0};
       if (check_quit) quit_seen = quit_words(env);
-      uint32_t ready;
-      const uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, ready);
+      uint32_t ready, graph_ready;
+      uint32_t pulled = pull_submissions(env, active, sm->active_len, sq_head, ready);
+      pulled += pull_graph_replays(env, active, sm->active_len, graph_seen, graph_ready);
+      if (ready == kNoSlot) ready = graph_ready;
       const uint64_t now = pulled != 0 ? now_ns() : t0;
       if (pulled != 0) atomic_max_local(&st->last_progress_ns, now);
       sm->quit = check_quit && should_quit(env, policy, now, quit_seen, pulled != 0) ? 1u : 0u;

@@ -4,6 +4,7 @@
 // for one another here.
 #pragma once
 
+#include "graph.cuh"
 #include "link.cuh"
 #include "reduce.cuh"
 
@@ -85,6 +86,7 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
 DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
   atomic_add(&a->state->bad_tasks, 1ull);
   if (d->slot >= a->nslots) return;
+  graph_retire(a, d, DFCCL_STATUS_BAD_TASK);
   publish_result(a, d->slot, d->gen, empty_result(DFCCL_STATUS_BAD_TASK, 0));
 }
 
@@ -194,6 +196,45 @@ DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint3
   store_gpu(&st->sq_head[env.block], head);
   if (active_len != len_before) store_gpu(&st->active_len[env.block], active_len);  // for block 0's empty quit
   return pulled;
+}
+
+// The leader: takes the graph replays armed since `seen` (graph.cuh) into
+// this block's list, as pull_submissions takes ring entries.  Runs only when
+// graph_seq moved: then it scans the mask of armed replays, a word per 32
+// slots, and takes each replay this block's context of the slot does not
+// name yet (a replay it took before, or one of another block's channels, is
+// passed over; a replay still being written is taken at the scan its
+// graph_seq bump brings).  Returns how many it took.
+DFCCL_DEV uint32_t pull_graph_replays(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &seen,
+                                      uint32_t &ready) {
+  const dfccl_daemon_args *a = env.args;
+  ready = kNoSlot;
+  const uint64_t seq = load_acquire_gpu(&a->state->graph_seq);
+  if (seq == seen) return 0;
+  seen = seq;
+  const uint64_t t0 = now_ns();
+  const bool was_empty = active_len == 0;
+  const uint32_t len_before = active_len;
+  uint32_t taken = 0;
+  for (uint32_t w = 0; w < (a->nslots + 31u) / 32u; ++w) {
+    uint32_t bits = load_gpu(&a->graph_mask[w]);
+    while (bits != 0) {
+      uint32_t b = 0;
+      while (!(bits & (1u << b))) ++b;
+      bits &= bits - 1u;
+      const uint32_t slot = w * 32u + b;
+      pack16 words[kDescWords];
+      if (!graph_read(a, slot, words)) continue;
+      const dfccl_task_desc *d = reinterpret_cast<const dfccl_task_desc *>(words);
+      const dfccl_task_ctx *ctx = ctx_at(a, slot, env.block);
+      if (ctx->desc.gen == d->gen && ctx->desc.tag_key == d->tag_key && ctx->desc.instance == d->instance) continue;
+      const uint32_t before = active_len;
+      take_entry(env, words, t0, was_empty && taken == 0, active, active_len, ready);
+      taken += active_len != before ? 1u : 0u;
+    }
+  }
+  if (active_len != len_before) store_gpu(&a->state->active_len[env.block], active_len);
+  return taken;
 }
 
 }  // namespace dfccl

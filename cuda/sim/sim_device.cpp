@@ -87,6 +87,11 @@ int dfccl_sim_device_busy(dfccl_sim_device *dev) {
   return (!dev->queue.empty() || dev->running) ? 1 : 0;
 }
 
+void dfccl_sim_graph_arm(const void *params) {
+  const dfccl_sim_graph_arm_params *p = static_cast<const dfccl_sim_graph_arm_params *>(params);
+  dfccl::graph_arm(&p->args, &p->arm);
+}
+
 void dfccl_sim_device_destroy(dfccl_sim_device *dev) {
   {
     std::lock_guard<std::mutex> lock(dev->mu);

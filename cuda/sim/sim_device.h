@@ -23,6 +23,15 @@ int dfccl_sim_device_busy(dfccl_sim_device *dev);
 /* Waits for the queue to drain, then frees the device. */
 void dfccl_sim_device_destroy(dfccl_sim_device *dev);
 
+/* A CUDA graph's arm node (cuda/daemon/graph.cuh) as a stream operation
+ * (dfccl_sim_stream_call): what the dfccl_graph_arm_node kernel runs on a GPU,
+ * with the same parameters. */
+typedef struct dfccl_sim_graph_arm_params {
+  dfccl_daemon_args args;
+  dfccl_graph_arm arm;
+} dfccl_sim_graph_arm_params;
+void dfccl_sim_graph_arm(const void *params);
+
 #ifdef __cplusplus
 }
 #endif

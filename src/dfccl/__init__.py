@@ -11,8 +11,8 @@ from dfccl.buffers import Buffer
 from dfccl.communicator import Communicator, Plan
 from dfccl.environment import init_from_env
 from dfccl.errors import (AbortedError, BackendError, ClosedError, CollectiveTimeoutError, DfcclError, ErrorCode,
-                          InvalidArgumentError, MismatchError, PeerAbortedError, PeerLostError, ResourceError,
-                          StartupTimeoutError)
+                          InvalidArgumentError, MismatchError, NotSupportedError, PeerAbortedError, PeerLostError,
+                          ResourceError, StartupTimeoutError)
 from dfccl.options import CommOptions, DaemonOptions
 from dfccl.runtime import default_backend, device_count, device_synchronize, shutdown
 from dfccl.types import DataType, ReduceOp
@@ -50,4 +50,5 @@ __all__ = [
     "ResourceError",
     "BackendError",
     "ClosedError",
+    "NotSupportedError",
 ]

@@ -1122,6 +1122,8 @@ class Communicator:
                                                 age_s=(now - w.submitted_ns) / 1e9, state=what,
                                                 waiting_for=missing[0] if missing else waiting,
                                                 joined_ranks=joined, missing_ranks=missing))
+            st.captured = [{"kind": n["kind"], "tag": n["tag"], "error": n["error"]}
+                           for n in self._daemon.captured if n["endpoint"] == ep.id]
         st.recent = self._flight.events()[-20:]
         return st
 

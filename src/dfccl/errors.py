@@ -20,6 +20,7 @@ __all__ = [
     "ResourceError",
     "BackendError",
     "ClosedError",
+    "NotSupportedError",
 ]
 
 
@@ -163,3 +164,11 @@ class ClosedError(DfcclError):
     """The communicator or daemon is closed."""
 
     code = ErrorCode.CLOSED
+
+
+class NotSupportedError(DfcclError, NotImplementedError):
+    """An operation dfccl does not implement, or not in this context (a
+    collective of the C API under CUDA graph capture, say; torch.distributed
+    operations dfccl.torch does not offer)."""
+
+    code = ErrorCode.INVALID_ARGUMENT

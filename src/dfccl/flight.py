@@ -141,10 +141,12 @@ class CommStatus:
     state: str                          # "open", "aborted", "closed", "peer N lost"
     pending: list[PendingStatus] = field(default_factory=list)
     recent: list[dict] = field(default_factory=list)   # the last events of the flight recorder
+    # collectives captured in CUDA graphs: kind, tag, error of the last failed replay (None: none failed)
+    captured: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for p in d["pending"]:
+        for p in d["pending"] + d["captured"]:
             p["tag"] = _jsonable(p["tag"])
         return d
 
@@ -163,6 +165,13 @@ def format_status(d: dict) -> str:
         elif p.get("waiting_for") is not None:
             line += f"; waits for rank {p['waiting_for']}"
         lines.append(line)
+    captured = d.get("captured", [])
+    if captured:
+        failed = [c for c in captured if c.get("error")]
+        lines.append(f"  {len(captured)} captured in CUDA graphs, {len(failed)} with a failed replay")
+        for c in failed[-3:]:
+            name = "untagged" if c["tag"] is None else f"tag {c['tag']!r}"
+            lines.append(f"  captured {c['kind']} {name}: {c['error']}")
     errors = [e for e in d.get("recent", []) if e["event"] in ("error", "abort", "peer_lost")]
     for e in errors[-3:]:
         lines.append(f"  recent {e['event']}: {e.get('error') or e.get('detail', '')}".rstrip())

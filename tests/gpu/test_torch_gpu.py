@@ -221,18 +221,44 @@ def _timeout(rank, ws):
 
 
 def _graph_capture(rank, ws):
+    """Collectives captured in torch.cuda.graph run at each replay: two
+    all-reduces issued in opposite orders on the two ranks (async, waited
+    for at the end of the capture), replayed with fresh inputs and eager
+    collectives of the same shapes in between; barrier is refused under
+    capture; resetting the graph gives back what the capture held."""
     import dfccl.torch as dt
 
-    t = torch.ones(16)
-    dist.all_reduce(t)  # outside capture: fine
+    a = torch.zeros(1000)
+    b = torch.zeros(300_000)
+    eager = torch.ones(1000)
+    dist.all_reduce(eager)                      # outside capture: binds the shapes' plans
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(dt.NotSupportedError, match="graph capture"):
-        with torch.cuda.graph(graph):
-            dist.all_reduce(t)
-    # Nothing was submitted during the capture: the ranks stay in step.
-    dist.all_reduce(t)
+    with torch.cuda.graph(graph):
+        first, second = (a, b) if rank == 0 else (b, a)
+        works = [dist.all_reduce(first, async_op=True), dist.all_reduce(second, async_op=True)]
+        for w in works:
+            w.wait()
+    daemon = dt.communicator()._daemon
+    assert len(daemon.captured) == 2
+    for k in range(1, 51):
+        a.fill_(float(rank + k))
+        b.copy_(torch.arange(300_000, dtype=torch.float32) * (rank + 1) + k)
+        graph.replay()
+        eager.fill_(1.0)
+        dist.all_reduce(eager)                  # an eager collective of a's shape between replays
+        torch.cuda.synchronize()
+        assert bool((a == 2 * k + 1).all()), k
+        assert bool((b == torch.arange(300_000, dtype=torch.float32) * 3 + 2 * k).all()), k
+        assert bool((eager == 2.0).all()), k
+    with pytest.raises(dt.NotSupportedError, match="barrier"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dist.barrier()
+    graph.reset()
     torch.cuda.synchronize()
-    assert bool((t == 4.0).all())
+    deadline = time.monotonic() + 5.0
+    while daemon.captured and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.captured == []
 
 
 # -- tests -------------------------------------------------------------------------
@@ -291,7 +317,7 @@ def test_timeout_gpu():
     run_gpus(_timeout)
 
 
-def test_graph_capture_refused():
+def test_graph_capture_replays():
     run_gpus(_graph_capture)
 
 

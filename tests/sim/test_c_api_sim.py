@@ -70,6 +70,7 @@ class Calls:
                 ("t_table_version", [vp], ctypes.c_uint), ("t_handle_gen", [vp], ctypes.c_uint32),
                 ("t_handle_zeroed", [vp], ctypes.c_int), ("t_submit", [vp, vp, vp], ctypes.c_int),
                 ("t_submit_at", [vp, vp, ctypes.c_uint64, ctypes.c_uint64, vp], ctypes.c_int),
+                ("t_submit_on", [vp, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, vp], ctypes.c_int),
                 ("t_test", [vp, vp, u32p, i32p], ctypes.c_int),
                 ("t_wait", [vp, vp, ctypes.c_int64, u32p, i32p], ctypes.c_int),
                 ("t_stream_wait", [vp, vp, ctypes.c_uint64], ctypes.c_int), ("t_release", [vp, vp], ctypes.c_int),
@@ -338,3 +339,23 @@ def test_probe_runs_on_the_simulator():
     assert [row.split(":")[0].strip() for row in rows] == ["C API, a loop in C", "bound plan, from Python",
                                                             "comm.all_reduce(x), numpy"]
     assert all(float(row.split(":")[1].split()[0]) > 0 for row in rows)
+
+
+def test_a_capturing_stream_is_refused(calls, make):
+    """A C handle names one completion, a replayed graph runs many: a C
+    submission on a capturing stream is refused, and nothing is captured."""
+    from dfccl import runtime
+    comms = make(2, DEV + 90)
+    xs, plans = _bound(comms, tag="captured from C")
+    stream = runtime.get_device("sim", DEV + 90).create_stream()
+    try:
+        stream.begin_capture()
+        h = calls.handles()
+        addr = xs[0].ctypes.data
+        rc = calls.lib.t_submit_on(calls.api, plans[0].c_plan, addr, addr, stream.handle, calls.at(h, 0))
+        graph = stream.end_capture()
+        assert rc < 0 and "captures a CUDA graph" in calls.last_error()
+        assert graph.size == 0 and calls.lib.t_handle_zeroed(calls.at(h, 0))
+        graph.close()
+    finally:
+        stream.close()

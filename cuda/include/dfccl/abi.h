@@ -109,6 +109,15 @@ enum dfccl_status {
 #define DFCCL_TASK_KEY_BUCKET 32u   /* the bucket may never have held a tag here: the daemon writes the
                                        tag's key into it when it pulls the task (submit.cuh,
                                        claim_fresh_bucket); set until an instance in it retired */
+#define DFCCL_TASK_GRAPH 64u        /* one replay of a collective captured in a CUDA graph
+                                       (cuda/daemon/graph.cuh): pushed by the graph's arm node, not
+                                       the host; its slot belongs to the graph node */
+
+/* ---- CUDA graphs (docs/architecture.md, "CUDA graphs") ------------------ */
+/* A replay's completion word: the replay count with this bit set, so that
+ * the captured wait (cuStreamWaitValue32 AND this bit) is the same for
+ * every replay; the arm node zeroes the word first. */
+#define DFCCL_GRAPH_GEN_BIT 0x80000000u
 
 /* ---- submission --------------------------------------------------------- */
 /* One submission-queue entry.  The host fills it in the ring, then publishes it
@@ -158,6 +167,16 @@ typedef struct dfccl_sqe {
   uint64_t check;         /* dfccl_sqe_check(desc, seq) */
 } dfccl_sqe;  /* 128 bytes */
 
+/* What a captured collective's arm node carries, bound at capture: the
+ * descriptor (its instance is the tag's first, taken at capture) and the
+ * binding, a number the host never gives twice per context.  Each replay
+ * counts itself in graph_count[slot] (binding << 32 | replays): replay k
+ * runs instance desc.instance + k - 1 with gen DFCCL_GRAPH_GEN_BIT | k. */
+typedef struct dfccl_graph_arm {
+  dfccl_task_desc desc;
+  uint64_t binding;
+} dfccl_graph_arm;  /* 120 bytes */
+
 /* Host <-> daemon control words, in host-mapped memory.  Host-written and
  * device-written words sit on separate 128-byte lines.  On the device only
  * the host link (cuda/daemon/link.cuh) reads the host-written line; the
@@ -177,7 +196,11 @@ typedef struct dfccl_control {
   uint64_t daemon_state;     /* (epoch << DFCCL_DAEMON_EPOCH_SHIFT) | DFCCL_DAEMON_* */
   uint64_t sq_copied;        /* SQEs copied into the device ring: the host may
                                 rewrite ring entries below this */
-  uint64_t dev_pad[14];
+  uint64_t graph_arms;       /* replays armed (graph.cuh): the host watcher
+                                relaunches a daemon that left when it moves */
+  uint64_t graph_failed;     /* nonzero once a replay failed since the host
+                                last looked (it zeroes it) */
+  uint64_t dev_pad[12];
 } dfccl_control;
 
 /* QUITTING: deciding (it re-reads the host's words); then RUNNING (it
@@ -274,7 +297,9 @@ typedef struct dfccl_daemon_state {
   uint32_t link_busy;        /* a block is reading the host words */
   uint32_t link_pad;
   uint64_t bad_tasks;        /* descriptors rejected with DFCCL_STATUS_BAD_TASK */
-  uint64_t pad[4];
+  uint64_t graph_seq;        /* replays armed: a block scans graph_mask when it moves */
+  uint64_t graph_pending;    /* replays armed and not complete: the daemon does not leave */
+  uint64_t pad[2];
   uint64_t sq_head[DFCCL_MAX_CHANNELS];    /* per block: SQEs consumed */
   uint32_t active_len[DFCCL_MAX_CHANNELS]; /* per block, stored by its leader whenever it changes
                                               (block 0 reads them all before an empty quit) */
@@ -331,6 +356,9 @@ typedef struct dfccl_daemon_args {
                                       only reads the host link (link.cuh, host_link_block) */
   uint64_t empty_quit_ns;          /* with every block's list empty, quit after this long
                                       without progress (idle_quit_ns applies while work waits) */
+  dfccl_task_desc *graph_desc;     /* device, per slot: the replay a graph's arm node pushed */
+  uint64_t *graph_count;           /* device, per slot: (binding << 32) | replays armed */
+  uint32_t *graph_mask;            /* device, a bit per slot: a replay armed, not complete */
 } dfccl_daemon_args;
 
 #define DFCCL_LINK_AHEAD_MAX 3u
@@ -433,6 +461,7 @@ typedef struct dfccl_chan_state {
 #ifdef __cplusplus
 static_assert(sizeof(dfccl_task_desc) == 112, "dfccl_task_desc layout");
 static_assert(sizeof(dfccl_sqe) == 128, "dfccl_sqe layout");
+static_assert(sizeof(dfccl_graph_arm) == 120, "dfccl_graph_arm layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_step_profile) == 64, "dfccl_step_profile layout");

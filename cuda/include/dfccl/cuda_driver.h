@@ -15,6 +15,10 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUuserObject_st *CUuserObject;
+typedef void (*CUhostFn)(void *);
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char bytes[16]; } CUuuid;
@@ -31,6 +35,10 @@ enum {
   DFCCL_CU_MEMHOSTALLOC_DEVICEMAP = 2,
   DFCCL_CU_STREAM_NON_BLOCKING = 1,
   DFCCL_CU_STREAM_WAIT_VALUE_GEQ = 0,
+  DFCCL_CU_STREAM_WAIT_VALUE_AND = 2,
+  DFCCL_CU_STREAM_CAPTURE_STATUS_NONE = 0,
+  DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 1,
+  DFCCL_CU_GRAPH_USER_OBJECT_MOVE = 1,
   DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT = 0,
   DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
   DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
@@ -80,6 +88,13 @@ typedef struct dfccl_cuda_api {
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void **, void **);
+  /* CUDA graphs: a capture's state and graph, and a user object that tells
+     when the graph is destroyed */
+  CUresult (*cuStreamIsCapturing)(CUstream, int *);
+  CUresult (*cuStreamGetCaptureInfo)(CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,
+                                     size_t *);
+  CUresult (*cuUserObjectCreate)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int);
+  CUresult (*cuGraphRetainUserObject)(CUgraph, CUuserObject, unsigned int, unsigned int);
 } dfccl_cuda_api;
 
 #define DFCCL_API_ENTRY(name) { #name, offsetof(dfccl_cuda_api, name) }
@@ -96,7 +111,8 @@ static const struct { const char *name; size_t offset; } dfccl_cuda_api_entries[
   DFCCL_API_ENTRY(cuMemsetD8Async), DFCCL_API_ENTRY(cuMemcpyHtoDAsync), DFCCL_API_ENTRY(cuMemcpyDtoHAsync), DFCCL_API_ENTRY(cuMemHostAlloc),
   DFCCL_API_ENTRY(cuMemFreeHost), DFCCL_API_ENTRY(cuMemHostGetDevicePointer), DFCCL_API_ENTRY(cuPointerGetAttributes),
   DFCCL_API_ENTRY(cuIpcGetMemHandle), DFCCL_API_ENTRY(cuIpcOpenMemHandle), DFCCL_API_ENTRY(cuIpcCloseMemHandle),
-  DFCCL_API_ENTRY(cuLaunchKernel),
+  DFCCL_API_ENTRY(cuLaunchKernel), DFCCL_API_ENTRY(cuStreamIsCapturing), DFCCL_API_ENTRY(cuStreamGetCaptureInfo),
+  DFCCL_API_ENTRY(cuUserObjectCreate), DFCCL_API_ENTRY(cuGraphRetainUserObject),
 };
 #undef DFCCL_API_ENTRY
 

@@ -55,4 +55,11 @@ DFCCL_HD uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) {
   return h | 1ull;
 }
 
+/* The tag of the n-th capture (from 0) of tag `key` on a rank: a collective
+ * captured in a CUDA graph runs on a tag of its own, whose instances are
+ * its graph's replays (docs/architecture.md, "CUDA graphs").  Never zero. */
+DFCCL_HD uint64_t dfccl_graph_key(uint64_t key, uint64_t n) {
+  return dfccl_mix64(key ^ dfccl_mix64(n + 0x510e527fade682d1ull)) | 1ull;
+}
+
 #endif /* DFCCL_HASH_H */

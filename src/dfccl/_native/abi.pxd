@@ -19,6 +19,7 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_ARENA_STATUS_BYTES, DFCCL_RANK_LIVE, DFCCL_RANK_ABORTED, DFCCL_RANK_CLOSED
     unsigned int DFCCL_RANK_FAILED
     unsigned int DFCCL_TASK_ONE_SHOT, DFCCL_TASK_ARMED, DFCCL_TASK_STAGED, DFCCL_TASK_LL, DFCCL_TASK_KEY_BUCKET
+    unsigned int DFCCL_TASK_GRAPH, DFCCL_GRAPH_GEN_BIT
     unsigned int DFCCL_DAEMON_RUNNING, DFCCL_DAEMON_QUITTING, DFCCL_DAEMON_EXITED, DFCCL_DAEMON_LEAVING
     unsigned int DFCCL_DAEMON_EPOCH_SHIFT, DFCCL_DAEMON_STATE_MASK
     unsigned int DFCCL_RECORD_HEADER_BYTES
@@ -62,6 +63,10 @@ cdef extern from "dfccl/abi.h":
         uint64_t seq
         uint64_t check
 
+    ctypedef struct dfccl_graph_arm:
+        dfccl_task_desc desc
+        uint64_t binding
+
     ctypedef struct dfccl_control:
         uint64_t sq_tail
         uint64_t base_window_ns
@@ -72,6 +77,8 @@ cdef extern from "dfccl/abi.h":
         uint64_t stream_waits
         uint64_t daemon_state
         uint64_t sq_copied
+        uint64_t graph_arms
+        uint64_t graph_failed
 
     ctypedef struct dfccl_result:
         uint32_t status
@@ -164,6 +171,9 @@ cdef extern from "dfccl/abi.h":
         uint32_t link_ahead
         uint32_t link_block
         uint64_t empty_quit_ns
+        dfccl_task_desc *graph_desc
+        uint64_t *graph_count
+        uint32_t *graph_mask
 
 
 cdef extern from "dfccl/host_atomics.h":
@@ -186,6 +196,7 @@ cdef extern from "dfccl/hash.h":
     uint32_t dfccl_home_bucket(uint64_t key, uint32_t capacity) nogil
     uint32_t dfccl_first_block(uint64_t key, uint32_t offset, uint32_t nblocks) nogil
     uint64_t dfccl_sqe_check(const uint64_t *desc_words, uint64_t seq) nogil
+    uint64_t dfccl_graph_key(uint64_t key, uint64_t n) nogil
 
 
 cdef extern from "dfccl/layout.h":

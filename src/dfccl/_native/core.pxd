@@ -93,6 +93,7 @@ cdef enum slot_state:
     SLOT_FREE = 0
     SLOT_BUSY = 1              # submitted and not retired
     SLOT_RETIRED = 2           # retired; a C handle not released yet holds it
+    SLOT_GRAPH = 3             # a collective captured in a CUDA graph holds it while the graph lives
 
 
 cdef struct slot_rec:
@@ -148,6 +149,9 @@ cdef struct daemon_core:
     uint32_t *free_stack
     uint32_t n_free
     uint32_t n_stream_waited   # mirrored in ctrl.stream_waits for the daemon
+    uint32_t n_graph_slots     # slots held by captured collectives: the watcher watches graph_arms
+    uint32_t n_graph_errors    # failed replays seen and not raised yet (Daemon.check_graphs)
+    uint64_t graph_arms_launched   # ctrl.graph_arms when the daemon was last launched
     PyThread_type_lock lock          # slots and the outstanding list
     PyThread_type_lock launch_lock
     PyThread_type_lock submit_lock   # one submission at a time: a tag's instance, a slot, an entry

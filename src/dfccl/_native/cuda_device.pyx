@@ -9,7 +9,7 @@ import threading
 
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
-from dfccl._native.abi cimport dfccl_daemon_args, dfccl_now_ns, dfccl_sleep_ns
+from dfccl._native.abi cimport dfccl_daemon_args, dfccl_graph_arm, dfccl_now_ns, dfccl_sleep_ns
 from dfccl._native.device cimport Device
 
 from dfccl.errors import BackendError, InvalidArgumentError
@@ -26,6 +26,13 @@ cdef extern from "dfccl/cuda_driver.h":
     ctypedef CUmod_st *CUmodule
     ctypedef CUfunc_st *CUfunction
     ctypedef CUstream_st *CUstream
+    ctypedef struct CUgraph_st
+    ctypedef struct CUgraphNode_st
+    ctypedef struct CUuserObject_st
+    ctypedef CUgraph_st *CUgraph
+    ctypedef CUgraphNode_st *CUgraphNode
+    ctypedef CUuserObject_st *CUuserObject
+    ctypedef void (*CUhostFn)(void *) noexcept nogil
     ctypedef unsigned long long CUdeviceptr
     ctypedef struct CUipcMemHandle:
         char reserved[64]
@@ -37,6 +44,8 @@ cdef extern from "dfccl/cuda_driver.h":
     int DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
     int DFCCL_CU_MEMHOSTALLOC_PORTABLE, DFCCL_CU_MEMHOSTALLOC_DEVICEMAP
     int DFCCL_CU_STREAM_NON_BLOCKING, DFCCL_CU_STREAM_WAIT_VALUE_GEQ, DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT
+    int DFCCL_CU_STREAM_WAIT_VALUE_AND, DFCCL_CU_STREAM_CAPTURE_STATUS_NONE
+    int DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC, DFCCL_CU_GRAPH_USER_OBJECT_MOVE
     int DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     int DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, DFCCL_CU_MEMORYTYPE_DEVICE
     int DFCCL_CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
@@ -80,6 +89,11 @@ cdef extern from "dfccl/cuda_driver.h":
         CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) nogil
         CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
                                    unsigned int, unsigned int, unsigned int, CUstream, void **, void **) nogil
+        CUresult (*cuStreamIsCapturing)(CUstream, int *) nogil
+        CUresult (*cuStreamGetCaptureInfo)(CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,
+                                           size_t *) nogil
+        CUresult (*cuUserObjectCreate)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int) nogil
+        CUresult (*cuGraphRetainUserObject)(CUgraph, CUuserObject, unsigned int, unsigned int) nogil
 
     int dfccl_cuda_api_count()
     const char *dfccl_cuda_api_name(int i)
@@ -167,6 +181,12 @@ def pointer_device(uint64_t ptr):
     return ordinal
 
 
+cdef void _graph_destroyed(void *released) noexcept nogil:
+    # A user object's destructor (a driver thread, no CUDA call allowed):
+    # the graph that held it is gone; the context frees what it bound.
+    (<uint32_t *>released)[0] = 1
+
+
 cdef class CudaDevice(Device):
     """One GPU: its primary context, the daemon module and a private stream."""
 
@@ -174,6 +194,7 @@ cdef class CudaDevice(Device):
     cdef CUcontext cu_ctx
     cdef CUmodule module
     cdef CUfunction daemon_fn
+    cdef CUfunction graph_arm_fn
     cdef CUstream stream
     cdef CUstream setup_stream
     cdef readonly int sm_count
@@ -220,6 +241,8 @@ cdef class CudaDevice(Device):
         self.default_blocks = blocks if blocks > 0 else max(1, min(32, self.sm_count // 4))
         check(API.cuModuleLoadData(&self.module, <const char *>image), "cuModuleLoadData(daemon image)")
         check(API.cuModuleGetFunction(&self.daemon_fn, self.module, b"dfccl_daemon"), "cuModuleGetFunction(dfccl_daemon)")
+        check(API.cuModuleGetFunction(&self.graph_arm_fn, self.module, b"dfccl_graph_arm_node"),
+              "cuModuleGetFunction(dfccl_graph_arm_node)")
         check(API.cuStreamCreate(&self.stream, DFCCL_CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         check(API.cuStreamCreate(&self.setup_stream, DFCCL_CU_STREAM_NON_BLOCKING), "cuStreamCreate")
 
@@ -281,6 +304,56 @@ cdef class CudaDevice(Device):
             return rc
         return API.cuStreamWaitValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, value,
                                        DFCCL_CU_STREAM_WAIT_VALUE_GEQ)
+
+    # -- CUDA graphs ---------------------------------------------------------
+    cdef int stream_capturing(self, uint64_t stream) except -1:
+        cdef int status = 0
+        self.make_current()   # the legacy default stream (0) is the current context's
+        check(API.cuStreamIsCapturing(<CUstream><uintptr_t>stream, &status), "cuStreamIsCapturing")
+        return 0 if status == DFCCL_CU_STREAM_CAPTURE_STATUS_NONE else 1
+
+    cdef int try_stream_capturing(self, uint64_t stream) noexcept nogil:
+        cdef int status = 0
+        if API.cuCtxSetCurrent(self.cu_ctx) != DFCCL_CUDA_SUCCESS:
+            return -1
+        if API.cuStreamIsCapturing(<CUstream><uintptr_t>stream, &status) != DFCCL_CUDA_SUCCESS:
+            return -1
+        return 0 if status == DFCCL_CU_STREAM_CAPTURE_STATUS_NONE else 1
+
+    cdef int stream_wait_mask32(self, uint64_t stream, uint64_t addr, uint32_t mask) except -1:
+        self.make_current()
+        check(API.cuStreamWaitValue32(<CUstream><uintptr_t>stream, <CUdeviceptr>addr, mask,
+                                      DFCCL_CU_STREAM_WAIT_VALUE_AND), "cuStreamWaitValue32(AND)")
+        return 0
+
+    cdef int stream_graph_arm(self, uint64_t stream, const dfccl_daemon_args *args, const dfccl_graph_arm *arm) except -1:
+        # The kernel's parameters are copied into the captured node: bound at capture.
+        cdef void *params[2]
+        params[0] = <void *>args
+        params[1] = <void *>arm
+        self.make_current()
+        check(API.cuLaunchKernel(self.graph_arm_fn, 1, 1, 1, 32, 1, 1, 0, <CUstream><uintptr_t>stream, params, NULL),
+              "cuLaunchKernel(dfccl_graph_arm_node)")
+        return 0
+
+    cdef int retain_for_capture(self, uint64_t stream, uint32_t *released) except -1:
+        cdef int status = 0
+        cdef unsigned long long capture_id = 0
+        cdef CUgraph graph = NULL
+        cdef const CUgraphNode *deps = NULL
+        cdef size_t ndeps = 0
+        cdef CUuserObject obj = NULL
+        self.make_current()
+        check(API.cuStreamGetCaptureInfo(<CUstream><uintptr_t>stream, &status, &capture_id, &graph, &deps, &ndeps),
+              "cuStreamGetCaptureInfo")
+        if status == DFCCL_CU_STREAM_CAPTURE_STATUS_NONE or graph == NULL:
+            raise InvalidArgumentError("retain_for_capture: the stream is not capturing")
+        check(API.cuUserObjectCreate(&obj, <void *>released, _graph_destroyed, 1,
+                                     DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC), "cuUserObjectCreate")
+        # The graph takes our reference: the destructor runs once the graph and
+        # every executable graph made from it are destroyed (and their launches done).
+        check(API.cuGraphRetainUserObject(graph, obj, 1, DFCCL_CU_GRAPH_USER_OBJECT_MOVE), "cuGraphRetainUserObject")
+        return 0
 
     # -- memory ------------------------------------------------------------
     def alloc_mapped(self, size_t nbytes):

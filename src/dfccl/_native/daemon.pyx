@@ -18,15 +18,17 @@ back."""
 
 import threading
 import time
+import warnings
 
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
 from dfccl._native.device cimport Device
-from dfccl._native.core cimport SLOT_BUSY, daemon_core, slot_rec
+from dfccl._native.core cimport SLOT_BUSY, SLOT_FREE, SLOT_GRAPH, daemon_core, plan_t, slot_rec, tag_grant
 from dfccl._native.descriptor cimport TaskDescriptor
 from dfccl._native.hotpath cimport hold_for_stream, stream_wait, submit, submitted_t
 from dfccl._native.endpoints cimport DaemonEndpoints
@@ -37,12 +39,27 @@ from dfccl._native.work cimport Work
 
 from dfccl._native.progress import progress as _progress
 from dfccl._native.retire import warn_relaunch_failed
-from dfccl.errors import BackendError, ClosedError, ResourceError
+from dfccl.errors import BackendError, ClosedError, NotSupportedError, ResourceError
 
 # What collectives pending when their Daemon closed under a daemon kernel
 # that would not leave kept alive: that kernel may still touch them, and its
 # memory is kept mapped too (Daemon.close), for the life of the process.
 cdef list _kept_for_running_daemons = []
+
+
+class _CapturedNode:
+    """A collective captured in a CUDA graph (Daemon._capture): what it
+    holds until the graph is destroyed (``released`` turns 1)."""
+
+    __slots__ = ("slot", "key", "tags", "released", "kind", "tag", "rank", "endpoint", "first_instance", "owners",
+                 "failed", "reported")
+
+    def __init__(self, slot, key, tags, released, kind, tag, rank, endpoint, first_instance, owners):
+        self.slot, self.key, self.tags, self.released = slot, key, tags, released
+        self.kind, self.tag, self.rank, self.endpoint = kind, tag, rank, endpoint
+        self.first_instance, self.owners = first_instance, owners
+        self.failed = None      # the error of its last failed replay
+        self.reported = 0       # the completion word of that replay
 
 
 cdef inline uint64_t _align(uint64_t x, uint64_t a):
@@ -59,6 +76,9 @@ cdef class Daemon(DaemonEndpoints):
     cdef readonly object policy
     cdef readonly bint link_block      # the daemon has a link block (link.cuh)
     cdef object watcher
+    cdef dict _graphs             # slot -> _CapturedNode: collectives captured in CUDA graphs
+    cdef list _graph_errors       # failed replays seen and not raised yet
+    cdef uint64_t _bindings       # captures so far: each binds a slot under a new number
     cdef object __weakref__
 
     def __init__(self, Device device, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0,
@@ -121,6 +141,12 @@ cdef class Daemon(DaemonEndpoints):
         off = _align(off + slots * 4, 256)
         dev_ring_off = off
         off = _align(off + c.ring_size * sizeof(dfccl_task_desc), 256)
+        graph_desc_off = off
+        off = _align(off + slots * sizeof(dfccl_task_desc), 256)
+        graph_count_off = off
+        off = _align(off + slots * 8, 256)
+        graph_mask_off = off
+        off = _align(off + (slots + 31) // 32 * 4, 256)
         abort_dev_off = off
         off = _align(off + abort_words * 4, 256)
         ep_off = off
@@ -145,6 +171,9 @@ cdef class Daemon(DaemonEndpoints):
         c.args.slot_error = <uint32_t *><uintptr_t>(base + error_off)
         c.args.slot_waiting = <uint32_t *><uintptr_t>(dev + host_waiting_off)
         c.args.endpoints = <dfccl_endpoint *><uintptr_t>(base + ep_off)
+        c.args.graph_desc = <dfccl_task_desc *><uintptr_t>(base + graph_desc_off)
+        c.args.graph_count = <uint64_t *><uintptr_t>(base + graph_count_off)
+        c.args.graph_mask = <uint32_t *><uintptr_t>(base + graph_mask_off)
         c.args.ring_size = c.ring_size
         c.args.nslots = slots
         c.args.nblocks = blocks
@@ -164,6 +193,8 @@ cdef class Daemon(DaemonEndpoints):
         c.pol_period_ns = policy.period_ns
         c.pol_min_completions = policy.min_completions
 
+        self._graphs = {}
+        self._graph_errors = []
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
         self.draining_endpoints = {}
         self.diagnostics = {}
@@ -243,6 +274,10 @@ cdef class Daemon(DaemonEndpoints):
         cdef Work work = None
         if task.plan.core != self.c:
             self._bind(task)
+        if self.c.ctrl.graph_failed != 0 or self.c.n_graph_errors != 0:
+            self.check_graphs()
+        if has_stream and self.device.stream_capturing(stream):
+            return self._capture(task, send_addr, recv_addr, stream, owners)
         with nogil:
             rc = submit(self.c, &task.plan, send_addr, recv_addr, has_stream, stream, True, raw, &out)
         if out.gen != 0:
@@ -282,6 +317,206 @@ cdef class Daemon(DaemonEndpoints):
             work._fail_closed(dfccl_now_ns())   # the daemon closed under the submission
         PyThread_release_lock(self.c.lock)
         return work
+
+    # -- CUDA graphs (docs/architecture.md, "CUDA graphs") -------------------
+    cdef Work _capture(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
+                       object owners):
+        """``task`` issued on ``stream`` while it captures a CUDA graph: binds
+        it once (a tag of its own, its record and staging, a slot) and
+        captures its arm node and the wait for it, so that every replay runs
+        the tag's next instance (cuda/daemon/graph.cuh).  Returns a captured
+        Work."""
+        cdef plan_t plan
+        cdef tag_grant g
+        cdef dfccl_graph_arm arm
+        cdef dfccl_task_desc *d = &arm.desc
+        cdef uint32_t slot
+        cdef uint32_t *released
+        cdef daemon_core *c = self.c
+        cdef Work work
+        if task.plan.desc.kind == DFCCL_ALL_TO_ALL:
+            raise NotSupportedError(f"rank {task.rank}: all_to_all under CUDA graph capture is not supported (its "
+                                    "split table is written by the host at each call)", rank=task.rank, tag=task.tag)
+        if c.closed or c.device_fault or task.plan.tags.closed:
+            raise self._refusal(task.plan.desc.nchannels) if not task.plan.tags.closed else ClosedError(
+                "the communicator rank of this collective is closed or aborted")
+        self._reap_graphs()
+        memcpy(&plan, &task.plan, sizeof(plan_t))
+        plan.key = task.tags.graph_key(task.key)
+        plan.desc.tag_key = plan.key
+        plan.desc.first_block = dfccl_first_block(plan.key, plan.block_offset, c.nblocks)
+        task.tags.acquire_c(plan.key, False, plan.staging_bytes, &plan.layout, plan.has_layout, &g)
+        try:
+            slot = self._take_graph_slot()
+        except BaseException:
+            task.tags.release(plan.key, False, None, False)
+            raise
+        memcpy(d, &plan.desc, sizeof(dfccl_task_desc))
+        d.send_addr = send_addr
+        d.recv_addr = recv_addr
+        d.instance = g.instance
+        d.fifo_offset = g.offset | g.shape
+        d.bucket = <uint32_t>g.bucket
+        d.flags = d.flags | DFCCL_TASK_ARMED | DFCCL_TASK_GRAPH | (0 if g.keyed else DFCCL_TASK_KEY_BUCKET)
+        d.slot = slot
+        d.gen = 0
+        d.after = 0   # a tag of its own: no earlier instance laid its staging out
+        self._bindings += 1
+        arm.binding = self._bindings
+        released = <uint32_t *>calloc(1, sizeof(uint32_t))
+        if released == NULL:
+            self._free_graph_slot(slot)
+            task.tags.release(plan.key, False, None, False)
+            raise MemoryError
+        # No replay pending yet: the word each replay's arm waits on first.
+        dfccl_store_release_u32(&c.done[slot], DFCCL_GRAPH_GEN_BIT)
+        try:
+            # The previous replay complete (a graph that never waits for its
+            # collective still runs one replay of it at a time), then the arm.
+            self.device.stream_wait_mask32(stream, c.done_dev + 4 * slot, DFCCL_GRAPH_GEN_BIT)
+            self.device.stream_graph_arm(stream, &c.args, &arm)
+            self.device.retain_for_capture(stream, released)
+        except BaseException:
+            # The capture is broken anyway (CUDA invalidates it); nothing was bound.
+            free(released)
+            self._free_graph_slot(slot)
+            task.tags.release(plan.key, False, None, False)
+            raise
+        self._graphs[slot] = _CapturedNode(slot, plan.key, task.tags, <uintptr_t>released, task.kind, task.tag,
+                                           task.rank, task.plan.desc.endpoint, g.instance, owners)
+        c.n_graph_slots += 1
+        wake_watch(c)   # it watches graph_arms from now on
+        work = Work.__new__(Work)
+        work._daemon = self
+        work._keepalive = owners
+        work._key = plan.key
+        work.endpoint = task.plan.desc.endpoint
+        work.kind = task.kind
+        work.tag = task.tag
+        work.rank = task.rank
+        work.instance = g.instance
+        work.stream_ordered = True
+        work.captured = True
+        work._slot = slot
+        work._gen = DFCCL_GRAPH_GEN_BIT
+        work._submitted_ns = dfccl_now_ns()
+        return work
+
+    cdef uint32_t _take_graph_slot(self) except? 0xffffffff:
+        """A completion slot for a captured collective, held until its graph
+        is destroyed (never on the outstanding list: nothing retires it)."""
+        cdef daemon_core *c = self.c
+        cdef uint32_t slot
+        if c.n_free == 0:
+            self._make_room()
+        lock_gil(c)
+        try:
+            if c.n_free == 0:
+                raise ResourceError(f"no completion slot is free on {self.device.where} for a "
+                                    "captured collective (raise DaemonOptions.max_outstanding)")
+            c.n_free -= 1
+            slot = c.free_stack[c.n_free]
+            c.slots[slot].state = SLOT_GRAPH
+        finally:
+            PyThread_release_lock(c.lock)
+        return slot
+
+    cdef void _free_graph_slot(self, uint32_t slot):
+        cdef daemon_core *c = self.c
+        lock_gil(c)
+        c.slots[slot].state = SLOT_FREE
+        c.free_stack[c.n_free] = slot
+        c.n_free += 1
+        PyThread_release_lock(c.lock)
+
+    def _reap_graphs(self):
+        """Frees what captured collectives of destroyed graphs held: the
+        slot, the tag's record and staging (a failed tag keeps them, as any
+        failed tag does)."""
+        for slot, node in list(self._graphs.items()):
+            # Destroyed, and its last replay complete (the daemon may still
+            # run a replay whose graph finished without waiting for it).
+            if (<uint32_t *><uintptr_t>node.released)[0] != 1:
+                continue
+            if not (dfccl_load_acquire_u32(&self.c.done[<uint32_t>slot]) & DFCCL_GRAPH_GEN_BIT):
+                continue
+            del self._graphs[slot]
+            free(<void *><uintptr_t>node.released)
+            # ran: a replay reached the daemon (the word moved past the one set at capture)
+            node.tags.release(node.key, node.failed is not None, None,
+                              self.c.done[<uint32_t>slot] != DFCCL_GRAPH_GEN_BIT)
+            self._free_graph_slot(slot)
+            self.c.n_graph_slots -= 1
+        return len(self._graphs)
+
+    def held_by_daemon(self, uint32_t endpoint):
+        """DaemonBase.held_by_daemon, and the endpoint's collectives
+        captured in graphs that are alive: a replay may still run them."""
+        self._reap_graphs()
+        return DaemonEndpoints.held_by_daemon(self, endpoint) + sum(
+            1 for n in self._graphs.values() if n.endpoint == endpoint)
+
+    @property
+    def captured(self):
+        """Collectives captured in CUDA graphs that are still alive, as dicts
+        (kind, tag, rank, endpoint, slot, and the error of its last failed
+        replay or None)."""
+        self._scan_graphs()
+        self._reap_graphs()
+        return [{"kind": n.kind, "tag": n.tag, "rank": n.rank, "endpoint": n.endpoint, "slot": n.slot,
+                 "error": None if n.failed is None else str(n.failed)} for n in self._graphs.values()]
+
+    def _graph_stream_wait(self, uint64_t stream, uint32_t slot):
+        """Work.wait(stream) of a captured collective: ``stream`` must be
+        capturing (into the same graph) and waits for each replay."""
+        if not self.device.stream_capturing(stream):
+            raise NotSupportedError("wait: a collective captured in a CUDA graph can only be waited for by a stream "
+                                    "that captures into the same graph")
+        self.device.stream_wait_mask32(stream, self.c.done_dev + 4 * slot, DFCCL_GRAPH_GEN_BIT)
+
+    def check_graphs(self):
+        """Raises the error of a replay of a captured collective that failed
+        since the last call (the daemon flags it in ctrl.graph_failed); the
+        collective's later replays run as usual.  Every failure seen is in
+        ``captured``."""
+        self._scan_graphs()
+        if self._graph_errors:
+            first = self._graph_errors[0]
+            self._graph_errors = []
+            self.c.n_graph_errors = 0
+            raise first
+
+    def _scan_graphs(self):
+        """Records the replays that failed since the daemon last flagged
+        one (each captured collective's last error, and the errors for
+        check_graphs to raise)."""
+        cdef daemon_core *c = self.c
+        cdef uint32_t word
+        cdef Work w
+        if c.ctrl.graph_failed == 0:
+            return
+        dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
+        dfccl_fence_seq_cst()
+        for node in self._graphs.values():
+            word = dfccl_load_acquire_u32(&c.done[node.slot])
+            if not (word & DFCCL_GRAPH_GEN_BIT) or c.results[node.slot].status == DFCCL_STATUS_OK:
+                continue
+            if node.reported == word:
+                continue
+            node.reported = word
+            replay = word & ~DFCCL_GRAPH_GEN_BIT
+            w = Work.completed(node.kind, node.tag, node.rank)
+            w._daemon = self
+            w.endpoint = node.endpoint
+            w.instance = node.first_instance + replay - 1
+            w._status = c.results[node.slot].status
+            w._detail = c.results[node.slot].detail
+            cause = w._make_error()
+            err = type(cause)(f"replay {replay} of a captured collective failed: {cause}", rank=node.rank,
+                              tag=node.tag)
+            node.failed = err
+            self._graph_errors.append(err)
+        c.n_graph_errors = len(self._graph_errors)
 
     def _refusal(self, int nchannels):
         """Why a submission is refused (hotpath.submit's checks)."""
@@ -439,6 +674,14 @@ cdef class Daemon(DaemonEndpoints):
         cdef daemon_core *c = self.c
         if c.closed:
             return
+        if self._reap_graphs():
+            # Their arm nodes name this context's memory: a replay after close
+            # would write memory that is gone.  The words their graphs set
+            # when destroyed stay allocated for that moment.
+            warnings.warn(f"dfccl: closing the daemon on {self.device.where} while CUDA graphs "
+                          f"holding {len(self._graphs)} captured collectives are alive: destroy them first; "
+                          "replaying them after this is an error", RuntimeWarning, stacklevel=2)
+            self._graphs = {}
         c.closed = 1
         self._stop_watch()
         _progress.unregister(self)

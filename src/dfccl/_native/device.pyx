@@ -5,7 +5,7 @@ implementations: the CUDA driver (cuda_device) and the simulator
 (sim_device)."""
 
 from libc.stdint cimport uint32_t, uint64_t
-from dfccl._native.abi cimport dfccl_daemon_args
+from dfccl._native.abi cimport dfccl_daemon_args, dfccl_graph_arm
 
 
 cdef class Device:
@@ -40,6 +40,32 @@ cdef class Device:
 
     cdef int try_stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) noexcept nogil:
         return -1
+
+    # -- CUDA graphs (docs/architecture.md, "CUDA graphs") ----------------
+    cdef int stream_capturing(self, uint64_t stream) except -1:
+        """1 if ``stream`` is capturing a graph, else 0."""
+        return 0
+
+    cdef int try_stream_capturing(self, uint64_t stream) noexcept nogil:
+        """stream_capturing() without the GIL: 0 or 1, or -1 when it cannot
+        tell (stream_capturing() then says, or why not)."""
+        return -1
+
+    cdef int stream_wait_mask32(self, uint64_t stream, uint64_t addr, uint32_t mask) except -1:
+        """What follows on ``stream`` waits until ``*addr & mask`` is
+        nonzero (cuStreamWaitValue32 AND)."""
+        raise NotImplementedError
+
+    cdef int stream_graph_arm(self, uint64_t stream, const dfccl_daemon_args *args, const dfccl_graph_arm *arm) except -1:
+        """Queues the arm node of a captured collective on ``stream``
+        (cuda/daemon/graph.cuh): a kernel of one thread on a GPU."""
+        raise NotImplementedError
+
+    cdef int retain_for_capture(self, uint64_t stream, uint32_t *released) except -1:
+        """Sets ``*released`` to 1 once the graph ``stream`` is capturing
+        has been destroyed (with every executable graph made from it);
+        ``released`` must stay valid until then."""
+        raise NotImplementedError
 
     # -- memory ------------------------------------------------------------
     def alloc_mapped(self, size_t nbytes):

@@ -30,7 +30,7 @@ from dfccl._native.launch cimport (POLICY_WAITS, core_decref, ensure_running, fa
 from dfccl._native.tag_table cimport (TagTable, tag_acquire_fast, tag_core_decref, tag_core_incref, tag_note_slot,
                                       tag_release_fast)
 
-from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
+from dfccl.errors import ClosedError, InvalidArgumentError, NotSupportedError, ResourceError
 
 cdef enum:
     # How long a host wait spins before it yields the CPU between polls
@@ -222,6 +222,29 @@ cdef int _submit_locked(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t 
     return 0
 
 
+cdef int _captured_refused(daemon_core *c, uint64_t stream) noexcept with gil:
+    """A C handle's collective on a stream that captures a CUDA graph is
+    refused (0 when the stream does not capture); Python's collectives
+    under capture go through Daemon._capture."""
+    try:
+        if not (<Device>c.device).stream_capturing(stream):
+            return 0
+        return record_error(NotSupportedError(
+            "the C API cannot submit on a stream that captures a CUDA graph: a handle names one completion, a "
+            "replayed graph runs many; capture through the Python API (Communicator collectives, dfccl.torch)"))
+    except BaseException as exc:
+        return record_error(exc)
+
+
+cdef int _graph_failed(daemon_core *c) noexcept with gil:
+    """A replay of a captured collective failed: its error, raised by this call."""
+    try:
+        (<object>c.py_daemon).check_graphs()
+        return 0
+    except BaseException as exc:
+        return record_error(exc)
+
+
 cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
                 bint by_work, PyObject *raw, submitted_t *out) noexcept nogil:
     """Publishes one instance of ``p`` to the daemon at the given buffers
@@ -232,6 +255,17 @@ cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_add
     out.gen = 0
     if c.closed or c.device_fault or p.tags.closed or p.desc.nchannels < 1 or p.desc.nchannels > c.nblocks:
         return _refusal(c, p.desc.nchannels, p.tags.closed)
+    if c.n_graph_slots != 0:
+        # Captured collectives exist: a replay's failure is raised here, and a
+        # C handle is not submitted under capture.
+        if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
+            rc = _graph_failed(c)
+            if rc < 0:
+                return rc
+    if has_stream and not by_work and (<Device>c.device).try_stream_capturing(stream) != 0:
+        rc = _captured_refused(c, stream)
+        if rc < 0:
+            return rc
     PyThread_acquire_lock(c.submit_lock, WAIT_LOCK)
     rc = _submit_locked(c, p, send_addr, recv_addr, has_stream, stream, by_work, raw, out)
     PyThread_release_lock(c.submit_lock)

@@ -65,6 +65,12 @@ cdef class DaemonBase:
         return self.c.n_outstanding
 
     @property
+    def free_slots(self):
+        """Completion slots free for new collectives (captured collectives
+        hold theirs while their graphs live)."""
+        return self.c.n_free
+
+    @property
     def stream_waits(self):
         """Incomplete collectives some stream waits for (the daemon stays
         while there are any)."""

@@ -222,6 +222,8 @@ cdef int launch_locked(daemon_core *c) noexcept nogil:
     c.epoch += 1
     c.args.epoch = <uint32_t>c.epoch
     c.exit_seen_ns = 0
+    # Graph replays armed after this read relaunch it if it leaves (retire.pyx, watch).
+    c.graph_arms_launched = dfccl_load_acquire_u64(&c.ctrl.graph_arms)
     rc = (<Device>c.device).launch(&c.args)
     if rc == 0:
         c.launches += 1

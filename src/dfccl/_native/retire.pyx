@@ -31,7 +31,8 @@ from dfccl._native.device cimport Device
 from dfccl._native.core cimport NO_SLOT, daemon_core, slot_rec
 from dfccl._native.hotpath cimport completed, drop_stream_wait, release_tag, retire_handle_slot, retired_t, unlink
 from dfccl._native.hotpath cimport unlink_completed
-from dfccl._native.launch cimport exited, launch_locked, leaving, record_fault, signal_progress, take_error
+from dfccl._native.launch cimport (ensure_running, exited, launch_locked, leaving, record_fault, signal_progress,
+                                   take_error)
 from dfccl._native.work cimport Work
 
 from dfccl._native.progress import progress as _progress
@@ -353,14 +354,32 @@ cdef int watch(daemon_core *c) noexcept nogil:
     cdef int rc = 0, code = 0
     cdef bint unfinished
     while not c.watch_stop:
-        if c.n_outstanding == 0:
+        if c.n_graph_slots != 0:
+            # A replay of a captured graph arms its collective on the device
+            # alone: the host sees it only in graph_arms.  A replay armed
+            # after the last launch, with the daemon gone, brings it back at
+            # once (its stream waits for it).
+            dfccl_sleep_ns(WATCH_POLL_NS)
+            if (dfccl_load_acquire_u64(&c.ctrl.graph_arms) != c.graph_arms_launched
+                    and (c.epoch == 0 or exited(c))):
+                rc = ensure_running(c)
+                if rc != 0:
+                    code = (<Device>c.device).query_fault()
+                    record_fault(c, code if code != 0 else rc)
+                    break
+            if c.n_outstanding == 0:
+                if _check_fault(c):
+                    break
+                continue
+        elif c.n_outstanding == 0:
             c.watch_streak = 0
             # Idle: sleep until a submission makes the daemon busy
             # (wake_watch), looking again at least every 50 ms.
             if PyThread_acquire_lock_timed(c.watch_wake, 50000, 0) == PY_LOCK_ACQUIRED:
                 dfccl_exchange_u32(&c.watch_token, 0)
             continue
-        dfccl_sleep_ns(WATCH_POLL_NS)
+        if c.n_graph_slots == 0:
+            dfccl_sleep_ns(WATCH_POLL_NS)
         if _look(c, &unfinished) != 0 or c.pol_due:
             signal_progress()  # the progress thread retires them
         if _check_fault(c):

@@ -11,7 +11,7 @@ import uuid
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
-from dfccl._native.abi cimport dfccl_daemon_args
+from dfccl._native.abi cimport dfccl_add_fetch_u32, dfccl_daemon_args, dfccl_graph_arm
 from dfccl._native.device cimport Device
 
 from dfccl.errors import BackendError, InvalidArgumentError
@@ -26,10 +26,16 @@ cdef extern from "sim_device.h":
     void dfccl_sim_device_synchronize(dfccl_sim_device *dev) nogil
     int dfccl_sim_device_busy(dfccl_sim_device *dev) nogil
     void dfccl_sim_device_destroy(dfccl_sim_device *dev) nogil
+    ctypedef struct dfccl_sim_graph_arm_params:
+        dfccl_daemon_args args
+        dfccl_graph_arm arm
+    void dfccl_sim_graph_arm(const void *params) nogil
 
 
 cdef extern from "sim_stream.h":
     ctypedef struct dfccl_sim_stream:
+        pass
+    ctypedef struct dfccl_sim_graph:
         pass
     dfccl_sim_stream *dfccl_sim_stream_create() nogil
     void dfccl_sim_stream_write32(dfccl_sim_stream *s, uint64_t addr, uint32_t value) nogil
@@ -38,6 +44,15 @@ cdef extern from "sim_stream.h":
     uint64_t dfccl_sim_stream_pending(dfccl_sim_stream *s) nogil
     int dfccl_sim_stream_synchronize(dfccl_sim_stream *s, uint64_t timeout_ns) nogil
     void dfccl_sim_stream_destroy(dfccl_sim_stream *s) nogil
+    void dfccl_sim_stream_wait_mask32(dfccl_sim_stream *s, uint64_t addr, uint32_t mask) nogil
+    void dfccl_sim_stream_call(dfccl_sim_stream *s, void (*fn)(const void *) noexcept nogil, const void *params,
+                               uint64_t nbytes) nogil
+    int dfccl_sim_stream_begin_capture(dfccl_sim_stream *s) nogil
+    dfccl_sim_graph *dfccl_sim_stream_end_capture(dfccl_sim_stream *s) nogil
+    int dfccl_sim_stream_capturing(dfccl_sim_stream *s) nogil
+    int dfccl_sim_graph_launch(dfccl_sim_graph *g, dfccl_sim_stream *s) nogil
+    uint64_t dfccl_sim_graph_size(dfccl_sim_graph *g) nogil
+    void dfccl_sim_graph_destroy(dfccl_sim_graph *g) nogil
 
 
 cdef class SimDevice(Device)
@@ -54,9 +69,11 @@ cdef class SimStream:
 
     cdef dfccl_sim_stream *s
     cdef readonly SimDevice device
+    cdef list _releases   # while capturing: the words its graph sets when destroyed (retain_for_capture)
 
     def __cinit__(self, SimDevice device):
         self.device = device
+        self._releases = []
         self.s = dfccl_sim_stream_create()
         if self.s == NULL:
             raise BackendError("sim backend: cannot create a stream")
@@ -84,6 +101,34 @@ cdef class SimStream:
     def wait32(self, uint64_t addr, uint32_t value):
         """What follows waits until ``*addr >= value`` (cuStreamWaitValue32 GEQ)."""
         dfccl_sim_stream_wait32(self._open(), addr, value)
+
+    def wait_mask32(self, uint64_t addr, uint32_t mask):
+        """What follows waits until ``*addr & mask`` is nonzero (cuStreamWaitValue32 AND)."""
+        dfccl_sim_stream_wait_mask32(self._open(), addr, mask)
+
+    def begin_capture(self):
+        """From now until end_capture(), what is issued on this stream is
+        recorded into a graph instead of run (cuStreamBeginCapture)."""
+        if not dfccl_sim_stream_begin_capture(self._open()):
+            raise InvalidArgumentError("this simulated stream is already capturing")
+        self._releases = []
+
+    def end_capture(self):
+        """Ends the capture; returns the graph (SimGraph) that runs what
+        was recorded at each launch (cuStreamEndCapture + cuGraphInstantiate)."""
+        cdef dfccl_sim_graph *g = dfccl_sim_stream_end_capture(self._open())
+        if g == NULL:
+            raise InvalidArgumentError("this simulated stream is not capturing")
+        graph = SimGraph.__new__(SimGraph)
+        (<SimGraph>graph).g = g
+        (<SimGraph>graph)._releases = self._releases
+        self._releases = []
+        return graph
+
+    @property
+    def capturing(self):
+        """Whether the stream is capturing (cuStreamIsCapturing)."""
+        return dfccl_sim_stream_capturing(self._open()) != 0
 
     def pending(self):
         """Operations queued that have not finished."""
@@ -113,6 +158,64 @@ cdef class SimStream:
             with nogil:
                 dfccl_sim_stream_destroy(self.s)
             self.s = NULL
+
+
+cdef void _release_word(const void *params) noexcept nogil:
+    # A stream a closed graph was launched on got past its last launch.
+    dfccl_add_fetch_u32((<uint32_t **>params)[0], 1)
+
+
+cdef class SimGraph:
+    """What a simulated stream captured (SimStream.end_capture): launch()
+    queues it on a stream, in its captured order, as cuGraphLaunch queues an
+    executable graph; close() destroys it, and with it what captured
+    collectives hold (their slots, tags and staging) once the context next
+    looks.  Launches already queued run to their end."""
+
+    cdef dfccl_sim_graph *g
+    cdef list _releases
+    cdef dict _launched_on   # stream handle -> SimStream it was launched on
+
+    def __init__(self):
+        raise TypeError("SimGraph is made by SimStream.end_capture()")
+
+    def launch(self, SimStream stream):
+        """Queues the graph's operations on ``stream`` (cuGraphLaunch)."""
+        if self.g == NULL:
+            raise InvalidArgumentError("this simulated graph is closed")
+        if not dfccl_sim_graph_launch(self.g, stream._open()):
+            raise InvalidArgumentError("a simulated graph cannot be launched on a capturing stream")
+        if self._launched_on is None:
+            self._launched_on = {}
+        self._launched_on[stream.handle] = stream
+
+    @property
+    def size(self):
+        """Operations the graph holds."""
+        return 0 if self.g == NULL else dfccl_sim_graph_size(self.g)
+
+    def close(self):
+        """Destroys the graph (cuGraphExecDestroy + cuGraphDestroy).  What
+        its captures hold is released, as CUDA releases a graph's user
+        objects, once its launches have run: each release word counts the
+        streams it was launched on up to 1.  Idempotent."""
+        cdef uint32_t *word
+        cdef SimStream st
+        if self.g == NULL:
+            return
+        dfccl_sim_graph_destroy(self.g)
+        self.g = NULL
+        streams = [st for st in (self._launched_on or {}).values() if st.s != NULL]
+        for w in self._releases:
+            word = <uint32_t *><uintptr_t>w
+            word[0] = <uint32_t>(1 - len(streams))
+            for st in streams:
+                dfccl_sim_stream_call(st.s, _release_word, &word, sizeof(word))
+        self._releases = []
+        self._launched_on = None
+
+    def __dealloc__(self):
+        self.close()
 
 
 cdef uint64_t _buffer_address(object mm) except? 0:
@@ -185,6 +288,28 @@ cdef class SimDevice(Device):
 
     cdef int stream_wait32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:
         self._stream(stream, "a stream-ordered wait").wait32(addr, value)
+        return 0
+
+    cdef int stream_capturing(self, uint64_t stream) except -1:
+        return 1 if self._stream(stream, "stream-ordered submission").capturing else 0
+
+    cdef int stream_wait_mask32(self, uint64_t stream, uint64_t addr, uint32_t mask) except -1:
+        self._stream(stream, "a stream-ordered wait").wait_mask32(addr, mask)
+        return 0
+
+    cdef int stream_graph_arm(self, uint64_t stream, const dfccl_daemon_args *args, const dfccl_graph_arm *arm) except -1:
+        cdef dfccl_sim_graph_arm_params params
+        cdef SimStream st = self._stream(stream, "a captured collective")
+        params.args = args[0]
+        params.arm = arm[0]
+        dfccl_sim_stream_call(st._open(), dfccl_sim_graph_arm, &params, sizeof(params))
+        return 0
+
+    cdef int retain_for_capture(self, uint64_t stream, uint32_t *released) except -1:
+        cdef SimStream st = self._stream(stream, "a captured collective")
+        if not st.capturing:
+            raise InvalidArgumentError("retain_for_capture: the simulated stream is not capturing")
+        st._releases.append(<uintptr_t>released)
         return 0
 
     def alloc_mapped(self, size_t nbytes):

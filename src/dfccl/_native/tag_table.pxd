@@ -9,6 +9,9 @@ cdef class TagTable:
     cdef dict _tags              # key -> address of its tag_state
     cdef dict _retired           # key -> [(offset, bytes)] of FIFOs it outgrew while instances used them
     cdef list _failed_owners
+    cdef dict _captures          # key -> how often it was captured in a CUDA graph on this rank
+
+    cpdef uint64_t graph_key(self, uint64_t key)
     cdef readonly object _staging
 
     cdef tag_state *state_of(self, uint64_t key)

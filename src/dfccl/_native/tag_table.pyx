@@ -41,7 +41,7 @@ from libc.string cimport memcmp, memset
 from dfccl._native.abi cimport (DFCCL_ALL_TO_ALL, DFCCL_FIFO_NO_STAGE, DFCCL_FIFO_SLOTS_MAX,
                                 DFCCL_FIFO_SLOTS_SHIFT, DFCCL_FIFO_UNIT_BYTES, DFCCL_FIFO_UNIT_MAX,
                                 DFCCL_FIFO_UNIT_SHIFT, DFCCL_PATH_DIRECT, DFCCL_PATH_RING, DFCCL_RECV,
-                                DFCCL_TASK_STAGED, dfccl_add_fetch_u32, dfccl_home_bucket)
+                                DFCCL_TASK_STAGED, dfccl_add_fetch_u32, dfccl_graph_key, dfccl_home_bucket)
 
 from dfccl.errors import ResourceError
 
@@ -263,6 +263,7 @@ cdef class TagTable:
         self._tags = {}
         self._retired = {}
         self._failed_owners = []
+        self._captures = {}
         self._staging = staging
 
     def __dealloc__(self):
@@ -478,6 +479,15 @@ cdef class TagTable:
         tag_note_slot(self.t, st, slot_gen)
 
     # -- release -----------------------------------------------------------------
+    cpdef uint64_t graph_key(self, uint64_t key):
+        """The tag the next capture of ``key`` in a CUDA graph runs on
+        (hash.h, dfccl_graph_key): the n-th capture of a tag is the same
+        tag on every rank whatever else each captured, and none is ever
+        the tag's own or another capture's."""
+        n = self._captures.get(key, 0)
+        self._captures[key] = n + 1
+        return dfccl_graph_key(key, n)
+
     def cancel(self, uint64_t key):
         """Undoes the last acquire() of ``key`` (its submission failed before
         reaching the daemon): the instance number is given back."""

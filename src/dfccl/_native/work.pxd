@@ -31,8 +31,10 @@ cdef class Work:
     cdef uint64_t _retired_ns
     cdef object _error
     cdef bint _abandoned
+    cdef readonly bint captured       # captured in a CUDA graph: it runs at each replay, ordered on its stream
 
     cdef int _check_submitted(self) except -1
+    cdef int _refuse_captured(self, str what) except -1
     cdef bint _device_done(self)
     cdef object _timeout_error(self, timeout)
     cdef void _finish(self, const dfccl_result *res, uint64_t now)

@@ -8,6 +8,7 @@ class Work:
     instance: int      # which use of the tag (or of the untagged sequence) this is
     position: int
     stream_ordered: bool
+    captured: bool
     @staticmethod
     def completed(kind: str, tag: object, rank: int) -> Work: ...
     def _peek_done(self) -> bool: ...

@@ -14,7 +14,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from dfccl._native.abi cimport *
 
 from dfccl.errors import (AbortedError, BackendError, CollectiveTimeoutError, DfcclError, InvalidArgumentError,
-                          MismatchError, PeerAbortedError, PeerLostError, collective_name)
+                          MismatchError, NotSupportedError, PeerAbortedError, PeerLostError, collective_name)
 
 cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
                          "max_wait_ns": 0, "host_ns": 0, "channels": 0}
@@ -81,8 +81,17 @@ cdef class Work:
         retiring (for probes that time retirement apart)."""
         return self._retired or (self._daemon is not None and self._device_done())
 
+    cdef int _refuse_captured(self, str what) except -1:
+        if self.captured:
+            raise NotSupportedError(
+                f"{what}: rank {self.rank}'s {self.kind} {self.name} was captured in a CUDA graph; it runs at each "
+                "replay, ordered on the stream it was captured on (wait for that stream after a replay; a failed "
+                "replay is raised by the next dfccl call)", rank=self.rank, tag=self.tag)
+        return 0
+
     def done(self):
         """True once the collective has completed (successfully or not)."""
+        self._refuse_captured("done")
         if self._retired:
             return True
         self._check_submitted()
@@ -108,6 +117,7 @@ cdef class Work:
         cdef bint faulted = False
         cdef uint32_t spins = 0
         cdef double seconds
+        self._refuse_captured("synchronize")
         if not self._retired:
             self._check_submitted()
             if timeout is not None:
@@ -162,6 +172,10 @@ cdef class Work:
         """Makes ``stream`` wait for this collective (cuStreamWaitValue32 on its
         completion word); the host does not block.  CUDA backend only."""
         from dfccl.streams import stream_handle
+        if self.captured:
+            # Under the same capture: the graph's stream `stream` waits for each replay too.
+            self._daemon._graph_stream_wait(stream_handle(stream), self._slot)
+            return
         if self._retired:
             if self._get_error() is not None:
                 raise self._error

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import dfccl
 from dfccl.buffers import Buffer
 from dfccl.errors import (AbortedError, CollectiveTimeoutError, DfcclError, ErrorCode, InvalidArgumentError,
-                          MismatchError, PeerAbortedError, PeerLostError)
+                          MismatchError, NotSupportedError, PeerAbortedError, PeerLostError)
 from dfccl.types import ReduceOp, as_data_type, as_reduce_op
 
 __all__ = ["BACKEND_ENV", "DEFAULT_TIMEOUT", "NotSupportedError", "TorchCollectiveTimeoutError",
@@ -26,13 +26,6 @@ __all__ = ["BACKEND_ENV", "DEFAULT_TIMEOUT", "NotSupportedError", "TorchCollecti
 BACKEND_ENV = "DFCCL_TORCH_BACKEND"
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-
-class NotSupportedError(DfcclError, NotImplementedError):
-    """An operation torch.distributed offers that dfccl does not implement
-    (gather, scatter, recv from any source, bitwise reductions, graph capture)."""
-
-    code = ErrorCode.INVALID_ARGUMENT
 
 
 class TorchCollectiveTimeoutError(CollectiveTimeoutError, dist.DistBackendError):
@@ -92,10 +85,11 @@ capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.c
 
 
 def capture_error(name: str, rank: int) -> NotSupportedError:
+    """What a collective that blocks the host (barrier) raises under CUDA
+    graph capture: a replay cannot block the host."""
     return NotSupportedError(
-        f"{name}: CUDA graph capture of dfccl collectives is not supported (each submission has its own "
-        "completion word, which a replayed graph would not renew); issue the collective outside torch.cuda.graph",
-        rank=rank)
+        f"{name}: cannot be captured in a CUDA graph: it blocks the host until its peers arrive, which a replayed "
+        "graph cannot do; issue it outside torch.cuda.graph", rank=rank)
 
 
 # -- reductions ------------------------------------------------------------------

@@ -384,17 +384,14 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         cuda = first.is_cuda
         kw: dict = {}
         if cuda:
-            if capturing():
-                self._refuse_capture(name)
+            if host_blocking and capturing():
+                raise capture_error(name, self._rank)
             kw["stream"] = current_stream_handle(first.device.index)
         works = submit(comm, kw)
         timeout = seconds(getattr(opts, "timeout", None)) if opts is not None else None
         return DfcclWork(works, outputs, cuda=cuda, device=first.device.index if cuda else None, finish=finish,
                          keepalive=keepalive, timeout=timeout or self._timeout_s,
                          host_blocking=host_blocking, result=result)
-
-    def _refuse_capture(self, name: str) -> None:
-        raise capture_error(name, self._rank)
 
     def _tag(self, kind: str, t: torch.Tensor, count: int, op: Any, root: int) -> tuple | None:
         """The tag of a collective of a kind the compiled backend submits
@@ -448,9 +445,6 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             f"rank {self._rank}: {what} did not complete within {timeout_s:g} s (comm.status() of the group's "
             "communicator on every rank shows what each waits for)", rank=self._rank)
 
-    def _capture_error(self, what: str) -> BaseException:
-        return capture_error(what, self._rank)
-
     @staticmethod
     def _copy_back(copy_back: list, extra: Callable[[], None] | None = None) -> Callable[[], None] | None:
         if not copy_back and extra is None:
@@ -501,8 +495,6 @@ class ProcessGroupDfccl(dist.ProcessGroup):
                 comm, cuda, index = placed
                 stream = None
                 if cuda:
-                    if capturing():
-                        self._refuse_capture("allreduce")
                     stream = current_stream_handle(index)
                 work = comm._all_reduce_at(t.data_ptr(), t.numel(), dtype, dop, stream, t)
                 timeout = seconds(opts.timeout) if opts is not None else None

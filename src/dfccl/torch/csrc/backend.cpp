@@ -457,8 +457,13 @@ bool plain_dtype(at::ScalarType t) {
   }
 }
 
+// A tensor the native path submits.  Not on a stream that captures a CUDA
+// graph: a C API handle names one completion, a replayed graph runs many, so
+// a captured collective goes to the group, which captures it through
+// dfccl's Python API (docs/torch.md, "CUDA graphs").
 bool plain_tensor(const at::Tensor &t) {
-  return (t.is_cuda() || t.is_cpu()) && t.is_contiguous() && t.numel() > 0 && plain_dtype(t.scalar_type());
+  return (t.is_cpu() || (t.is_cuda() && !stream_capturing(current_stream(t.device())))) && t.is_contiguous() &&
+         t.numel() > 0 && plain_dtype(t.scalar_type());
 }
 
 class DfcclBackend : public c10d::Backend {
@@ -725,10 +730,6 @@ class DfcclBackend : public c10d::Backend {
     if (device.is_cuda()) {
       at.stream = current_stream(device);
       at.has_stream = 1;
-      if (stream_capturing(at.stream)) {
-        py::gil_scoped_acquire gil;
-        throw_python(shared_->group.attr("_capture_error")(kind));
-      }
     }
     dfccl_handle h{};
     int rc = g_api->submit(plan, &at, &h);

@@ -1,0 +1,248 @@
+"""Collectives captured in (simulated) CUDA graphs: SimStream.begin_capture()
+/ end_capture() record what dfccl issues on a stream into a SimGraph whose
+launch() replays it, as cuStreamBeginCapture / cuGraphLaunch do.  A captured
+collective is bound once and every replay runs its tag's next instance
+(docs/architecture.md, "CUDA graphs"): replays in divergent orders across
+ranks complete, many replays stay bit-identical to eager collectives, a
+failed replay is raised by the next dfccl call, and destroying the graph
+gives back what the capture held."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl import runtime
+from dfccl_support import scenarios as sc
+
+DEV = 4800          # device ids of this module: 4800..4899
+TIMEOUT = 30.0
+
+
+def _setup(dev: int, n: int = 2):
+    comms = dfccl.Communicator.for_devices(list(range(dev, dev + n)), backend="sim")
+    streams = [runtime.get_device("sim", dev + r).create_stream() for r in range(n)]
+    return comms, streams
+
+
+def _close(comms, streams, graphs=()):
+    for g in graphs:
+        g.close()
+    for s in streams:
+        s.synchronize(timeout=TIMEOUT)   # the graphs' releases run after their launches
+        s.close()
+    for c in comms:
+        c._daemon._reap_graphs()
+    sc.settle(comms)
+
+
+def _capture(stream, body):
+    """Captures ``body()`` (a Work or a list of them) on ``stream`` and, as
+    a stream-ordered eager collective is waited for, the stream's wait for
+    each: what follows in the graph waits for the collectives."""
+    stream.begin_capture()
+    try:
+        works = body()
+        for w in works if isinstance(works, list) else [works]:
+            w.wait(stream)
+    finally:
+        graph = stream.end_capture()
+    return graph, works
+
+
+def test_a_captured_collective_runs_at_each_replay_and_not_at_capture():
+    comms, streams = _setup(DEV)
+    graphs = []
+    try:
+        xs = [np.zeros(64, np.float32) for _ in range(2)]
+        for r in range(2):
+            g, w = _capture(streams[r], lambda r=r: comms[r].all_reduce(xs[r], tag="grad", stream=streams[r]))
+            assert w.captured and w.stream_ordered
+            graphs.append(g)
+        assert all((x == 0).all() for x in xs)            # nothing ran at capture
+        for k in range(1, 21):
+            for r in range(2):
+                xs[r][:] = (r + 1) * k
+            for r in range(2):
+                graphs[r].launch(streams[r])
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT)
+            assert all((x == 3 * k).all() for x in xs), k
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_replays_in_divergent_orders_across_ranks_complete():
+    """Rank 0's graph arms A then B, rank 1's B then A, and each waits for
+    both at its end: rank 0's A waits for rank 1's A, armed after rank 1's
+    B, which waits for rank 0's B; the daemons run them in any order."""
+    comms, streams = _setup(DEV + 2)
+    graphs = []
+    try:
+        a = [np.zeros(1000, np.float32) for _ in range(2)]
+        b = [np.zeros(3000, np.float64) for _ in range(2)]
+        order = [("A", "B"), ("B", "A")]
+        for r in range(2):
+            def body(r=r):
+                out = []
+                for name in order[r]:
+                    buf = a[r] if name == "A" else b[r]
+                    out.append(comms[r].all_reduce(buf, tag=name, stream=streams[r]))
+                return out
+            graphs.append(_capture(streams[r], body)[0])
+        for k in range(1, 31):
+            for r in range(2):
+                a[r][:] = np.arange(1000, dtype=np.float32) * (r + k)
+                b[r][:] = np.arange(3000, dtype=np.float64) + r * k
+            for r in range(2):
+                graphs[r].launch(streams[r])
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT), f"replay {k} did not complete"
+            want_a = np.arange(1000, dtype=np.float32) * (1 + 2 * k)
+            want_b = 2 * np.arange(3000, dtype=np.float64) + k
+            for r in range(2):
+                assert np.array_equal(a[r], want_a) and np.array_equal(b[r], want_b), (k, r)
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_replays_are_bit_identical_to_eager_collectives():
+    comms, streams = _setup(DEV + 4, n=3)
+    graphs = []
+    rng = np.random.default_rng(44)
+    try:
+        bufs = [np.zeros(4099, np.float32) for _ in range(3)]
+        for r in range(3):
+            graphs.append(_capture(streams[r],
+                                   lambda r=r: comms[r].all_reduce(bufs[r], stream=streams[r]))[0])
+        for k in range(12):
+            inputs = [rng.standard_normal(4099).astype(np.float32) for _ in range(3)]
+            eager = [x.copy() for x in inputs]
+            for w in [comms[r].all_reduce(eager[r], tag="eager") for r in range(3)]:
+                w.synchronize(timeout=TIMEOUT)
+            for r in range(3):
+                bufs[r][:] = inputs[r]
+            for r in (2, 0, 1):
+                graphs[r].launch(streams[r])
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT)
+            for r in range(3):
+                assert bufs[r].tobytes() == eager[0].tobytes(), (k, r)
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_a_tag_used_eagerly_and_in_a_graph_keeps_both_sequences():
+    """A captured collective runs on a tag of its own (the tag's n-th
+    capture), so eager uses of the same tag between replays pair as before."""
+    comms, streams = _setup(DEV + 6)
+    graphs = []
+    try:
+        xs = [np.zeros(16, np.int32) for _ in range(2)]
+        for r in range(2):
+            graphs.append(_capture(streams[r], lambda r=r: comms[r].all_reduce(xs[r], tag="t", stream=streams[r]))[0])
+        for k in range(5):
+            ys = [np.full(16, 10 + r, np.int32) for r in range(2)]
+            ws = [comms[r].all_reduce(ys[r], tag="t") for r in range(2)]
+            for r in range(2):
+                xs[r][:] = r + 1
+                graphs[r].launch(streams[r])
+            for w in ws:
+                w.synchronize(timeout=TIMEOUT)
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT)
+            assert all((y == 21).all() for y in ys) and all((x == 3).all() for x in xs)
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_a_captured_work_refuses_host_waits():
+    comms, streams = _setup(DEV + 8)
+    graphs = []
+    try:
+        x = np.zeros(8, np.float32)
+        g, w = _capture(streams[0], lambda: comms[0].all_reduce(x, tag="t", stream=streams[0]))
+        graphs.append(g)
+        with pytest.raises(dfccl.NotSupportedError, match="captured in a CUDA graph"):
+            w.synchronize()
+        with pytest.raises(dfccl.NotSupportedError):
+            w.done()
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_a_failed_replay_is_raised_by_the_next_call():
+    """Rank 1 captures a collective of another size under the same tag: the
+    replay fails on both ranks (MismatchError) without holding the stream,
+    the rank's status shows it, and each rank's next collective raises it
+    (once: the one after runs)."""
+    comms, streams = _setup(DEV + 10)
+    graphs = []
+    try:
+        xs = [np.ones(64, np.float32), np.ones(32, np.float32)]
+        for r in range(2):
+            graphs.append(_capture(streams[r], lambda r=r: comms[r].all_reduce(xs[r], tag="m", stream=streams[r]))[0])
+        for r in range(2):
+            graphs[r].launch(streams[r])
+        for s in streams:
+            assert s.synchronize(timeout=TIMEOUT)        # a failed replay releases its stream
+        for r in range(2):
+            shown = str(comms[r].status())               # what `dfccl status` prints
+            assert "1 with a failed replay" in shown and "replay 1 of a captured collective failed" in shown
+            with pytest.raises(dfccl.MismatchError, match="replay 1 of a captured collective failed"):
+                comms[r].all_reduce(np.ones(4, np.float32), tag="after")
+            failed = [n for n in comms[r]._daemon.captured if n["error"]]
+            assert len(failed) == 1 and "replay 1" in failed[0]["error"]
+        ws = [comms[r].all_reduce(np.ones(4, np.float32), tag="after") for r in range(2)]
+        for w in ws:
+            w.synchronize(timeout=TIMEOUT)
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_destroying_the_graph_gives_back_its_slot_and_tag():
+    comms, streams = _setup(DEV + 12)
+    graphs = []
+    try:
+        daemon = comms[0]._daemon
+        free_before = daemon.free_slots
+        x = np.zeros(8, np.float32)
+        g, _ = _capture(streams[0], lambda: comms[0].all_reduce(x, tag="t", stream=streams[0]))
+        assert daemon.free_slots == free_before - 1 and len(daemon.captured) == 1
+        g.close()                                     # never launched: released at once
+        assert daemon.captured == [] and daemon.free_slots == free_before
+        ys = [np.ones(8, np.float32) for _ in range(2)]
+        for r in range(2):
+            # Tag "u": rank 0's next capture of "t" is its second, rank 1's its first.
+            graphs.append(_capture(streams[r], lambda r=r: comms[r].all_reduce(ys[r], tag="u", stream=streams[r]))[0])
+        for r in range(2):
+            graphs[r].launch(streams[r])
+            graphs[r].close()                         # released once its launch has run
+        for s in streams:
+            assert s.synchronize(timeout=TIMEOUT)
+        assert all((y == 2).all() for y in ys)
+        assert daemon.captured == [] and daemon.free_slots == free_before
+    finally:
+        _close(comms, streams, graphs)
+
+
+def test_many_replays_back_to_back():
+    """Replays queued back to back without waiting on the host in between
+    (the stream orders them: each replay's arm node runs after the previous
+    replay's wait)."""
+    comms, streams = _setup(DEV + 14)
+    graphs = []
+    try:
+        xs = [np.ones(4, np.float64) for _ in range(2)]
+        for r in range(2):
+            graphs.append(_capture(streams[r], lambda r=r: comms[r].all_reduce(xs[r], stream=streams[r]))[0])
+        n = 200
+        for r in range(2):
+            for _ in range(n):
+                graphs[r].launch(streams[r])
+        for s in streams:
+            assert s.synchronize(timeout=60.0)
+        assert all((x == 2.0 ** n).all() for x in xs)
+    finally:
+        _close(comms, streams, graphs)
