@@ -30,7 +30,7 @@ import dfccl
 from dfccl.bench import arrays
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "support"))
-from dfccl_support.cuda_graphs import Stream, capture  # noqa: E402
+from dfccl_support.cuda_graphs import Stream, capture, close_all  # noqa: E402
 
 
 def _eager(comms, xs, streams, n: int) -> tuple[float, float]:
@@ -98,13 +98,7 @@ def main(argv=None) -> int:
         print(_summary("eager", eager))
         print(_summary("captured", captured))
     finally:
-        for g in graphs:
-            g.close()
-        for s in streams:
-            s.synchronize()
-            s.close()
-        for c in comms:
-            c.close()
+        close_all(graphs, streams, comms)
     return 0
 
 

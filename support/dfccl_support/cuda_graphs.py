@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["Stream", "Graph", "capture"]
+__all__ = ["Stream", "Graph", "capture", "close_all"]
 
 
 def _driver():
@@ -75,3 +75,16 @@ def capture(stream: Stream, body: Callable[[], Any], *, mode: str = "global") ->
         graph = _check(driver.cuStreamEndCapture(stream.cu), "cuStreamEndCapture")
     exe = _check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     return Graph(graph, exe), out
+
+
+def close_all(graphs: list, streams: list, comms: list) -> None:
+    """Destroys ``graphs``, then, once their streams have run what was
+    queued, the streams, then closes ``comms`` (in that order: what a
+    captured collective holds is released after its graph's launches)."""
+    for g in graphs:
+        g.close()
+    for s in streams:
+        s.synchronize()
+        s.close()
+    for c in comms:
+        c.close()

@@ -16,7 +16,7 @@ import pytest
 
 import dfccl
 from dfccl.bench import arrays
-from dfccl_support.cuda_graphs import Stream, capture
+from dfccl_support.cuda_graphs import Stream, capture, close_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -30,13 +30,7 @@ def pair():
     streams = [Stream(), Stream()]
     graphs: list = []
     yield comms, streams, graphs
-    for g in graphs:
-        g.close()
-    for s in streams:
-        s.synchronize()
-        s.close()
-    for c in comms:
-        c.close()
+    close_all(graphs, streams, comms)
 
 
 def _capture_ranks(comms, streams, graphs, issue):
