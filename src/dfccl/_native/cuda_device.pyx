@@ -183,7 +183,7 @@ def pointer_device(uint64_t ptr):
 
 cdef void _graph_destroyed(void *released) noexcept nogil:
     # A user object's destructor (a driver thread, no CUDA call allowed):
-    # the graph that held it is gone; the context frees what it bound.
+    # the graph that held it is gone; the daemon frees what it bound.
     (<uint32_t *>released)[0] = 1
 
 
