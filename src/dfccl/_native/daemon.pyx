@@ -20,6 +20,8 @@ import threading
 import time
 import warnings
 
+from dfccl.termination import block_async_signals
+
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
@@ -653,6 +655,7 @@ cdef class Daemon(DaemonEndpoints):
     def _watch(self):
         """The watcher thread (retire.pyx, watch)."""
         cdef int rc
+        block_async_signals()
         with nogil:
             rc = watch(self.c)
         if rc != 0:

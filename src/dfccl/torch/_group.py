@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import dfccl
 from dfccl.errors import CollectiveTimeoutError, DfcclError, InvalidArgumentError
+from dfccl.termination import block_async_signals
 from dfccl.torch._common import (DEFAULT_TIMEOUT, NotSupportedError, TorchCollectiveTimeoutError, as_buffer,
                                  capture_error, capturing, contiguous_or_copy, current_stream_handle, data_type,
                                  group_backend, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
@@ -59,6 +60,7 @@ class _Completer:
         self._queue.put(fn)
 
     def _run(self) -> None:
+        block_async_signals()
         while True:
             fn = self._queue.get()
             try:

@@ -27,6 +27,7 @@
 #include <ucp/api/ucp.h>
 
 #include "dfccl/abi.h"
+#include "dfccl/host_signals.h"
 #include "dfccl/net.h"
 
 namespace {
@@ -491,7 +492,10 @@ void dfccl_net_start(void *h) {
   Proxy *px = static_cast<Proxy *>(h);
   for (uint32_t p = 0; p < px->nranks; ++p)
     if (px->peers[p].remote) px->post_headers(p);
-  px->thread = std::thread([px] { px->run(); });
+  px->thread = std::thread([px] {
+    dfccl_block_async_signals();
+    px->run();
+  });
 }
 
 void dfccl_net_set_status(void *h, uint64_t state, uint64_t heartbeat, uint64_t pid) {
