@@ -9,6 +9,8 @@ gives back what the capture held."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -370,5 +372,61 @@ def test_destroying_the_graph_gives_back_the_split_table():
         for c, p, b in zip(comms, pools, before):
             c._daemon._reap_graphs()
             assert c._daemon.captured == [] and p.in_use == b
+    finally:
+        _close(comms, streams, graphs)
+
+
+# -- barrier -----------------------------------------------------------------------------------
+def test_barrier_completes_only_when_every_rank_reached_it():
+    comms, streams = _setup(DEV + 34)
+    try:
+        w0 = comms[0].barrier(tag="b")
+        time.sleep(0.2)
+        assert not w0.done(), "rank 0's barrier passed before rank 1 reached it"
+        w1 = comms[1].barrier(tag="b")
+        for w in (w0, w1):
+            w.synchronize(timeout=TIMEOUT)
+    finally:
+        _close(comms, streams)
+
+
+def test_a_captured_barrier_holds_each_replay_until_every_rank_reaches_it():
+    """Rank 0's graph is a barrier, then a write of a flag; rank 1's graph
+    waits for a gate the host opens, then its barrier.  At every replay
+    rank 0's stream stops at the barrier until the gate opens."""
+    comms, streams = _setup(DEV + 36)
+    graphs = []
+    try:
+        words = np.zeros(2, np.uint32)                 # [flag, gate], "device memory" of the simulator
+        flag, gate = words.ctypes.data, words.ctypes.data + 4
+
+        def rank0():
+            w = comms[0].barrier(stream=streams[0])
+            w.wait(streams[0])
+            streams[0].write32(flag, 1)
+            return w
+
+        def rank1():
+            streams[1].wait32(gate, 1)
+            w = comms[1].barrier(stream=streams[1])
+            w.wait(streams[1])
+            return w
+
+        for r, body in enumerate((rank0, rank1)):
+            streams[r].begin_capture()
+            try:
+                assert body().captured
+            finally:
+                graphs.append(streams[r].end_capture())
+        for k in range(1, 6):
+            words[:] = 0
+            for r in range(2):
+                graphs[r].launch(streams[r])
+            assert not streams[0].synchronize(timeout=0.2), f"replay {k}: rank 0 passed the barrier alone"
+            assert words[0] == 0
+            words[1] = 1                               # rank 1 reaches its barrier
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT), f"replay {k} did not complete"
+            assert words[0] == 1
     finally:
         _close(comms, streams, graphs)
