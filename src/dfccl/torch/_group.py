@@ -687,8 +687,11 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
         def submit(comm, kw):
             return [comm.all_reduce(as_buffer(t, "barrier"), tag=self._tag("all_reduce", t, 1, "sum", 0), **kw)]
-        # A barrier blocks the host in wait(), as torch's other backends do.
-        return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=True)
+        # A barrier blocks the host in wait(), as torch's other backends do;
+        # under CUDA graph capture it is captured, and wait() makes the
+        # stream (so every replay) wait for every rank's barrier instead.
+        blocking = not (backend == "cuda" and capturing())
+        return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=blocking)
 
     # -- what dfccl does not have (yet) -------------------------------------------------
     def _missing(self, what: str) -> NotSupportedError:
