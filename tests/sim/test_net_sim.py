@@ -184,7 +184,7 @@ N_LOSS = 3
 VICTIM = 2
 
 
-def _loss_worker(uid: str, rank: int, peer_timeout: float, queue) -> None:
+def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, survivors_done) -> None:
     try:
         os.environ.update(UCX_ENV)
         from dfccl.bench import arrays
@@ -207,7 +207,10 @@ def _loss_worker(uid: str, rank: int, peer_timeout: float, queue) -> None:
         queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
         queue.close()
         queue.join_thread()
-        os._exit(0)   # no close: a survivor that leaves is itself a lost peer to the slower one
+        # No close, and not before every survivor has seen the loss: a
+        # survivor that leaves is itself a lost peer to a slower one.
+        survivors_done.wait(timeout=60)
+        os._exit(0)
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -221,7 +224,9 @@ def test_remote_peer_lost_within_peer_timeout(how):
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
     queue = mp_context.Queue()
-    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue), daemon=True)
+    survivors_done = mp_context.Barrier(N_LOSS - 1)
+    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue, survivors_done),
+                                daemon=True)
              for r in range(N_LOSS)]
     for p in procs:
         p.start()
