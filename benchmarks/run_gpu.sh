@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
-#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp chaos latency bench mpbench hostpath preempt all
+#   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp graphs depth torch chaos latency bench
+#                                         mpbench hostpath preempt all
 # Each phase's limit and extra arguments come from the environment, e.g.
 #   BENCH_LIMIT=600 BENCH_ARGS="--devices 0,1" benchmarks/run_gpu.sh bench
 # Tables go to $OUT/<phase>.log; results (JSON, PNG) to $OUT; then
@@ -16,12 +17,21 @@ has() { [[ " $phases " == *" $1 "* || " $phases " == *" all "* ]]; }
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout --signal=KILL "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # Its own session (no job control here: setsid does not fork, so the pid
+  # is the session id), so that ranks it spawned and left behind go with it.
+  setsid timeout --signal=KILL "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  wait $pid
   local rc=$?
+  pkill -KILL -s $pid 2>/dev/null
   echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"
   tail -n ${TAIL:-15} "$OUT/$name.log"
   return 0
 }
+# Two processes share one GPU side by side only under MPS (docs/gpu.md); a
+# server's quit waits for its clients, which every step has ended by then.
+mps_on() { nvidia-cuda-mps-control -d && export DFCCL_TEST_MPS=1 || echo "[mps] no MPS server: processes time-slice"; }
+mps_off() { unset DFCCL_TEST_MPS; timeout --signal=KILL 15 bash -c 'echo quit | nvidia-cuda-mps-control' || true; }
 if has info; then
   step info 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c 'import sys, numpy, cuda.bindings, Cython; print(sys.version); print(\"cuda-bindings\", cuda.bindings.__version__, \"cython\", Cython.__version__)'; $PY -c 'import torch; print(\"torch\", torch.__version__, torch.cuda.device_count())'; ls \$($PY -c 'import site;print(site.getsitepackages()[0])')/nvidia/nccl/lib"
 fi
@@ -37,6 +47,28 @@ if has tests; then
 fi
 if has mp; then
   step mp ${MP_LIMIT:-240} $PY -m pytest -q -p no:cacheprovider tests/sim/test_multiprocess.py --timeout=200 -m gpu
+fi
+if has graphs; then
+  step graphs ${GRAPHS_LIMIT:-240} $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_graphs_gpu.py --timeout=120
+fi
+if has depth; then
+  # Deep queues: two ranks of one process, then two processes under MPS.
+  step depth ${DEPTH_LIMIT:-300} $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_queue_depth_gpu.py --timeout=280
+  mps_on
+  step depth-mps ${DEPTH_MPS_LIMIT:-300} $PY -m pytest -q -rfE -p no:cacheprovider tests/sim/test_multiprocess.py \
+    --timeout=280 -k deep_queues_two_processes_on_one_gpu
+  mps_off
+fi
+if has torch; then
+  # The torch backend, two processes under MPS: the compiled one (built
+  # first, cached) and the Python one.
+  mps_on
+  step torch-build 300 env DFCCL_TORCH_IMPL=compiled $PY -m dfccl.torch
+  for impl in compiled python; do
+    step torch-$impl ${TORCH_LIMIT:-420} env DFCCL_TORCH_IMPL=$impl $PY -m pytest -q -rfE -p no:cacheprovider \
+      tests/gpu/test_torch_gpu.py --timeout=180 ${TORCH_ARGS:-}
+  done
+  mps_off
 fi
 if has chaos; then
   DFCCL_GPU_RESULTS="$OUT/gpu_results.jsonl" DFCCL_GPU_CHAOS_ROUNDS=${CHAOS_ROUNDS:-100} \
