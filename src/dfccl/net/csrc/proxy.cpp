@@ -9,8 +9,9 @@
 // the sender's sequence number in its tag, receives are posted for exact
 // sequence numbers, and a completed message is applied only after all
 // earlier ones were.  A message is a fixed-size header, then, for a put
-// with bytes, the bytes as a second message under the same sequence
-// number, received straight into the arena.
+// or a share with bytes, the bytes as a second message under the same
+// sequence number, received straight into the arena (a put) or the mirror
+// of the sender's arena (a share).
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -31,7 +32,7 @@
 
 namespace {
 
-enum MsgKind : uint32_t { MSG_PUT = 1, MSG_RECORD = 2, MSG_STATUS = 3 };
+enum MsgKind : uint32_t { MSG_PUT = 1, MSG_RECORD = 2, MSG_STATUS = 3, MSG_SHARE = 4 };
 
 constexpr uint32_t kChanWords = sizeof(dfccl_chan_state) / 8;
 constexpr uint32_t kStatusWords = 3;  // state, heartbeat, pid (dfccl_rank_status)
@@ -189,6 +190,15 @@ struct Proxy {
       out->msg.word = e.word;
       out->has_payload = e.len != 0;
       send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
+    } else if (e.kind == DFCCL_NET_SHARE) {
+      if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
+      std::unique_ptr<Outgoing> out(new Outgoing());
+      out->msg.kind = MSG_SHARE;
+      out->msg.offset = e.offset;
+      out->msg.len = e.len;
+      out->msg.word_offset = DFCCL_NET_NO_WORD;
+      out->has_payload = true;
+      send(e.peer, std::move(out), arena + e.offset);
     } else if (e.kind == DFCCL_NET_RECORD) {
       // What the owner publishes, read now (the latest state: a later
       // entry for the same channel only brings newer values).
@@ -260,6 +270,8 @@ struct Proxy {
     }
     if (UCS_PTR_IS_ERR(r)) {
       fail_peer(p, "receive", UCS_PTR_STATUS(r));
+      op->status = UCS_PTR_STATUS(r);
+      op->done.store(1);
       return false;
     }
     op->req = r;
@@ -316,7 +328,7 @@ struct Proxy {
       if (in->payload_posted || !in->header.done.load(std::memory_order_acquire)) continue;
       in->payload_posted = true;
       const Msg &m = in->msg;
-      if (in->header.status != UCS_OK || m.kind != MSG_PUT || m.len == 0) {
+      if (in->header.status != UCS_OK || (m.kind != MSG_PUT && m.kind != MSG_SHARE) || m.len == 0) {
         in->payload.done.store(1);
         continue;
       }
@@ -325,7 +337,8 @@ struct Proxy {
         in->payload.done.store(1);
         continue;
       }
-      post_recv(p, arena + m.offset, m.len, make_tag(p, peer.recv_seq + i, true), &in->payload);
+      uint8_t *into = m.kind == MSG_PUT ? arena : peer.mirror;
+      post_recv(p, into + m.offset, m.len, make_tag(p, peer.recv_seq + i, true), &in->payload);
     }
     while (!peer.incoming.empty()) {
       Incoming *in = peer.incoming.front().get();
@@ -333,7 +346,8 @@ struct Proxy {
         break;
       if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
         apply(p, in->msg);
-        if (in->msg.kind == MSG_PUT) bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
+        if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE)
+          bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
       } else {
         fail_peer(p, "receive", in->payload.status != UCS_OK ? in->payload.status : in->header.status);
       }
