@@ -433,6 +433,54 @@ def test_bench_net_script(tmp_path):
     assert row["size"] == 65536 and row["broadcast_mib_s"] > 0 and row["ucx_perftest_mib_s"] > 0, row
 
 
+def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:
+    try:
+        os.environ.update(UCX_ENV)
+        os.environ.update({"DFCCL_HOST_ID": f"host-{rank}", "DFCCL_TORCH_BACKEND": "sim"})
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        import dfccl.torch as dt
+        from torch_scenarios import _all_to_all, _point_to_point
+
+        dist.init_process_group("dfccl", store=dist.FileStore(store_path, nranks), rank=rank, world_size=nranks,
+                                timeout=timedelta(seconds=TIMEOUT))
+        try:
+            transports = dt.communicator().transports
+            _point_to_point(rank, nranks)   # blocking, isend / irecv, tags, batch_isend_irecv
+            _all_to_all(rank, nranks)       # all_to_all_single even and uneven, all_to_all of lists
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", {"transports": transports}))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+@needs_ucx
+def test_torch_point_to_point_and_all_to_all_across_hosts(tmp_path):
+    """torch.distributed's p2p (batch_isend_irecv included) and all-to-alls
+    on three hosts, through dfccl.torch's scenarios of one host."""
+    pytest.importorskip("torch.distributed")
+    nranks = 3
+    mp_context = mp.get_context("spawn")
+    results = mp_context.Queue()
+    procs = [mp_context.Process(target=_torch_worker, args=(r, nranks, str(tmp_path / "store"), results))
+             for r in range(nranks)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            rank, what, info = results.get(timeout=600)
+            assert what == "ok", f"rank {rank}:\n{info}"
+            assert info["transports"] == tuple("self" if p == rank else "ucx" for p in range(nranks)), info
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def test_transports_of_one_process(monkeypatch):
     """Without UCX: ranks of one host id never take the network."""
     monkeypatch.setenv("DFCCL_HOST_ID", "node-a")
