@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import dfccl
+from dfccl.scenarios import DTYPES, SENTINEL
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')
@@ -59,7 +60,6 @@ def _sweep_specs():
 
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
-from dfccl.scenarios import DTYPES, SENTINEL  # noqa: E402
 
 #: Every dtype dfccl moves (bfloat16 held as uint16 on the host side).
 P2P_DTYPES = DTYPES + ("bfloat16",)
