@@ -340,6 +340,12 @@ struct Proxy {
       in->payload.done.store(1);
       return;
     }
+    if (stop.load(std::memory_order_acquire)) {
+      // Closing: its receives are being cancelled, and this one would not be.
+      in->payload.status = UCS_ERR_CANCELED;
+      in->payload.done.store(1);
+      return;
+    }
     if (m.offset + m.len > arena_bytes) {
       in->payload.status = UCS_ERR_INVALID_PARAM;
       in->payload.done.store(1);
