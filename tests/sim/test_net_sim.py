@@ -498,7 +498,9 @@ N_LOSS = 3
 VICTIM = 2
 
 
-def _loss_worker(uid: str, rank: int, peer_timeout: float, queue) -> None:
+def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, leave, op: str = "all_reduce") -> None:
+    """``leave``: set once every survivor reported (a survivor that left
+    earlier would itself be a lost peer to a slower one)."""
     try:
         os.environ.update(UCX_ENV)
         from dfccl.bench import arrays
@@ -512,8 +514,16 @@ def _loss_worker(uid: str, rank: int, peer_timeout: float, queue) -> None:
             os._exit(0)
         t0 = time.monotonic()
         try:
-            comm.all_reduce(x, tag="work").synchronize(timeout=TIMEOUT)
+            if op == "recv":
+                work = comm.recv(x, VICTIM, tag="work")
+            elif op == "all_to_all":
+                send, recv = np.ones(N_LOSS << 16, np.float32), np.zeros(N_LOSS << 16, np.float32)
+                work = comm.all_to_all(send, recv, tag="work")
+            else:
+                work = comm.all_reduce(x, tag="work")
+            work.synchronize(timeout=TIMEOUT)
             queue.put((rank, "error", "completed without the lost rank"))
+            leave.wait(60)
             return
         except dfccl.PeerLostError as exc:
             elapsed, message = time.monotonic() - t0, str(exc)
@@ -521,21 +531,25 @@ def _loss_worker(uid: str, rank: int, peer_timeout: float, queue) -> None:
         queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
         queue.close()
         queue.join_thread()
-        os._exit(0)   # no close: a survivor that leaves is itself a lost peer to the slower one
+        leave.wait(60)
+        os._exit(0)   # no close: the victim cannot take part in it
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
+        leave.wait(60)
 
 
 @needs_ucx
-@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_remote_peer_lost_within_peer_timeout(how):
+@pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "recv"),
+                                     ("sigkill", "all_to_all")])
+def test_remote_peer_lost_within_peer_timeout(how, op):
     """A killed rank's connection drops (seen at once); a stopped one stops
-    its heartbeat (seen within peer_timeout)."""
+    its heartbeat (seen within peer_timeout).  Survivors waiting in a
+    collective, a recv from it or an all-to-all with it all see it."""
     peer_timeout = 3.0
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
-    queue = mp_context.Queue()
-    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue), daemon=True)
+    queue, leave = mp_context.Queue(), mp_context.Event()
+    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue, leave, op), daemon=True)
              for r in range(N_LOSS)]
     for p in procs:
         p.start()
@@ -550,6 +564,7 @@ def test_remote_peer_lost_within_peer_timeout(how):
                 continue
             results[rank] = (what, info)
     finally:
+        leave.set()
         for p in procs:
             if p.is_alive() and p.pid == procs[VICTIM].pid:
                 os.kill(p.pid, signal.SIGKILL)
