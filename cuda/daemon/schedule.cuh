@@ -32,25 +32,39 @@ struct PolicyCache {
 //  - base: adapted by the host to the peer skew it observes (policy.py);
 //  - the oldest task in the list gets twice the window, doubled again per
 //    consecutive fruitless run (bounded): ranks converge on their oldest
-//    collectives, and a peer's short visit finds them waiting;
-//  - once data has moved (the gang has formed) the run is sticky: 16 x base;
+//    collectives, and a peer's short visit finds them waiting.  The bound
+//    grows with the list: a peer's block reaches the same collective once
+//    per round of its own list, about `len` windows, and the oldest must be
+//    able to outwait that round;
+//  - once data has moved (the gang has formed) the run is sticky: 16 x base,
+//    but only in a short list.  In a long one nearly every task has moved
+//    data (a FIFO takes a few slices before the peer is there), so sticky
+//    windows would make every visit of a round a long wait for a peer busy
+//    with its own round, for a slice or two of progress each;
 //  - every other task gets the base window: a collective whose peers are
 //    absent costs one short window per pass, however many are pending;
 //  - never more than max_window_ns, so the daemon stays responsive.
 // Deadlock freedom does not rest on these numbers: every step a run completes
 // (publishing, sending a slice, signalling a phase) persists across
 // preemptions, so any collective all ranks keep visiting completes.
-DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx *ctx, bool oldest) {
+constexpr uint32_t kStickyListMax = 8;     // longest list that still gets sticky windows
+constexpr uint32_t kOldestDoublings = 6;   // fruitless-run doublings of the oldest in a short list
+
+DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx *ctx, bool oldest, uint32_t len) {
   const uint64_t cap = p.max_window_ns;
   const uint64_t base = p.base_window_ns;
   if (base >= cap) return cap;
   // Saturating: no product below exceeds cap, so nothing overflows.
   uint64_t w = base;
   if (oldest) {
+    // 2^doublings >= len: the window can reach a whole round of the list.
+    uint32_t doublings = kOldestDoublings;
+    while (doublings < 31 && (1u << doublings) < len) ++doublings;
     w = w > cap / 2 ? cap : 2 * w;
-    for (uint32_t i = 0; i < ctx->fails && i < 6 && w < cap; ++i) w = w > cap / 2 ? cap : 2 * w;
+    for (uint32_t i = 0; i < ctx->fails && i < doublings && w < cap; ++i) w = w > cap / 2 ? cap : 2 * w;
   }
-  if (ctx->sticky && w < cap) w = base > cap / 16 ? cap : (w > 16 * base ? w : 16 * base);
+  if (ctx->sticky && len <= kStickyListMax && w < cap)
+    w = base > cap / 16 ? cap : (w > 16 * base ? w : 16 * base);
   return w < cap ? w : cap;
 }
 
@@ -223,7 +237,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   uint64_t start = 0;
   if (is_leader()) {
     start = now_ns();
-    run.window_ns = preemption_window(policy, ctx, pick == 0);
+    run.window_ns = preemption_window(policy, ctx, pick == 0, sm->active_len);
     run.deadline_ns = start + run.window_ns;
     if (ctx->first_run_ns == 0) ctx->first_run_ns = start;
     else ctx->resumes += 1;  // every later run follows a preemption

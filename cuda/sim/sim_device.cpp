@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../daemon/schedule.cuh"
+#include "dfccl/host_signals.h"
 
 struct dfccl_sim_device {
   std::mutex mu;
@@ -41,6 +42,7 @@ static void run_launch(const dfccl_daemon_args &args) {
 }
 
 static void stream_main(dfccl_sim_device *dev) {
+  dfccl_block_async_signals();  // and the block threads it starts (host_signals.h)
   std::unique_lock<std::mutex> lock(dev->mu);
   for (;;) {
     dev->cv.wait(lock, [dev] { return dev->stopping || !dev->queue.empty(); });

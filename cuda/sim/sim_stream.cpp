@@ -3,6 +3,8 @@
 // the word a cuStreamWaitValue32 names.
 #include "sim_stream.h"
 
+#include "dfccl/host_signals.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -78,6 +80,7 @@ static bool run(dfccl_sim_stream *s, const Operation &o) {
 }
 
 static void stream_main(dfccl_sim_stream *s) {
+  dfccl_block_async_signals();
   std::unique_lock<std::mutex> lock(s->mu);
   for (;;) {
     s->cv.wait(lock, [s] { return s->stopping || !s->queue.empty(); });

@@ -1,6 +1,7 @@
 """Runs the C example (submit.c, next to this file): two ranks of a
 communicator, one all-reduce plan bound per rank, handed to C, which
-submits, waits and checks every round itself.
+submits, waits and checks every round itself; on the simulator, the same
+plans then captured from C into (simulated) CUDA graphs and replayed.
 
     python examples/c_api/run.py --iterations 20 --count 1024
     python examples/c_api/run.py --backend cuda --devices 0,0
@@ -51,6 +52,7 @@ def load(path: str):
                                              ctypes.c_size_t, ctypes.c_int, err, ctypes.c_size_t]
     lib.dfccl_example_submit_loop.argtypes = [vp, ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int, u64p, u64p, u64p,
                                               err, ctypes.c_size_t]
+    lib.dfccl_example_capture.argtypes = [vp, vp, ctypes.c_uint64, ctypes.c_uint64, err, ctypes.c_size_t]
     return lib
 
 
@@ -81,6 +83,49 @@ def submit_loop(lib, plans, n: int) -> tuple[float, float, float]:
     return submit_ns.value / 1e9, cpu_ns.value / 1e9, wait_ns.value / 1e9
 
 
+def capture(lib, plan, buffer_address: int, stream_handle: int) -> None:
+    """Has C submit ``plan``'s in-place all-reduce of the buffer at
+    ``buffer_address`` on a stream that captures a CUDA graph, and the
+    stream's wait for it: every replay of the graph runs it."""
+    err = ctypes.create_string_buffer(512)
+    rc = lib.dfccl_example_capture(capi.table_address(), plan.c_plan, buffer_address, stream_handle, err, len(err))
+    if rc != 0:
+        raise RuntimeError(f"the C capture failed ({rc}): {err.value.decode()}")
+
+
+def replay_graphs(lib, comms, plans, buffers, replays: int) -> None:
+    """On the simulator: each rank's all-reduce captured from C into a graph
+    of its stream, then ``replays`` replays with fresh inputs, checked."""
+    from dfccl import runtime
+    streams = [runtime.get_device("sim", c.device).create_stream() for c in comms]
+    graphs = []
+    try:
+        for plan, b, s in zip(plans, buffers, streams):
+            s.begin_capture()
+            try:
+                capture(lib, plan, b.ctypes.data, s.handle)
+            finally:
+                graphs.append(s.end_capture())
+        n = len(comms)
+        for k in range(1, replays + 1):
+            for r, b in enumerate(buffers):
+                b[:] = (r + 1) * k
+            for g, s in zip(graphs, streams):
+                g.launch(s)
+            for s in streams:
+                if not s.synchronize(timeout=30.0):
+                    raise RuntimeError(f"replay {k} did not complete")
+            for r, b in enumerate(buffers):
+                if not np.all(b == k * n * (n + 1) / 2):
+                    raise RuntimeError(f"replay {k}, rank {r}: {b[:4]}..., expected {k * n * (n + 1) / 2}")
+    finally:
+        for g in graphs:
+            g.close()
+        for s in streams:
+            s.synchronize(timeout=30.0)
+            s.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="sim")
@@ -99,6 +144,8 @@ def main(argv=None) -> int:
                 plans = [c.prepare_all_reduce(args.count, "float32").bind(b) for c, b in zip(comms, buffers)]
                 all_reduce(lib, plans, buffers, args.iterations)
                 print(f"{args.iterations} rounds of all-reduce on {len(comms)} ranks from C: results checked")
+                replay_graphs(lib, comms, plans, buffers, args.iterations)
+                print(f"{args.iterations} replays of graphs captured from C: results checked")
             else:
                 # Device memory: C cannot write the inputs, so every rank starts
                 # from ones and ends with nranks ** iterations.

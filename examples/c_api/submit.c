@@ -139,3 +139,24 @@ int dfccl_example_submit_loop(const dfccl_api *api, const dfccl_plan *const *pla
   free(handles);
   return rc != 0 ? rc : waited;
 }
+
+/* Inside a CUDA graph capture: submits `plan`'s in-place all-reduce of
+ * `buffer` on `stream`, which captures a graph, and makes that stream wait
+ * for it, so that what the graph runs after it sees its result.  Nothing
+ * runs now: every replay of the graph runs the collective once more, as
+ * the next instance of a tag of its own.  The handle has no completion on
+ * the host (test and wait refuse it); it is released at once, since the
+ * graph holds what the collective needs until it is destroyed. */
+int dfccl_example_capture(const dfccl_api *api, const dfccl_plan *plan, uint64_t buffer, uint64_t stream, char *err,
+                          size_t errlen) {
+  if (check_table(api, err, errlen) != 0) return -1;
+  dfccl_submit_at at = {buffer, buffer, stream, 1, 0};
+  dfccl_handle h;
+  int rc = api->submit(plan, &at, &h);
+  if (rc != DFCCL_API_OK) return report(api, rc, "submit (capturing)", err, errlen);
+  rc = api->stream_wait(&h, stream);
+  if (rc != DFCCL_API_OK) report(api, rc, "stream_wait (capturing)", err, errlen);
+  int released = api->release(&h);
+  if (rc == DFCCL_API_OK && released != DFCCL_API_OK) rc = report(api, released, "release", err, errlen);
+  return rc;
+}

@@ -230,6 +230,7 @@ class Communicator:
         # call on every rank is instance k (NCCL's matching by position).
         self._seq_key = tag_key(comm_key, ("#seq",))
         self._plain_tasks: dict[tuple, TaskDescriptor] = {}   # _plain_task's, by shape
+        self._barrier_ptr = 0   # barrier()'s word in this rank's arena, taken at its first call
 
     def _finish_init(self, peers, exchange=None):
         self._channels, self._block_offset = daemon_share(peers, self._rank, self._channels)
@@ -333,6 +334,34 @@ class Communicator:
         s, r = self._pair(send, recv, "all_reduce")
         self._same_shape(s, r, s.count, "all_reduce")
         return self._submit(KIND_ALL_REDUCE, s, r, s.count, self._op(op, "all_reduce"), 0, tag, stream)
+
+    def barrier(self, *, tag=None, stream=None) -> Work:
+        """Completes once every rank has reached its barrier of this tag
+        (the k-th barrier of a tag meets the k-th on every rank), like
+        every collective without blocking the host: ``synchronize()`` it, or
+        ``wait(stream)`` so that what follows on the stream waits for every
+        rank.  On a stream that captures a CUDA graph it is captured: every
+        replay waits for every rank's replay (docs/architecture.md, "CUDA
+        graphs").  It is a one-element all-reduce (max) of a word this rank
+        keeps in its arena, whose value nobody reads; its Work's kind is
+        all_reduce.
+
+        Args:
+            tag, stream: as every collective takes them (class docstring).
+
+        Returns:
+            The Work of this rank's part, at once.
+        """
+        self._check_tag(tag, "barrier")
+        self._check_open()
+        if not self._barrier_ptr:
+            # Staging taken for good (a few bytes): no allocation, so that a
+            # first barrier may be issued under capture too.
+            self._barrier_ptr = self._endpoint.arena + self._endpoint.tags.alloc_instance_staging(16)
+        sim = self._backend == "sim"
+        word = Buffer(self._barrier_ptr, 1, DataType.INT32, CPU if sim else CUDA, -1 if sim else self._device, False,
+                      None)
+        return self._submit(KIND_ALL_REDUCE, word, word, 1, ReduceOp.MAX, 0, tag, stream)
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).

@@ -44,7 +44,7 @@ from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
 from dfccl.rank_state import RankState
 from dfccl.shared_files import matching_files
-from dfccl.termination import on_sigterm
+from dfccl.termination import block_async_signals, on_sigterm
 
 __all__ = ["INTERVAL", "STATUS_INTERVAL", "register", "status_dir", "status_path", "process_alive",
            "collect_status", "sweep"]
@@ -80,7 +80,7 @@ def collect_status(directory: str | None = None) -> list[dict]:
     directory = directory or status_dir()
     if directory is None:
         return []
-    pattern = re.compile(rf"^dfccl-status-{os.getuid()}-(\d+)\.json(\..+\.tmp)?$")
+    pattern = re.compile(rf"^dfccl-status-{os.getuid()}-(\d+)\.json(?:\.(\d+)-(\d+)-\d+\.tmp|(\..+\.tmp))?$")
     docs = []
     for path, m in matching_files(directory, pattern):
         try:
@@ -93,13 +93,28 @@ def collect_status(directory: str | None = None) -> list[dict]:
             doc = {}   # cut short by a kill during a rewrite
         if not isinstance(doc, dict):
             continue
+        if m.group(2) is not None and not doc:
+            # A rewrite cut short: its name says whose (_rewrite_name).
+            doc = {"start_time": int(m.group(2)), "pid_ns": int(m.group(3))}
         pid, start, namespace = int(m.group(1)), doc.get("start_time"), doc.get("pid_ns")
         start = start if isinstance(start, int) else None
         if owner_gone(pid, start, namespace if isinstance(namespace, int) else None, mtime):
             _remove(path)
-        elif m.group(2) is None and doc.get("pid") == pid and process_alive(pid, start):
+        elif m.group(2) is None and m.group(4) is None and doc.get("pid") == pid and process_alive(pid, start):
             docs.append(doc)
     return sorted(docs, key=lambda d: d["pid"])
+
+
+def _rewrite_name(path: str, identity: dict) -> str:
+    """Where a status file is rewritten before it replaces ``path``.  The
+    name carries the writer's identity (start time, pid namespace): a
+    process killed before its first rewrite was written out leaves an
+    empty file, which collect_status can then still tell from one of a
+    live process."""
+    start, namespace = identity.get("start_time"), identity.get("pid_ns")
+    if isinstance(start, int) and isinstance(namespace, int):
+        return f"{path}.{start}-{namespace}-{threading.get_ident()}.tmp"
+    return f"{path}.{threading.get_ident()}.tmp"
 
 
 def sweep() -> None:
@@ -198,6 +213,7 @@ class _Monitor:
                 self._thread.start()
 
     def _run(self) -> None:
+        block_async_signals()
         while True:
             now = time.monotonic()
             with self._lock:
@@ -257,7 +273,7 @@ class _Monitor:
             self._identity = {"start_time": start_time(os.getpid()), "pid_ns": pid_namespace()}
         doc = {"pid": os.getpid(), **self._identity, "written_ns": time.monotonic_ns(), "time": time.time(),
                "communicators": entries}
-        tmp = f"{path}.{threading.get_ident()}.tmp"
+        tmp = _rewrite_name(path, self._identity)
         text = json.dumps(doc, default=repr)
         # Under the lock, so that the exit and SIGTERM handlers (which take
         # it) find no half-written file; one write, so that a process killed

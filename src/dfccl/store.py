@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable
 
 from dfccl.errors import BackendError, ClosedError, CollectiveTimeoutError, InvalidArgumentError
+from dfccl.termination import block_async_signals
 
 __all__ = ["StoreServer", "StoreClient", "StoreUnreachableError", "MAX_FRAME_SIZE", "MAX_KEY_LENGTH", "PROTOCOL_VERSION"]
 
@@ -386,6 +387,7 @@ class StoreServer:
     # -- accepting ----------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        block_async_signals()
         sel = selectors.DefaultSelector()
         try:
             sel.register(self._listener, selectors.EVENT_READ)
@@ -432,6 +434,7 @@ class StoreServer:
     # -- one connection -----------------------------------------------------
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        block_async_signals()
         try:
             channel = self._handshake(conn)
             if channel is None:

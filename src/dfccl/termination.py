@@ -21,7 +21,7 @@ import signal
 import threading
 from typing import Callable
 
-__all__ = ["on_sigterm"]
+__all__ = ["on_sigterm", "block_async_signals"]
 
 _cleanups: list[Callable[[], None]] = []
 _settled = False   # the handler is set, or the application's own was found
@@ -43,6 +43,24 @@ def on_sigterm(cleanup: Callable[[], None]) -> None:
     except (ValueError, OSError):
         return
     _settled = True
+
+
+#: What a helper thread leaves deliverable: faults it causes itself.
+_SYNCHRONOUS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS")
+                if hasattr(signal, n)}
+
+
+def block_async_signals() -> None:
+    """Called first by each of dfccl's helper threads: a signal sent to the
+    process (SIGTERM, SIGINT) then reaches a thread that does not block it,
+    the main thread in practice.  Python runs handlers only in the main
+    thread, and a main thread asleep in a system call (``time.sleep``) is
+    woken only by a signal delivered to it: one that landed on a helper
+    thread would wait for the sleep to end.  Threads a helper starts
+    inherit the mask (the simulator's and the network proxy's native
+    threads block the same set themselves: host_signals.h)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
 
 
 def _on_sigterm(signum: int, _frame) -> None:

@@ -3,12 +3,14 @@
 cuda-python) on one GPU: two ranks of one process share it
 (Communicator.for_devices([0, 0])), each with its stream and its graph.
 Replays in divergent orders across the ranks, many replays bit-identical to
-eager collectives, a failed replay raised by the next call, and the graph's
-destruction giving back what the capture held (docs/architecture.md, "CUDA
-graphs")."""
+eager collectives, a failed replay raised by the next call, the graph's
+destruction giving back what the capture held, all-to-all with its counts
+fixed at capture, a captured barrier, and submissions through the C API
+(docs/architecture.md, "CUDA graphs")."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -121,3 +123,92 @@ def test_destroying_the_graph_gives_back_what_it_held(pair):
     assert daemon.captured == [] and daemon.free_slots == free_before
     assert all((x[r].download() == 2).all() for r in range(2))
 
+
+
+def test_all_to_all_replays_with_the_counts_fixed_at_capture(pair):
+    """all_to_all_single with uneven splits (a zero among them) and an
+    all-reduce, captured in opposite orders: every replay moves the
+    replay's fresh inputs with the split table bound at capture."""
+    comms, streams, graphs = pair
+    counts = [[3, 0], [70_000, 9]]                      # counts[r][p]: rank r sends rank p
+    recv_counts = [[counts[0][p], counts[1][p]] for p in range(2)]
+    send = [arrays.empty("cuda", 0, sum(counts[r]), np.float32) for r in range(2)]
+    recv = [arrays.empty("cuda", 0, sum(recv_counts[r]), np.float32) for r in range(2)]
+    x = [arrays.empty("cuda", 0, 4096, np.float32) for _ in range(2)]
+
+    def issue(r, s):
+        a2a = lambda: comms[r].all_to_all_single(send[r], recv[r], send_splits=counts[r],  # noqa: E731
+                                                 recv_splits=recv_counts[r], tag="a2a", stream=s)
+        ar = lambda: comms[r].all_reduce(x[r], tag="ar", stream=s)  # noqa: E731
+        return [a2a(), ar()] if r == 0 else [ar(), a2a()]
+    _capture_ranks(comms, streams, graphs, issue)
+    rng = np.random.default_rng(47)
+    for k in range(1, 31):
+        hosts = [rng.standard_normal(sum(counts[r])).astype(np.float32) for r in range(2)]
+        for r in range(2):
+            send[r].upload(hosts[r])
+            x[r].upload(np.full(4096, r + k, np.float32))
+        for r in (1, 0):
+            graphs[r].launch(streams[r])
+        for s in streams:
+            s.synchronize()
+        for p in range(2):
+            offsets = [sum(counts[r][:p]) for r in range(2)]
+            want = np.concatenate([hosts[r][offsets[r]:offsets[r] + counts[r][p]] for r in range(2)])
+            assert recv[p].download().tobytes() == want.tobytes(), (k, p)
+            assert (x[p].download() == 2 * k + 1).all(), (k, p)
+
+
+def test_a_captured_barrier_runs_at_each_replay(pair):
+    """dfccl's barrier captured between two all-reduces on each rank: each
+    replay completes, and what follows the barrier sees the replay's data."""
+    comms, streams, graphs = pair
+    x = [arrays.empty("cuda", 0, 1024, np.float32) for _ in range(2)]
+    y = [arrays.empty("cuda", 0, 1024, np.float32) for _ in range(2)]
+    _capture_ranks(comms, streams, graphs, lambda r, s: [comms[r].all_reduce(x[r], tag="x", stream=s),
+                                                         comms[r].barrier(stream=s),
+                                                         comms[r].all_reduce(y[r], tag="y", stream=s)])
+    for k in range(1, 21):
+        for r in range(2):
+            x[r].upload(np.full(1024, r + k, np.float32))
+            y[r].upload(np.full(1024, 10 * r + k, np.float32))
+        for r in range(2):
+            graphs[r].launch(streams[r])
+        for s in streams:
+            s.synchronize()
+        assert all((x[r].download() == 2 * k + 1).all() and (y[r].download() == 2 * k + 10).all()
+                   for r in range(2)), k
+
+
+def test_c_api_submissions_are_captured(pair, tmp_path):
+    """The C example's capture (examples/c_api/submit.c): each rank's
+    all-reduce submitted from C on its capturing stream, with the stream's
+    wait, then replayed with fresh inputs."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("cc") is None and not os.environ.get("CC"):
+        pytest.skip("no C compiler (cc) to build the C API example")
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("c_api_example", root / "examples" / "c_api" / "run.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    lib = example.load(example.build(str(tmp_path)))
+    comms, streams, graphs = pair
+    n = 1 << 15
+    x = [arrays.empty("cuda", 0, n, np.float32) for _ in range(2)]
+    plans = [comms[r].prepare_all_reduce(n, "float32", tag="from C").bind(x[r]) for r in range(2)]
+    for r in range(2):
+        g, _ = capture(streams[r], lambda r=r: example.capture(lib, plans[r], x[r].ptr, streams[r].handle))
+        graphs.append(g)
+    assert len(comms[0]._daemon.captured) == 2          # the two ranks share GPU 0's daemon
+    for k in range(1, 21):
+        for r in range(2):
+            x[r].upload(np.arange(n, dtype=np.float32) * (r + 1) + k)
+        for r in range(2):
+            graphs[r].launch(streams[r])
+        for s in streams:
+            s.synchronize()
+        want = np.arange(n, dtype=np.float32) * 3 + 2 * k
+        assert all(np.array_equal(x[r].download(), want) for r in range(2)), k

@@ -19,9 +19,10 @@ TIMEOUT = 120
 
 @pytest.mark.parametrize("path", ["ring", "direct"])
 def test_deep_queues_two_ranks_on_one_gpu(path):
+    # Both ranks' collectives on one daemon: 40,000 outstanding at most.
     comms = dfccl.Communicator.for_devices([0, 0], backend="cuda",
                                            options=dfccl.CommOptions(path=path, max_tags=16384),
-                                           daemon_options=dfccl.DaemonOptions(max_outstanding=16384))
+                                           daemon_options=dfccl.DaemonOptions(max_outstanding=65536))
     try:
         for n, count in ((1000, 2 << 20), (10_000, 1024)):
             bufs = [[arrays.from_numpy("cuda", 0, np.full(count, r + 1 + i % 7, np.float32)) for i in range(2 * n)]

@@ -223,14 +223,18 @@ def _timeout(rank, ws):
 def _graph_capture(rank, ws):
     """Collectives captured in torch.cuda.graph run at each replay: two
     all-reduces issued in opposite orders on the two ranks (async, waited
-    for at the end of the capture), replayed with fresh inputs and eager
-    collectives of the same shapes in between; barrier is refused under
-    capture; resetting the graph gives back what the capture held."""
+    for at the end of the capture), an all_to_all_single with uneven splits
+    and a barrier, replayed with fresh inputs and eager collectives of the
+    same shapes in between; a host wait on a captured work is refused;
+    resetting the graph gives back what the capture held."""
     import dfccl.torch as dt
 
     a = torch.zeros(1000)
     b = torch.zeros(300_000)
     eager = torch.ones(1000)
+    splits = [[3, 5], [7, 2]]                   # splits[r][p]: rank r sends rank p
+    send = torch.zeros(sum(splits[rank]))
+    recv = torch.zeros(splits[0][rank] + splits[1][rank])
     dist.all_reduce(eager)                      # outside capture: binds the shapes' plans
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -238,11 +242,18 @@ def _graph_capture(rank, ws):
         works = [dist.all_reduce(first, async_op=True), dist.all_reduce(second, async_op=True)]
         for w in works:
             w.wait()
+        dist.all_to_all_single(recv, send, output_split_sizes=[splits[0][rank], splits[1][rank]],
+                               input_split_sizes=splits[rank])
+        dist.barrier()                          # captured: each replay waits for every rank's
+        # (the compiled backend may hand the error back through C++: matched by message)
+        with pytest.raises(Exception, match="no completion on the host"):
+            works[0].wait(timeout=timedelta(seconds=1))
     daemon = dt.communicator()._daemon
-    assert len(daemon.captured) == 2
+    assert len(daemon.captured) == 4
     for k in range(1, 51):
         a.fill_(float(rank + k))
         b.copy_(torch.arange(300_000, dtype=torch.float32) * (rank + 1) + k)
+        send.copy_(torch.arange(send.numel(), dtype=torch.float32) + 100 * rank + 1000 * k)
         graph.replay()
         eager.fill_(1.0)
         dist.all_reduce(eager)                  # an eager collective of a's shape between replays
@@ -250,9 +261,10 @@ def _graph_capture(rank, ws):
         assert bool((a == 2 * k + 1).all()), k
         assert bool((b == torch.arange(300_000, dtype=torch.float32) * 3 + 2 * k).all()), k
         assert bool((eager == 2.0).all()), k
-    with pytest.raises(dt.NotSupportedError, match="barrier"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            dist.barrier()
+        # Rank p's part from rank r starts at sum(splits[r][:p]) of r's send.
+        parts = [torch.arange(sum(splits[r][:rank]), sum(splits[r][:rank + 1]), dtype=torch.float32)
+                 + 100 * r + 1000 * k for r in range(2)]
+        assert bool((recv == torch.cat(parts)).all()), k
     graph.reset()
     torch.cuda.synchronize()
     deadline = time.monotonic() + 5.0

@@ -341,21 +341,103 @@ def test_probe_runs_on_the_simulator():
     assert all(float(row.split(":")[1].split()[0]) > 0 for row in rows)
 
 
-def test_a_capturing_stream_is_refused(calls, make):
-    """A C handle names one completion, a replayed graph runs many: a C
-    submission on a capturing stream is refused, and nothing is captured."""
+def test_submissions_on_a_capturing_stream_are_captured(calls, make):
+    """A C submission on a stream that captures a graph is captured as a
+    Python one is: nothing runs at capture, every replay runs it as the
+    next instance (two tags in opposite orders on the ranks, rank 1's
+    captured from Python, fresh inputs per replay), the handle's stream
+    wait is captured, its host waits are refused, and it is released at
+    once while the graph keeps what the collective holds."""
     from dfccl import runtime
     comms = make(2, DEV + 90)
-    xs, plans = _bound(comms, tag="captured from C")
-    stream = runtime.get_device("sim", DEV + 90).create_stream()
+    xs = [np.zeros(300, np.float32) for _ in range(2)]
+    ys = [np.zeros(5, np.float64) for _ in range(2)]
+    px = [c.prepare_all_reduce(300, "float32", tag="x").bind(x) for c, x in zip(comms, xs)]
+    py = [c.prepare_all_reduce(5, "float64", tag="y").bind(y) for c, y in zip(comms, ys)]
+    streams = [runtime.get_device("sim", DEV + 90 + r).create_stream() for r in range(2)]
+    free = [c._daemon.free_slots for c in comms]
+    graphs = []
     try:
-        stream.begin_capture()
+        h = calls.handles(2)
+        streams[0].begin_capture()
+        try:
+            for i, (plan, buf) in enumerate([(py[0], ys[0]), (px[0], xs[0])]):
+                a = buf.ctypes.data
+                assert calls.lib.t_submit_on(calls.api, plan.c_plan, a, a, streams[0].handle, calls.at(h, i)) == OK
+                assert calls.lib.t_handle_gen(calls.at(h, i)) == 0x80000000   # DFCCL_GRAPH_GEN_BIT: captured
+                assert calls.test(h, i)[0] == E_INVALID and "captured in a CUDA graph" in calls.last_error()
+                assert calls.wait(h, i)[0] == E_INVALID and "no completion on the host" in calls.last_error()
+                assert calls.lib.t_stream_wait(calls.api, calls.at(h, i), streams[0].handle) == OK
+        finally:
+            graphs.append(streams[0].end_capture())
+        assert [calls.release(h, i) for i in range(2)] == [OK, OK] and calls.lib.t_handle_zeroed(calls.at(h, 0))
+        streams[1].begin_capture()
+        try:
+            for w in [comms[1].all_reduce(xs[1], tag="x", stream=streams[1]),
+                      comms[1].all_reduce(ys[1], tag="y", stream=streams[1])]:
+                assert w.captured
+                w.wait(streams[1])
+        finally:
+            graphs.append(streams[1].end_capture())
+        assert graphs[0].size == graphs[1].size == 6           # per collective: wait, arm, captured wait
+        assert all((x == 0).all() for x in xs + ys)             # nothing ran at capture
+        for k in range(1, 21):
+            for r in range(2):
+                xs[r][:] = np.arange(300) * (r + 1) + k
+                ys[r][:] = (r + 1) * k
+            for r in (1, 0):
+                graphs[r].launch(streams[r])
+            for s in streams:
+                assert s.synchronize(timeout=TIMEOUT), f"replay {k} did not complete"
+            for r in range(2):
+                assert np.array_equal(xs[r], np.arange(300, dtype=np.float32) * 3 + 2 * k), (k, r)
+                assert (ys[r] == 3 * k).all(), (k, r)
+        for g in graphs:
+            g.close()
+        graphs = []
+        for s in streams:
+            assert s.synchronize(timeout=TIMEOUT)
+        for c, f in zip(comms, free):
+            c._daemon._reap_graphs()
+            assert c._daemon.captured == [] and c._daemon.free_slots == f
+    finally:
+        for g in graphs:
+            g.close()
+        for s in streams:
+            s.synchronize(timeout=TIMEOUT)
+            s.close()
+
+
+def test_a_captured_handle_outside_its_capture(calls, make):
+    """A captured handle's stream wait needs a stream under capture, and
+    names nothing once its graph is destroyed."""
+    from dfccl import runtime
+    comms = make(2, DEV + 94)
+    xs, plans = _bound(comms, tag="c")
+    stream = runtime.get_device("sim", DEV + 94).create_stream()
+    try:
         h = calls.handles()
-        addr = xs[0].ctypes.data
-        rc = calls.lib.t_submit_on(calls.api, plans[0].c_plan, addr, addr, stream.handle, calls.at(h, 0))
-        graph = stream.end_capture()
-        assert rc < 0 and "captures a CUDA graph" in calls.last_error()
-        assert graph.size == 0 and calls.lib.t_handle_zeroed(calls.at(h, 0))
+        a = xs[0].ctypes.data
+        stream.begin_capture()
+        try:
+            assert calls.lib.t_submit_on(calls.api, plans[0].c_plan, a, a, stream.handle, calls.at(h, 0)) == OK
+        finally:
+            graph = stream.end_capture()
+        assert calls.lib.t_stream_wait(calls.api, calls.at(h, 0), stream.handle) < 0
+        assert "captures into the same graph" in calls.last_error()
         graph.close()
+        comms[0]._daemon._reap_graphs()
+        assert calls.lib.t_stream_wait(calls.api, calls.at(h, 0), stream.handle) == E_INVALID
+        assert "its graph was destroyed" in calls.last_error()
+        assert calls.release(h) == OK
     finally:
         stream.close()
+
+
+def test_example_captures_from_c(example, make):
+    mod, lib = example
+    comms = make(3, DEV + 96)
+    buffers = [np.zeros(1000, np.float32) for _ in comms]
+    plans = [c.prepare_all_reduce(1000, "float32", tag="g").bind(b) for c, b in zip(comms, buffers)]
+    mod.replay_graphs(lib, comms, plans, buffers, 10)
+    assert [c._daemon.captured for c in comms] == [[], [], []]

@@ -32,11 +32,15 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
         # quarter of 3/4 of the staging).
         if scenario == "depth":
             ll = {"staging_bytes": 512 << 10, "max_tags": 64, "staged_max_bytes": 16 << 10, "ring_tags": 4}
-        # 10,000 tags pending at once: records and slots for them.
-        deep = scenario == "deep_queues"
+        # 10,000 tags pending at once: records and slots for them.  On the
+        # simulator, a staging that holds a few dozen of the larger ones at
+        # their planned sizes: the rest loop through smaller and reserved FIFOs.
+        deep = scenario.startswith("deep_queues")
+        if scenario == "deep_queues_sim":
+            ll = {"staging_bytes": 8 << 20}
         comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend=backend, device=device,
                                   options=dfccl.CommOptions(path=path, **ll, **({"max_tags": 16384} if deep else {})),
-                                  daemon_options=dfccl.DaemonOptions(max_outstanding=16384) if deep else None,
+                                  daemon_options=dfccl.DaemonOptions(max_outstanding=32768) if deep else None,
                                   timeout=TIMEOUT)
         out = {"path": comm.path, "ll_max_bytes": comm.ll_max_bytes}
         if scenario == "collectives":
@@ -128,6 +132,8 @@ def _worker(uid: str, rank: int, nranks: int, backend: str, device: int, path: s
             out["checked"], out["reserved_fifos"] = _queue_depth(comm, seed)
         elif scenario == "deep_queues":
             out["checked"] = deep_queues(comm, ((1000, 2 << 20), (10_000, 1024)))
+        elif scenario == "deep_queues_sim":
+            out["checked"] = deep_queues(comm, ((1000, 16 << 10), (10_000, 16)))
         comm.close()
         results.put((rank, "ok", out))
     except BaseException:
@@ -311,6 +317,15 @@ def test_queue_depth_beyond_the_staging_across_processes_sim(nranks):
     outs = run_ranks(nranks, "sim", "auto", "depth")
     assert all(o["path"] == "staged" and o["checked"] == 120 for o in outs)
     assert all(o["reserved_fifos"] > 5 for o in outs), "the staging held most of them at their planned sizes"
+
+
+def test_deep_queues_two_processes_sim():
+    """The GPU acceptance of queue depth at the simulator's sizes: 1,000
+    all-reduces of 64 KiB queued on distinct tags and 1,000 on one tag, then
+    10,000 of 64 bytes each way, before any wait, in an 8 MiB staging (most
+    of the larger ones loop through smaller or reserved FIFOs)."""
+    outs = run_ranks(2, "sim", "auto", "deep_queues_sim", timeout=900)
+    assert all(o["checked"] == 22_000 for o in outs)
 
 
 @pytest.mark.parametrize("nranks", [2, 3])

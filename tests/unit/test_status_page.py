@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import struct
 import subprocess
 import time
@@ -188,3 +189,20 @@ def test_an_unidentified_status_file_goes_only_once_it_is_old(page_dir, exited):
     os.utime(legacy, (old, old))
     liveness.collect_status(str(page_dir))
     assert not os.path.exists(legacy)
+
+
+def test_an_empty_rewrite_of_an_exited_process_goes_at_once(page_dir, exited, running):
+    # Killed between creating its first rewrite and writing it: the file is
+    # empty, and only its name says whose it is.
+    ns = processes.pid_namespace()
+    cut = page_dir / f"dfccl-status-{os.getuid()}-{exited[0]}.json.{exited[1]}-{ns}-140.tmp"
+    cut.write_bytes(b"")
+    writing = page_dir / f"dfccl-status-{os.getuid()}-{running[0]}.json.{running[1]}-{ns}-140.tmp"
+    writing.write_bytes(b"")
+    assert liveness.collect_status(str(page_dir)) == []
+    assert not cut.exists() and writing.exists()
+
+
+def test_a_rewrite_is_named_after_its_writer():
+    name = liveness._rewrite_name("/d/dfccl-status-0-7.json", {"start_time": 11, "pid_ns": 22})
+    assert re.match(r"^/d/dfccl-status-0-7\.json\.11-22-\d+\.tmp$", name)

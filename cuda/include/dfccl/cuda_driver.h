@@ -37,6 +37,7 @@ enum {
   DFCCL_CU_STREAM_WAIT_VALUE_GEQ = 0,
   DFCCL_CU_STREAM_WAIT_VALUE_AND = 2,
   DFCCL_CU_STREAM_CAPTURE_STATUS_NONE = 0,
+  DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED = 2,
   DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 1,
   DFCCL_CU_GRAPH_USER_OBJECT_MOVE = 1,
   DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT = 0,
@@ -88,13 +89,15 @@ typedef struct dfccl_cuda_api {
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
                              unsigned int, unsigned int, CUstream, void **, void **);
-  /* CUDA graphs: a capture's state and graph, and a user object that tells
-     when the graph is destroyed */
+  /* CUDA graphs: a capture's state and graph, a user object that tells
+     when the graph is destroyed, and this thread's capture mode (dfccl's
+     own copies are made in the relaxed mode while an application captures) */
   CUresult (*cuStreamIsCapturing)(CUstream, int *);
   CUresult (*cuStreamGetCaptureInfo)(CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,
                                      size_t *);
   CUresult (*cuUserObjectCreate)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int);
   CUresult (*cuGraphRetainUserObject)(CUgraph, CUuserObject, unsigned int, unsigned int);
+  CUresult (*cuThreadExchangeStreamCaptureMode)(int *);
 } dfccl_cuda_api;
 
 #define DFCCL_API_ENTRY(name) { #name, offsetof(dfccl_cuda_api, name) }
@@ -113,6 +116,7 @@ static const struct { const char *name; size_t offset; } dfccl_cuda_api_entries[
   DFCCL_API_ENTRY(cuIpcGetMemHandle), DFCCL_API_ENTRY(cuIpcOpenMemHandle), DFCCL_API_ENTRY(cuIpcCloseMemHandle),
   DFCCL_API_ENTRY(cuLaunchKernel), DFCCL_API_ENTRY(cuStreamIsCapturing), DFCCL_API_ENTRY(cuStreamGetCaptureInfo),
   DFCCL_API_ENTRY(cuUserObjectCreate), DFCCL_API_ENTRY(cuGraphRetainUserObject),
+  DFCCL_API_ENTRY(cuThreadExchangeStreamCaptureMode),
 };
 #undef DFCCL_API_ENTRY
 

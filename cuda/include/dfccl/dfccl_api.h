@@ -22,6 +22,14 @@
  * meanwhile; release every handle (after it completed, or before: the slot
  * then frees itself when the collective completes).
  *
+ * CUDA graphs: a submission on a stream that captures a graph is captured,
+ * not run: every replay of the graph runs it as the next instance of a tag
+ * of its own (docs/architecture.md, "CUDA graphs").  Its handle (generation
+ * DFCCL_GRAPH_GEN_BIT, abi.h) has no completion on the host: stream_wait on
+ * a stream of the same capture makes the graph wait for each replay; test
+ * and wait return DFCCL_API_E_INVALID; release it at once (the graph holds
+ * what the collective needs until it is destroyed).
+ *
  * Threading: every entry may be called from any thread, with or without
  * the GIL; none blocks while holding it (a caller that holds it gives it up
  * while it waits).  Submissions to one device are serialized.  See

@@ -44,7 +44,7 @@ cdef extern from "dfccl/cuda_driver.h":
     int DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
     int DFCCL_CU_MEMHOSTALLOC_PORTABLE, DFCCL_CU_MEMHOSTALLOC_DEVICEMAP
     int DFCCL_CU_STREAM_NON_BLOCKING, DFCCL_CU_STREAM_WAIT_VALUE_GEQ, DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT
-    int DFCCL_CU_STREAM_WAIT_VALUE_AND, DFCCL_CU_STREAM_CAPTURE_STATUS_NONE
+    int DFCCL_CU_STREAM_WAIT_VALUE_AND, DFCCL_CU_STREAM_CAPTURE_STATUS_NONE, DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED
     int DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC, DFCCL_CU_GRAPH_USER_OBJECT_MOVE
     int DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     int DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, DFCCL_CU_MEMORYTYPE_DEVICE
@@ -94,6 +94,7 @@ cdef extern from "dfccl/cuda_driver.h":
                                            size_t *) nogil
         CUresult (*cuUserObjectCreate)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int) nogil
         CUresult (*cuGraphRetainUserObject)(CUgraph, CUuserObject, unsigned int, unsigned int) nogil
+        CUresult (*cuThreadExchangeStreamCaptureMode)(int *) nogil
 
     int dfccl_cuda_api_count()
     const char *dfccl_cuda_api_name(int i)
@@ -402,14 +403,24 @@ cdef class CudaDevice(Device):
     # collective or to an explanation uses these two: see stage_to_device
     # and read_device.
     def copy_to_device(self, uint64_t dst, uint64_t src_host, size_t nbytes):
-        cdef CUresult rc
+        cdef CUresult rc, restored
+        cdef int mode = DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED
         with nogil:
             rc = API.cuCtxSetCurrent(self.cu_ctx)
             if rc == DFCCL_CUDA_SUCCESS:
-                rc = API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes,
-                                           self.setup_stream)
-            if rc == DFCCL_CUDA_SUCCESS:
-                rc = API.cuStreamSynchronize(self.setup_stream)
+                # In the relaxed capture mode: this thread may be capturing a
+                # graph (an all-to-all's split table is written at capture),
+                # and in the global mode (torch's) CUDA refuses a synchronous
+                # copy, though this one touches no captured stream.
+                rc = API.cuThreadExchangeStreamCaptureMode(&mode)
+                if rc == DFCCL_CUDA_SUCCESS:
+                    rc = API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes,
+                                               self.setup_stream)
+                    if rc == DFCCL_CUDA_SUCCESS:
+                        rc = API.cuStreamSynchronize(self.setup_stream)
+                    restored = API.cuThreadExchangeStreamCaptureMode(&mode)
+                    if rc == DFCCL_CUDA_SUCCESS:
+                        rc = restored
         check(rc, "cuMemcpyHtoDAsync(setup stream)")
 
     def copy_from_device(self, uint64_t dst_host, uint64_t src, size_t nbytes):
@@ -427,8 +438,14 @@ cdef class CudaDevice(Device):
         arms the collective: the submitting thread does not wait for it, nor
         for whatever holds up that stream (an application stream waiting for
         an earlier collective, on a shared hardware queue, say).  A pageable
-        source is staged by the driver before the call returns."""
+        source is staged by the driver before the call returns.  A stream
+        that captures a graph gets no copy node (a replay must not copy
+        again, and the source is gone by then): the copy is made now, and
+        the capture goes on on that stream."""
         cdef CUstream s = self.setup_stream if stream is None else <CUstream><uintptr_t>stream
+        if stream is not None and self.stream_capturing(<uint64_t>stream):
+            self.copy_to_device(dst, src_host, nbytes)
+            return stream
         self.make_current()
         check(API.cuMemcpyHtoDAsync(<CUdeviceptr>dst, <const void *><uintptr_t>src_host, nbytes, s),
               "cuMemcpyHtoDAsync")

@@ -20,6 +20,8 @@ import threading
 import time
 import warnings
 
+from dfccl.termination import block_async_signals
+
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
@@ -52,12 +54,13 @@ class _CapturedNode:
     holds until the graph is destroyed (``released`` turns 1)."""
 
     __slots__ = ("slot", "key", "tags", "released", "kind", "tag", "rank", "endpoint", "first_instance", "owners",
-                 "failed", "reported")
+                 "aux", "failed", "reported")
 
-    def __init__(self, slot, key, tags, released, kind, tag, rank, endpoint, first_instance, owners):
+    def __init__(self, slot, key, tags, released, kind, tag, rank, endpoint, first_instance, owners, aux):
         self.slot, self.key, self.tags, self.released = slot, key, tags, released
         self.kind, self.tag, self.rank, self.endpoint = kind, tag, rank, endpoint
         self.first_instance, self.owners = first_instance, owners
+        self.aux = aux          # (offset, bytes) of staging it has alone (an all-to-all's split table), or None
         self.failed = None      # the error of its last failed replay
         self.reported = 0       # the completion word of that replay
 
@@ -321,11 +324,45 @@ cdef class Daemon(DaemonEndpoints):
     # -- CUDA graphs (docs/architecture.md, "CUDA graphs") -------------------
     cdef Work _capture(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
                        object owners):
+        """``task`` captured on ``stream`` (_bind_capture), as a captured Work."""
+        cdef Work work
+        node = self._bind_capture(task, send_addr, recv_addr, stream, owners)
+        work = Work.__new__(Work)
+        work._daemon = self
+        work._keepalive = owners
+        work._key = node.key
+        work.endpoint = node.endpoint
+        work.kind = task.kind
+        work.tag = task.tag
+        work.rank = task.rank
+        work.instance = node.first_instance
+        work.stream_ordered = True
+        work.captured = True
+        work._slot = node.slot
+        work._gen = DFCCL_GRAPH_GEN_BIT
+        work._submitted_ns = dfccl_now_ns()
+        return work
+
+    def capture_for_handle(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream):
+        """A C API submission of ``task`` on ``stream`` while it captures a
+        CUDA graph (hotpath.submit): captured as the Python API's are; its
+        buffers are the caller's to keep valid while the graph lives.
+        Returns (slot, first instance) for the handle."""
+        if task.plan.core != self.c:
+            self._bind(task)
+        node = self._bind_capture(task, send_addr, recv_addr, stream, None)
+        return node.slot, node.first_instance
+
+    cdef object _bind_capture(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
+                              object owners):
         """``task`` issued on ``stream`` while it captures a CUDA graph: binds
         it once (a tag of its own, its record and staging, a slot) and
         captures its arm node and the wait for it, so that every replay runs
-        the tag's next instance (cuda/daemon/graph.cuh).  Returns a captured
-        Work."""
+        the tag's next instance (cuda/daemon/graph.cuh).  An all-to-all's
+        split table (``task.plan.aux_offset``, written before the capture
+        and never by a replay) becomes the graph's: every replay reads the
+        counts captured, and its done flags carry each replay's token.
+        Returns its _CapturedNode."""
         cdef plan_t plan
         cdef tag_grant g
         cdef dfccl_graph_arm arm
@@ -333,10 +370,6 @@ cdef class Daemon(DaemonEndpoints):
         cdef uint32_t slot
         cdef uint32_t *released
         cdef daemon_core *c = self.c
-        cdef Work work
-        if task.plan.desc.kind == DFCCL_ALL_TO_ALL:
-            raise NotSupportedError(f"rank {task.rank}: all_to_all under CUDA graph capture is not supported (its "
-                                    "split table is written by the host at each call)", rank=task.rank, tag=task.tag)
         if c.closed or c.device_fault or task.plan.tags.closed:
             raise self._refusal(task.plan.desc.nchannels) if not task.plan.tags.closed else ClosedError(
                 "the communicator rank of this collective is closed or aborted")
@@ -382,25 +415,12 @@ cdef class Daemon(DaemonEndpoints):
             self._free_graph_slot(slot)
             task.tags.release(plan.key, False, None, False)
             raise
-        self._graphs[slot] = _CapturedNode(slot, plan.key, task.tags, <uintptr_t>released, task.kind, task.tag,
-                                           task.rank, task.plan.desc.endpoint, g.instance, owners)
+        node = self._graphs[slot] = _CapturedNode(slot, plan.key, task.tags, <uintptr_t>released, task.kind,
+                                                  task.tag, task.rank, task.plan.desc.endpoint, g.instance, owners,
+                                                  (plan.aux_offset, plan.aux_bytes) if plan.aux_bytes else None)
         c.n_graph_slots += 1
         wake_watch(c)   # it watches graph_arms from now on
-        work = Work.__new__(Work)
-        work._daemon = self
-        work._keepalive = owners
-        work._key = plan.key
-        work.endpoint = task.plan.desc.endpoint
-        work.kind = task.kind
-        work.tag = task.tag
-        work.rank = task.rank
-        work.instance = g.instance
-        work.stream_ordered = True
-        work.captured = True
-        work._slot = slot
-        work._gen = DFCCL_GRAPH_GEN_BIT
-        work._submitted_ns = dfccl_now_ns()
-        return work
+        return node
 
     cdef uint32_t _take_graph_slot(self) except? 0xffffffff:
         """A completion slot for a captured collective, held until its graph
@@ -431,8 +451,8 @@ cdef class Daemon(DaemonEndpoints):
 
     def _reap_graphs(self):
         """Frees what captured collectives of destroyed graphs held: the
-        slot, the tag's record and staging (a failed tag keeps them, as any
-        failed tag does)."""
+        slot, the tag's record and staging, an all-to-all's split table (a
+        failed tag keeps them, as any failed tag does)."""
         for slot, node in list(self._graphs.items()):
             # Destroyed, and its last replay complete (the daemon may still
             # run a replay whose graph finished without waiting for it).
@@ -443,7 +463,7 @@ cdef class Daemon(DaemonEndpoints):
             del self._graphs[slot]
             free(<void *><uintptr_t>node.released)
             # ran: a replay reached the daemon (the word moved past the one set at capture)
-            node.tags.release(node.key, node.failed is not None, None,
+            node.tags.release(node.key, node.failed is not None, node.aux,
                               self.c.done[<uint32_t>slot] != DFCCL_GRAPH_GEN_BIT)
             self._free_graph_slot(slot)
             self.c.n_graph_slots -= 1
@@ -653,6 +673,7 @@ cdef class Daemon(DaemonEndpoints):
     def _watch(self):
         """The watcher thread (retire.pyx, watch)."""
         cdef int rc
+        block_async_signals()
         with nogil:
             rc = watch(self.c)
         if rc != 0:

@@ -95,7 +95,10 @@ cdef class Device:
         without waiting for it: ordered on ``stream`` (a handle, or None).
         Returns the stream that must arm the collective, after the copy
         (None: the copy is done, the collective may run at once).  The
-        source may be reused on return."""
+        source may be reused on return.  On a stream that captures a CUDA
+        graph the copy is made at once, outside the graph (what is staged
+        for a captured collective is bound once, not copied per replay), and
+        that stream is returned."""
         self.copy_to_device(dst, src_host, nbytes)
         return stream
 

@@ -23,14 +23,15 @@ from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
 from dfccl._native.device cimport Device
-from dfccl._native.core cimport SLOT_BUSY, SLOT_FREE, SLOT_RETIRED, daemon_core, plan_t, slot_rec, tag_grant
+from dfccl._native.core cimport (SLOT_BUSY, SLOT_FREE, SLOT_GRAPH, SLOT_RETIRED, daemon_core, plan_t, slot_rec,
+                                tag_grant)
 from dfccl._native.descriptor cimport TaskDescriptor, override_fields
 from dfccl._native.launch cimport (POLICY_WAITS, core_decref, ensure_running, fault_failure, record_error,
                                    signal_progress, wake_watch)
 from dfccl._native.tag_table cimport (TagTable, tag_acquire_fast, tag_core_decref, tag_core_incref, tag_note_slot,
                                       tag_release_fast)
 
-from dfccl.errors import ClosedError, InvalidArgumentError, NotSupportedError, ResourceError
+from dfccl.errors import ClosedError, InvalidArgumentError, ResourceError
 
 cdef enum:
     # How long a host wait spins before it yields the CPU between polls
@@ -182,8 +183,8 @@ cdef int _submit_locked(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t 
     PyThread_release_lock(c.lock)
     r = &c.slots[slot]
     gen = r.gen + 1
-    if gen == 0:
-        gen = 1
+    if gen == 0 or gen == DFCCL_GRAPH_GEN_BIT:
+        gen += 1   # a handle of generation DFCCL_GRAPH_GEN_BIT names a captured collective
     rc = _write_entry(c, p, slot, gen, &g, send_addr, recv_addr, has_stream, stream, raw)
     if rc < 0:
         PyThread_acquire_lock(c.lock, WAIT_LOCK)
@@ -222,16 +223,26 @@ cdef int _submit_locked(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t 
     return 0
 
 
-cdef int _captured_refused(daemon_core *c, uint64_t stream) noexcept with gil:
+cdef enum:
+    NOT_CAPTURING = 1   # _capture_for_handle: the stream does not capture, submit as usual
+
+
+cdef int _capture_for_handle(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
+                             submitted_t *out) noexcept with gil:
     """A C handle's collective on a stream that captures a CUDA graph is
-    refused (0 when the stream does not capture); Python's collectives
-    under capture go through Daemon._capture."""
+    captured as the Python API's are (Daemon.capture_for_handle): the
+    handle names the captured collective (gen DFCCL_GRAPH_GEN_BIT), which a
+    stream under the same capture can wait for; it has no completion on
+    the host.  NOT_CAPTURING when the stream does not capture."""
     try:
         if not (<Device>c.device).stream_capturing(stream):
-            return 0
-        return record_error(NotSupportedError(
-            "the C API cannot submit on a stream that captures a CUDA graph: a handle names one completion, a "
-            "replayed graph runs many; capture through the Python API (Communicator collectives, dfccl.torch)"))
+            return NOT_CAPTURING
+        slot, instance = (<object>c.py_daemon).capture_for_handle(<object>p.descriptor, send_addr, recv_addr, stream)
+        out.slot = slot
+        out.gen = DFCCL_GRAPH_GEN_BIT
+        out.instance = instance
+        out.position = 0
+        return 0
     except BaseException as exc:
         return record_error(exc)
 
@@ -256,15 +267,16 @@ cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_add
     if c.closed or c.device_fault or p.tags.closed or p.desc.nchannels < 1 or p.desc.nchannels > c.nblocks:
         return _refusal(c, p.desc.nchannels, p.tags.closed)
     if c.n_graph_slots != 0:
-        # Captured collectives exist: a replay's failure is raised here, and a
-        # C handle is not submitted under capture.
+        # Captured collectives exist: a replay's failure is raised here.
         if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
             rc = _graph_failed(c)
             if rc < 0:
                 return rc
     if has_stream and not by_work and (<Device>c.device).try_stream_capturing(stream) != 0:
-        rc = _captured_refused(c, stream)
-        if rc < 0:
+        # Capturing (or the query failed, which the slow path raises).  A
+        # Work's submission under capture never gets here (Daemon._submit).
+        rc = _capture_for_handle(c, p, send_addr, recv_addr, stream, out)
+        if rc != NOT_CAPTURING:
             return rc
     PyThread_acquire_lock(c.submit_lock, WAIT_LOCK)
     rc = _submit_locked(c, p, send_addr, recv_addr, has_stream, stream, by_work, raw, out)
@@ -422,6 +434,13 @@ cdef int hold_for_stream(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogi
 # ---------------------------------------------------------------------------
 # C handles
 # ---------------------------------------------------------------------------
+cdef int _captured_handle(const char *what) noexcept with gil:
+    return record_error(InvalidArgumentError(
+        f"{what.decode()}: the handle names a collective captured in a CUDA graph, which has no completion on the "
+        "host: it runs at each replay of its graph.  Make a stream under the same capture wait for it "
+        "(stream_wait), and wait for the graph's stream after a replay"))
+
+
 cdef int _check_handle(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     cdef slot_rec *r
     if s < c.nslots:
@@ -448,7 +467,10 @@ cdef int _device_failed(daemon_core *c) noexcept with gil:
 cdef int handle_test(daemon_core *c, uint32_t s, uint32_t gen, uint32_t *status, int32_t *detail) noexcept nogil:
     cdef slot_rec *r = &c.slots[s]
     cdef uint32_t st
-    cdef int rc = _check_handle(c, s, gen)
+    cdef int rc
+    if gen == DFCCL_GRAPH_GEN_BIT:
+        return _captured_handle(b"test")
+    rc = _check_handle(c, s, gen)
     if rc < 0:
         return rc
     if r.state == SLOT_BUSY:
@@ -479,7 +501,10 @@ cdef int handle_wait(daemon_core *c, uint32_t s, uint32_t gen, int64_t timeout_n
     cdef slot_rec *r = &c.slots[s]
     cdef uint64_t start, now
     cdef uint32_t spins = 0
-    cdef int rc = _check_handle(c, s, gen)
+    cdef int rc
+    if gen == DFCCL_GRAPH_GEN_BIT:
+        return _captured_handle(b"wait")
+    rc = _check_handle(c, s, gen)
     if rc < 0:
         return rc
     start = dfccl_now_ns()
@@ -506,8 +531,26 @@ cdef int _stream_wait_slow(daemon_core *c, uint64_t stream, uint64_t addr, uint3
         return record_error(exc)
 
 
+cdef int _captured_stream_wait(daemon_core *c, uint32_t s, uint64_t stream) noexcept with gil:
+    """A stream under the same capture waits for each replay of the captured
+    collective in slot ``s`` (Daemon._graph_stream_wait)."""
+    try:
+        if c.py_daemon == NULL or c.closed:
+            return _refusal(c, 1, False)
+        if s >= c.nslots or c.slots[s].state != SLOT_GRAPH:
+            return record_error(InvalidArgumentError(
+                f"stream_wait: the captured collective of this handle (slot {s}) is gone: its graph was destroyed"))
+        (<object>c.py_daemon)._graph_stream_wait(stream, s)
+        return 0
+    except BaseException as exc:
+        return record_error(exc)
+
+
 cdef int handle_stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) noexcept nogil:
-    cdef int rc = _check_handle(c, s, gen)
+    cdef int rc
+    if gen == DFCCL_GRAPH_GEN_BIT:
+        return _captured_stream_wait(c, s, stream)
+    rc = _check_handle(c, s, gen)
     if rc < 0:
         return rc
     return stream_wait(c, s, gen, stream)
@@ -529,9 +572,14 @@ cdef int stream_wait(daemon_core *c, uint32_t s, uint32_t gen, uint64_t stream) 
 
 cdef int handle_release(daemon_core *c, uint32_t s, uint32_t gen) noexcept nogil:
     """The handle's owner is done with it: its slot is freed now if it has
-    retired, else when it retires.  Drops the handle's reference to ``c``."""
+    retired, else when it retires.  Drops the handle's reference to ``c``.
+    A captured collective's slot is its graph's: its handle only lets go."""
     cdef slot_rec *r = &c.slots[s]
-    cdef int rc = _check_handle(c, s, gen)
+    cdef int rc
+    if gen == DFCCL_GRAPH_GEN_BIT:
+        core_decref(c)
+        return 0
+    rc = _check_handle(c, s, gen)
     if rc < 0:
         return rc
     PyThread_acquire_lock(c.lock, WAIT_LOCK)

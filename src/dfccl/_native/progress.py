@@ -10,6 +10,8 @@ import threading
 import warnings
 import weakref
 
+from dfccl.termination import block_async_signals
+
 __all__ = ["progress"]
 
 
@@ -46,6 +48,7 @@ class _ProgressThread:
             self._thread.start()
 
     def _run(self):
+        block_async_signals()
         native = _native()
         while True:
             native.wait_progress(0.05)

@@ -84,9 +84,11 @@ cdef class Work:
     cdef int _refuse_captured(self, str what) except -1:
         if self.captured:
             raise NotSupportedError(
-                f"{what}: rank {self.rank}'s {self.kind} {self.name} was captured in a CUDA graph; it runs at each "
-                "replay, ordered on the stream it was captured on (wait for that stream after a replay; a failed "
-                "replay is raised by the next dfccl call)", rank=self.rank, tag=self.tag)
+                f"{what}: rank {self.rank}'s {self.kind} {self.name} was captured in a CUDA graph: it has no "
+                "completion on the host, it runs at each replay.  Wait on a stream instead: work.wait(stream) "
+                "under the same capture orders what follows in the graph after it, and synchronizing the graph's "
+                "stream after a replay (torch.cuda.synchronize()) waits for it; a failed replay is raised by the "
+                "next dfccl call", rank=self.rank, tag=self.tag)
         return 0
 
     def done(self):
@@ -188,6 +190,7 @@ cdef class Work:
         already is, else on the progress thread."""
         if not callable(fn):
             raise InvalidArgumentError(f"add_done_callback: {fn!r} is not callable", rank=self.rank, tag=self.tag)
+        self._refuse_captured("add_done_callback")
         if self._retired:
             fn(self)
             return

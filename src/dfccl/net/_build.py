@@ -53,7 +53,7 @@ def library_path() -> Path:
     """Where this UCX's build of the proxy is kept."""
     root = ucx_root()
     headers = Path(include_dir()) / "dfccl"
-    key = cache_key(tree_digest(_SOURCES, headers / "net.h", headers / "abi.h"), str(root),
+    key = cache_key(tree_digest(_SOURCES, headers / "net.h", headers / "abi.h", headers / "host_signals.h"), str(root),
                     (root / "UCX_WHEEL_VERSION.txt").read_text().strip(), _compiler(), sys.platform)
     return cache_dir() / "net" / key / "libdfccl_net.so"
 

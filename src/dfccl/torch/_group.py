@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import dfccl
 from dfccl.errors import CollectiveTimeoutError, DfcclError, InvalidArgumentError
+from dfccl.termination import block_async_signals
 from dfccl.torch._common import (DEFAULT_TIMEOUT, NotSupportedError, TorchCollectiveTimeoutError, as_buffer,
                                  capture_error, capturing, contiguous_or_copy, current_stream_handle, data_type,
                                  group_backend, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
@@ -59,6 +60,7 @@ class _Completer:
         self._queue.put(fn)
 
     def _run(self) -> None:
+        block_async_signals()
         while True:
             fn = self._queue.get()
             try:
@@ -685,8 +687,11 @@ class ProcessGroupDfccl(dist.ProcessGroup):
 
         def submit(comm, kw):
             return [comm.all_reduce(as_buffer(t, "barrier"), tag=self._tag("all_reduce", t, 1, "sum", 0), **kw)]
-        # A barrier blocks the host in wait(), as torch's other backends do.
-        return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=True)
+        # A barrier blocks the host in wait(), as torch's other backends do;
+        # under CUDA graph capture it is captured, and wait() makes the
+        # stream (so every replay) wait for every rank's barrier instead.
+        blocking = not (backend == "cuda" and capturing())
+        return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=blocking)
 
     # -- what dfccl does not have (yet) -------------------------------------------------
     def _missing(self, what: str) -> NotSupportedError:

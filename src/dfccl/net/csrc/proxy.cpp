@@ -29,6 +29,7 @@
 #include <ucp/api/ucp.h>
 
 #include "dfccl/abi.h"
+#include "dfccl/host_signals.h"
 #include "dfccl/net.h"
 
 namespace {
@@ -531,6 +532,7 @@ void dfccl_net_start(void *h) {
   for (uint32_t p = 0; p < px->nranks; ++p)
     if (px->peers[p].remote) px->post_headers(p);
   px->thread = std::thread([px] {
+    dfccl_block_async_signals();
     // Named for profilers and top -H (a name that does not take costs nothing else).
     const int named = pthread_setname_np(pthread_self(), "dfccl-net");
     (void)named;
