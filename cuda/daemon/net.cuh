@@ -56,6 +56,23 @@ DFCCL_DEV void net_store(const BlockEnv &env, const dfccl_endpoint *ep, uint32_t
   net_post(env, ep, DFCCL_NET_PUT, rank, len != 0 ? data - base : 0, len, (uint64_t)word - base, v);
 }
 
+// Leader, with room checked: has the proxy copy `len` bytes at `data` of
+// this rank's own arena to the same place of `rank`'s mirror of it (what
+// that peer reads there besides the record).  Ordered before `data`'s
+// readiness is published (a later record entry) like any entry.
+DFCCL_DEV void net_share(const BlockEnv &env, const dfccl_endpoint *ep, uint32_t rank, uint64_t data, uint64_t len) {
+  if (len == 0) return;
+  const uint64_t base = ep->peer_arena[ep->rank];
+  net_post(env, ep, DFCCL_NET_SHARE, rank, data - base, len, DFCCL_NET_NO_WORD, 0);
+}
+
+// Remote peers of this rank (0 without any).
+DFCCL_DEV uint32_t net_peers(const dfccl_endpoint *ep) {
+  uint32_t n = 0;
+  for (uint64_t m = ep->net_remote; m != 0; m &= m - 1) ++n;
+  return n;
+}
+
 // Leader, with room checked: has the proxy copy what this rank published
 // in its record (this channel) into every remote peer's mirror of it.
 DFCCL_DEV void net_push_record(const BlockEnv &env, const TaskRun &run) {

@@ -257,6 +257,9 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
       uint64_t rec = peer_record(run, i, p);
       if (rec != 0) net_mark_abort(env, run, p, rec, info);
     }
+  } else if (run.d->kind == DFCCL_SEND || run.d->kind == DFCCL_RECV) {
+    // Point to point: the one peer, at 0.
+    if (run.ctx->peer_rec[0] != 0) net_mark_abort(env, run, run.d->root, run.ctx->peer_rec[0], info);
   } else {
     // The ring's cache: the previous rank at 0, the next at 1.
     const RingNeighbours nb = ring_neighbours(run.ep);

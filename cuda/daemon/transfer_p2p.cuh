@@ -139,8 +139,10 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
   const uint64_t slots = g.slots;
   dfccl_chan_state *m = run.mine;
   int w = block_wait(env, run, d->root, [&]() -> int {
-    if (sender) return i - count_for(load_acquire(&m->send_credit), inst) < slots ? 1 : 0;
-    return count_for(load_acquire(&m->recv_posted), inst) >= i + 1 ? 1 : 0;
+    if (sender ? i - count_for(load_acquire(&m->send_credit), inst) >= slots
+               : count_for(load_acquire(&m->recv_posted), inst) < i + 1)
+      return 0;
+    return net_room(env, run.ep, 1) ? 1 : 0;
   });
   if (w != WAIT_OK) return w;
   const uint64_t off = g.chan.off + i * g.slice;
@@ -159,8 +161,13 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
   move_data(env, run, 1, 1, len, 1);
   release_fence();  // with it, the relaxed store below releases the slice
   if (is_leader()) {
+    // A remote peer's record and FIFO are mirrors here: the proxy carries
+    // the slice, then the word (net.cuh).
     dfccl_chan_state *pc = record_chan(run.ctx->peer_rec[0], run.chan);
-    store_relaxed(sender ? &pc->recv_posted : &pc->send_credit, tagged_count(inst, i + 1));
+    if (sender)
+      net_store(env, run.ep, d->root, &pc->recv_posted, tagged_count(inst, i + 1), env.sm->dsts[0], len * g.esize);
+    else
+      net_store(env, run.ep, d->root, &pc->send_credit, tagged_count(inst, i + 1));
   }
   run.pos[1] += 1;
   run.progressed = true;
@@ -174,12 +181,16 @@ DFCCL_DEV int run_p2p_fifo(BlockEnv &env, TaskRun &run) {
   P2pGeometry g = p2p_geometry(run);
   for (;;) {
     switch (run.step) {
-      case Q_PUBLISH:
+      case Q_PUBLISH: {
+        int w = net_wait_room(env, run, 1);
+        if (w != WAIT_OK) return stop_run(w);
         publish_instance(run, sender ? 0 : own_fifo_word(run, run.chan), d->send_addr, d->recv_addr);
+        if (is_leader()) net_push_record(env, run);
         run.pos[1] = 0;
         run.step = Q_MEET;
         run.progressed = true;
         break;
+      }
       case Q_MEET: {
         uint64_t word = 0;
         int w = meet_peer(env, run, peer, 0, &word);
@@ -267,7 +278,11 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
   const uint32_t n = g.n;
   for (;;) {
     switch (run.step) {
-      case Q_PUBLISH:
+      case Q_PUBLISH: {
+        // A remote peer reads our table and its part of the copy in its
+        // mirror of our arena: each goes there before our record does.
+        int w = net_wait_room(env, run, 2 * net_peers(run.ep) + 1);
+        if (w != WAIT_OK) return stop_run(w);
         if (staged(run)) {
           // The peers' channel g.c reads part g.c of each message.
           for (uint32_t p = 0; p < n; ++p) {
@@ -282,15 +297,26 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
             move_data(env, run, 1, 1, part.len, 1);
           }
           release_fence();  // the copies before `ready`
+          if (is_leader()) {
+            for (uint32_t p = 0; p < n; ++p) {
+              if (!net_peer(run.ep, p)) continue;
+              const Range part = split(a2a_word(g.table, n + p), g.nch, g.c, g.align);
+              net_share(env, run.ep, p, g.table, 4ull * n * 8);  // counts and offsets, not the done flags
+              net_share(env, run.ep, p, g.copy + (a2a_word(g.table, p) + part.off) * g.esize, part.len * g.esize);
+            }
+          }
           publish_instance(run, d->aux_offset, d->aux_offset + DFCCL_A2A_COPY_OFFSET(n, g.nch), d->recv_addr);
         } else {
+          // Peers read our send buffer in place: all of them in this process.
           publish_instance(run, d->aux_offset, d->send_addr, d->recv_addr);
         }
+        if (is_leader()) net_push_record(env, run);
         run.pos[0] = 0;
         run.pos[1] = 0;
         run.step = Q_MEET;
         run.progressed = true;
         break;
+      }
       case Q_MEET:
         while (run.pos[0] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[0];
@@ -318,6 +344,10 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
         run.step = Q_WORK;
         break;
       case Q_WORK: {
+        // Room for the done flags of the remote peers first (the moves
+        // below are not repeated once they ran).
+        int w = net_wait_room(env, run, net_peers(run.ep));
+        if (w != WAIT_OK) return stop_run(w);
         // Our own message first, then the peers' in ring order (every rank
         // starts at a different sender).
         for (uint32_t i = 0; i < n; ++i) {
@@ -345,7 +375,7 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
           for (uint32_t p = 0; p < n; ++p) {
             if (p == g.r) continue;
             const uint64_t theirs = run.ep->peer_arena[p] + load_relaxed(&a2a_peer_chan(run, g, p)->fifo);
-            store_relaxed(ptr<uint64_t>(theirs) + 4 * (uint64_t)n + (uint64_t)g.c * n + g.r, run.token);
+            net_store(env, run.ep, p, ptr<uint64_t>(theirs) + 4 * (uint64_t)n + (uint64_t)g.c * n + g.r, run.token);
           }
         }
         run.step = Q_WAIT;

@@ -651,7 +651,6 @@ class Communicator:
 
     def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
         what = KIND_NAMES[kind]
-        self._check_not_networked(what)
         if self._state.forked_from:
             self._check_open()
         self._check_tag(tag, what)
@@ -679,15 +678,7 @@ class Communicator:
             stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
         return self._submit_task(task)
 
-    def _check_not_networked(self, what: str) -> None:
-        # The network path carries the ring collectives so far.
-        if "ucx" in self.transports:
-            raise InvalidArgumentError(f"{what} between ranks on different hosts is not supported yet (the network "
-                                       "path carries all_reduce, all_gather, reduce_scatter, broadcast and reduce)",
-                                       rank=self._rank)
-
     def _all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
-        self._check_not_networked(what)
         self._check_tag(tag, what)
         s, r = self._pair(send, recv, what)
         self._check_dtype(s, r, what)

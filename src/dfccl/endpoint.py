@@ -126,8 +126,9 @@ class Endpoint:
         remote = [p for p, info in enumerate(peers) if info.get("host_id") != me.get("host_id")]
         if remote:
             if exchange is None:
-                raise BackendError(f"ranks {remote} are on other hosts than rank {self.rank}: the network path is "
-                                   "set up for communicators built from a UniqueId (not yet for split() children)")
+                raise BackendError(f"ranks {remote} are on other hosts than rank {self.rank}, but the communicator was "
+                                   "built in one process (for_devices, or a split of such a group): the network path "
+                                   "is set up for communicators built from a UniqueId and their splits")
             self.net = NetLink.create(self.device, self.rank, self.nranks, self.arena, self.arena_size,
                                       self.daemon.nblocks, remote)
             mode = "ring"

@@ -2,7 +2,10 @@
 simulator: every peer is reached through the network proxy over UCX (TCP on
 loopback), never through shared memory.  Every ring collective and dtype
 from one element to a few MiB, bit-identical to the same collective on one
-host; rank-divergent orders; a remote rank killed or stopped is
+host, and one of 256 MiB; send / recv and all-to-all of every dtype, exact
+to the byte, between ranks of one host and of two; rank-divergent orders
+mixing them with collectives, and a peer that comes late; split() into
+children across and within hosts; a remote rank killed or stopped is
 PeerLostError within peer_timeout."""
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 
 import dfccl
+from dfccl.scenarios import DTYPES, SENTINEL
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')
@@ -55,12 +59,231 @@ def _sweep_specs():
     return out
 
 
-def _worker(uid: str, one_host_uid: str, rank: int, nranks: int, scenario: str, results) -> None:
+# -- point to point, all-to-all, split, large sizes (one function per scenario) ------
+
+#: Every dtype dfccl moves (bfloat16 held as uint16 on the host side).
+P2P_DTYPES = DTYPES + ("bfloat16",)
+
+
+def _storage(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+
+
+def _payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarray:
+    """What ``src`` sends ``dst``: random bytes (any bit pattern, NaNs
+    included: a move must keep every bit)."""
+    rng = np.random.default_rng([seed, src, dst])
+    return rng.integers(0, 256, count * _storage(dtype).itemsize, dtype=np.uint8).view(_storage(dtype))
+
+
+def _buf(host: np.ndarray, dtype: str):
+    """The simulator moves host memory: the array itself, or for bfloat16 a
+    Buffer over it."""
+    return dfccl.Buffer.from_pointer(host.ctypes.data, host.size, dtype, owner=host) if dtype == "bfloat16" \
+        else host
+
+
+def _p2p_counts(d: int, dtype: str) -> list[int]:
+    """Message sizes of dtype number ``d``: none, one, a few slices, a few MiB for every third."""
+    return [0, 1, 4099] + ([(3 << 20) // _storage(dtype).itemsize + 5] if d % 3 == 0 else [])
+
+
+#: Checks per rank of the p2p sweep: per dtype and size a send / recv to
+#: every peer and an even all-to-all, and one uneven all-to-all per dtype.
+P2P_CHECKS = sum(2 * len(_p2p_counts(d, dtype)) + 1 for d, dtype in enumerate(P2P_DTYPES))
+
+
+def _same_bytes(host: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert host.tobytes() == want.tobytes(), f"{what}: not the bytes sent"
+
+
+def _exchange(comm, count: int, dtype: str, seed: int, tag=None) -> None:
+    """Every rank sends every other rank a message and receives one from each,
+    recvs posted first on even ranks and last on odd ones; checks what came."""
+    r, peers = comm.rank, [p for p in range(comm.world_size) if p != comm.rank]
+    sends = {p: _payload(r, p, count, dtype, seed) for p in peers}
+    recvs = {p: np.full(count, SENTINEL, _storage(dtype)) for p in peers}
+    posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
+    if r % 2:
+        posted.reverse()
+    works = [comm.recv(_buf(recvs[p], dtype), p, tag=tag) if k == "recv" else
+             comm.send(_buf(sends[p], dtype), p, tag=tag) for k, p in posted]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for p in peers:
+        _same_bytes(recvs[p], _payload(p, r, count, dtype, seed), f"{dtype} x{count} from {p}")
+
+
+def _all_to_all(comm, counts: list[list[int]], dtype: str, seed: int, tag=None):
+    """An all-to-all where rank a sends counts[a][b] elements to rank b;
+    returns its work and its check."""
+    r, n = comm.rank, comm.world_size
+    send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
+    send = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
+    recv = np.full(sum(recv_splits), SENTINEL, _storage(dtype))
+    even = len(set(send_splits + recv_splits)) == 1
+    sbuf, rbuf = _buf(send, dtype), _buf(recv, dtype)
+    work = comm.all_to_all(sbuf, rbuf, tag=tag) if even else \
+        comm.all_to_all_single(sbuf, rbuf, send_splits=send_splits, recv_splits=recv_splits, tag=tag)
+    want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
+    return work, (lambda: _same_bytes(recv, want, f"all_to_all {dtype} {counts}")), (send, recv)
+
+
+def _p2p_sweep(comm) -> dict:
+    n, checked = comm.world_size, 0
+    for d, dtype in enumerate(P2P_DTYPES):
+        for j, count in enumerate(_p2p_counts(d, dtype)):
+            _exchange(comm, count, dtype, 100 * d + j)
+            checked += 1
+            work, check, _keep = _all_to_all(comm, [[count] * n] * n, dtype, 5000 + 100 * d + j)
+            work.synchronize(timeout=TIMEOUT)
+            check()
+            checked += 1
+        # Uneven splits, zeros among them.
+        counts = [[(a * 7 + b * 3 + d) % 5 * 1000 + (a == b) * 3 for b in range(n)] for a in range(n)]
+        work, check, _keep = _all_to_all(comm, counts, dtype, 9000 + d)
+        work.synchronize(timeout=TIMEOUT)
+        check()
+        checked += 1
+    return {"checked": checked}
+
+
+def _p2p_divergent(comm) -> dict:
+    """Ten operations (collectives, tagged send / recv rings, all-to-alls) in
+    opposite orders on even and odd ranks; then, between ranks 0 and 1 on
+    different hosts, a recv and an all-to-all whose other half is posted
+    only after a collective issued behind them completed."""
+    from dfccl_support import scenarios as sc
+    n, r = comm.world_size, comm.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    ops, checks, keep = [], [], []
+    for i in range(10):
+        if i % 3 == 0:
+            inst = sc.RankInstance(sc.Spec(("c", i), ("all_reduce", "all_gather", "broadcast", "reduce")[i % 4],
+                                           1000 + 97 * i, "float32", "sum", root=i % n), comm, 300 + i)
+            ops.append([inst.submit])
+            checks.append(inst.verify)
+        elif i % 3 == 1:
+            x = _payload(r, nxt, 5000 + i, "int32", i)
+            y = np.full(5000 + i, SENTINEL, np.int32)
+            keep += [x, y]
+            ops.append([lambda x=x, i=i: comm.send(x, nxt, tag=("p", i)),
+                        lambda y=y, i=i: comm.recv(y, prv, tag=("p", i))])
+            checks.append(lambda y=y, i=i: _same_bytes(y, _payload(prv, r, 5000 + i, "int32", i), f"ring {i}"))
+        else:
+            counts = [[3000 + 10 * i + a + b for b in range(n)] for a in range(n)]
+            holder = {}
+
+            def submit(counts=counts, i=i, holder=holder):
+                work, holder["check"], holder["keep"] = _all_to_all(comm, counts, "float64", 700 + i, tag=("a", i))
+                return work
+            ops.append([submit])
+            checks.append(lambda holder=holder: holder["check"]())
+    if r % 2:
+        ops = [list(reversed(o)) for o in reversed(ops)]
+    works = [f() for o in ops for f in o]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for c in checks:
+        c()
+    checked = len(checks)
+    # The late halves: rank 1 posts first and must not hold up what follows.
+    late_preempted = 0
+    x = _payload(0, 1, 70000, "float32", 1)
+    y = np.full(70000, SENTINEL, np.float32)
+    after = sc.RankInstance(sc.Spec("after", "all_reduce", 4096, "float32"), comm, 900)
+    a2a_counts = [[2000 + a + b for b in range(n)] for a in range(n)]
+    after2 = sc.RankInstance(sc.Spec("after2", "all_reduce", 4096, "int64"), comm, 901)
+    if r == 0:
+        after.submit().synchronize(timeout=TIMEOUT)
+        comm.send(x, 1, tag="late").synchronize(timeout=TIMEOUT)
+        after2.submit().synchronize(timeout=TIMEOUT)
+        a2a, a2a_check, _keep = _all_to_all(comm, a2a_counts, "uint8", 3, tag="late-a2a")
+        a2a.synchronize(timeout=TIMEOUT)
+    else:
+        late = comm.recv(y, 0, tag="late") if r == 1 else None
+        after.submit().synchronize(timeout=TIMEOUT)
+        a2a, a2a_check, _keep = _all_to_all(comm, a2a_counts, "uint8", 3, tag="late-a2a")
+        after2.submit().synchronize(timeout=TIMEOUT)
+        a2a.synchronize(timeout=TIMEOUT)
+        late_preempted = a2a.stats["preemptions"]
+        if late is not None:
+            late.synchronize(timeout=TIMEOUT)
+            _same_bytes(y, _payload(0, 1, 70000, "float32", 1), "late recv")
+            late_preempted = min(late_preempted, late.stats["preemptions"])
+    a2a_check()
+    after.verify()
+    after2.verify()
+    checked += 3
+    return {"checked": checked, "expected": 13, "late_preempted": late_preempted}
+
+
+def _p2p_mismatch(comm) -> dict:
+    r = comm.rank
+    x = np.ones(10 if r == 0 else 12, np.float32)
+    work = comm.send(x, 1) if r == 0 else comm.recv(x, 0)
+    with pytest.raises(dfccl.MismatchError):
+        work.synchronize(timeout=TIMEOUT)
+    # Rank 0 sends 3 elements to rank 1, which expects 5.
+    send_splits, recv_splits = ([2, 3], [2, 4]) if r == 0 else ([4, 1], [5, 1])
+    s = np.ones(sum(send_splits), np.int32)
+    d = np.full(sum(recv_splits), SENTINEL, np.int32)
+    with pytest.raises(dfccl.MismatchError):
+        comm.all_to_all_single(s, d, send_splits=send_splits, recv_splits=recv_splits).synchronize(timeout=TIMEOUT)
+    from dfccl_support import scenarios as sc
+    ok = sc.RankInstance(sc.Spec("ok", "all_reduce", 999, "float32"), comm, 5)
+    ok.submit().synchronize(timeout=TIMEOUT)
+    ok.verify()
+    return {"checked": 3}
+
+
+def _split(comm) -> dict:
+    """Ranks 0, 1 on one host and 2, 3 on another: children {0, 2}, {1, 3}
+    span hosts, children {0, 1}, {2, 3} do not."""
+    from dfccl_support import scenarios as sc
+    r = comm.rank
+    children = []
+    for color in (r % 2, r // 2):
+        child = comm.split(color)
+        inst = sc.RankInstance(sc.Spec(("split", color), "all_reduce", 10000, "float32"), child, 40 + color)
+        inst.submit().synchronize(timeout=TIMEOUT)
+        inst.verify()
+        _exchange(child, 20000, "uint32", 60 + color)
+        work, check, _keep = _all_to_all(child, [[3000] * 2] * 2, "float32", 80 + color)
+        work.synchronize(timeout=TIMEOUT)
+        check()
+        children.append({"transports": child.transports, "path": child.path})
+        child.close()
+    return {"children": children}
+
+
+def _large(comm) -> dict:
+    """256 MiB broadcast (exact: the root's bytes) and a 64 MiB all_reduce
+    (the same sum as the ring on one host, checked against numpy's)."""
+    from dfccl_support import scenarios as sc
+    count = 256 << 20
+    # A multiplicative hash of the index: every byte varies, cheap to make twice.
+    pattern = lambda: (np.arange(count // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.uint8)  # noqa: E731
+    buf = pattern() if comm.rank == 0 else np.zeros(count, np.uint8)
+    comm.broadcast(buf, root=0, tag="256MiB").synchronize(timeout=300)
+    _same_bytes(buf, pattern(), "broadcast 256 MiB")
+    del buf
+    inst = sc.RankInstance(sc.Spec("64MiB", "all_reduce", 16 << 20, "int32"), comm, 64)
+    inst.submit().synchronize(timeout=300)
+    inst.verify()
+    return {"checked": 2}
+
+
+SCENARIOS = {"p2p_sweep": _p2p_sweep, "p2p_divergent": _p2p_divergent, "p2p_mismatch": _p2p_mismatch,
+             "split": _split, "large": _large}
+
+
+def _worker(uid: str, one_host_uid: str, rank: int, nranks: int, scenario: str, results, per_host: int = 1) -> None:
     try:
         os.environ.update(UCX_ENV)
         from dfccl_support import scenarios as sc
 
-        comm = _comm(uid, rank, nranks, f"host-{rank}")
+        comm = _comm(uid, rank, nranks, f"host-{rank // per_host}")
         out = {"path": comm.path, "transports": comm.transports}
         if scenario == "sweep":
             # The same collectives on one host (the ring through shared
@@ -97,23 +320,22 @@ def _worker(uid: str, one_host_uid: str, rank: int, nranks: int, scenario: str, 
             out["checked"] = len(insts) + len(queue)
             stats = [w.stats for w in works]
             out["preemptions"] = sum(s["preemptions"] for s in stats)
-        elif scenario == "refused":
-            from dfccl.bench import arrays
-            x = arrays.from_numpy("sim", comm.device, np.ones(4, np.float32))
-            with pytest.raises(dfccl.InvalidArgumentError, match="different hosts"):
-                comm.send(x, (rank + 1) % nranks)
-            out["checked"] = 1
+        else:
+            out.update(SCENARIOS[scenario](comm))
         comm.close()
         results.put((rank, "ok", out))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _run(scenario: str, nranks: int) -> dict:
+def _run(scenario: str, nranks: int, per_host: int = 1) -> dict:
+    """Runs ``scenario`` on ``nranks`` processes, ``per_host`` ranks per
+    host id (consecutive ranks share one)."""
     uid, one_host = dfccl.UniqueId.create(), dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=_worker, args=(str(uid), str(one_host), r, nranks, scenario, results))
+    procs = [mp_context.Process(target=_worker, args=(str(uid), str(one_host), r, nranks, scenario, results,
+                                                      per_host))
              for r in range(nranks)]
     for p in procs:
         p.start()
@@ -148,8 +370,52 @@ def test_divergent_orders_complete(nranks):
 
 
 @needs_ucx
-def test_point_to_point_refused_across_hosts():
-    _run("refused", 2)
+def test_point_to_point_and_all_to_all_exact_across_hosts():
+    """Two hosts of two ranks: every pair, local and remote, every dtype."""
+    got = _run("p2p_sweep", 4, per_host=2)
+    for r, info in got.items():
+        assert info["transports"] == tuple("self" if p == r else "host" if p // 2 == r // 2 else "ucx"
+                                           for p in range(4))
+        assert info["checked"] == P2P_CHECKS, info
+
+
+@needs_ucx
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_point_to_point_and_all_to_all_divergent_with_collectives(nranks):
+    """Sends, recvs and all-to-alls mixed with collectives in opposite orders
+    on even and odd ranks, and a peer that posts its half only after its
+    partner's collective completed: the waiting half is preempted."""
+    got = _run("p2p_divergent", nranks)
+    assert all(info["checked"] == info["expected"] for info in got.values()), got
+    assert got[1]["late_preempted"] > 0, got[1]
+
+
+@needs_ucx
+def test_mismatches_across_hosts_fail_both_ranks():
+    """A send / recv of different counts and all-to-all splits that disagree
+    are MismatchError on both ranks, then the communicator goes on."""
+    got = _run("p2p_mismatch", 2)
+    assert all(info["checked"] == 3 for info in got.values()), got
+
+
+@needs_ucx
+def test_split_across_and_within_hosts():
+    """Children spanning hosts take the network; children within a host the
+    local paths; collectives, send / recv and all-to-all run in both."""
+    got = _run("split", 4, per_host=2)
+    for r, info in got.items():
+        across, within = info["children"]
+        assert across["transports"] == tuple("self" if p == r // 2 else "ucx" for p in range(2)), info
+        assert across["path"] == "ring"
+        assert "ucx" not in within["transports"] and within["path"] != "ring", info
+
+
+@needs_ucx
+def test_largest_sizes_bit_identical():
+    """256 MiB broadcast and 64 MiB all_reduce across two hosts (the sweep
+    stops at a few MiB)."""
+    got = _run("large", 2)
+    assert all(info["checked"] == 2 for info in got.values()), got
 
 
 @needs_ucx
@@ -165,6 +431,54 @@ def test_bench_net_script(tmp_path):
     rec = json.loads((tmp_path / "net.jsonl").read_text().splitlines()[-1])
     row = rec["results"]["rows"][0]
     assert row["size"] == 65536 and row["broadcast_mib_s"] > 0 and row["ucx_perftest_mib_s"] > 0, row
+
+
+def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:
+    try:
+        os.environ.update(UCX_ENV)
+        os.environ.update({"DFCCL_HOST_ID": f"host-{rank}", "DFCCL_TORCH_BACKEND": "sim"})
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        import dfccl.torch as dt
+        from torch_scenarios import _all_to_all, _point_to_point
+
+        dist.init_process_group("dfccl", store=dist.FileStore(store_path, nranks), rank=rank, world_size=nranks,
+                                timeout=timedelta(seconds=TIMEOUT))
+        try:
+            transports = dt.communicator().transports
+            _point_to_point(rank, nranks)   # blocking, isend / irecv, tags, batch_isend_irecv
+            _all_to_all(rank, nranks)       # all_to_all_single even and uneven, all_to_all of lists
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", {"transports": transports}))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+@needs_ucx
+def test_torch_point_to_point_and_all_to_all_across_hosts(tmp_path):
+    """torch.distributed's p2p (batch_isend_irecv included) and all-to-alls
+    on three hosts, through dfccl.torch's scenarios of one host."""
+    pytest.importorskip("torch.distributed")
+    nranks = 3
+    mp_context = mp.get_context("spawn")
+    results = mp_context.Queue()
+    procs = [mp_context.Process(target=_torch_worker, args=(r, nranks, str(tmp_path / "store"), results))
+             for r in range(nranks)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            rank, what, info = results.get(timeout=600)
+            assert what == "ok", f"rank {rank}:\n{info}"
+            assert info["transports"] == tuple("self" if p == rank else "ucx" for p in range(nranks)), info
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def test_transports_of_one_process(monkeypatch):
@@ -184,7 +498,9 @@ N_LOSS = 3
 VICTIM = 2
 
 
-def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, survivors_done) -> None:
+def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, leave, op: str = "all_reduce") -> None:
+    """``leave``: set once every survivor reported (a survivor that left
+    earlier would itself be a lost peer to a slower one)."""
     try:
         os.environ.update(UCX_ENV)
         from dfccl.bench import arrays
@@ -198,8 +514,16 @@ def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, survivors_done
             os._exit(0)
         t0 = time.monotonic()
         try:
-            comm.all_reduce(x, tag="work").synchronize(timeout=TIMEOUT)
+            if op == "recv":
+                work = comm.recv(x, VICTIM, tag="work")
+            elif op == "all_to_all":
+                send, recv = np.ones(N_LOSS << 16, np.float32), np.zeros(N_LOSS << 16, np.float32)
+                work = comm.all_to_all(send, recv, tag="work")
+            else:
+                work = comm.all_reduce(x, tag="work")
+            work.synchronize(timeout=TIMEOUT)
             queue.put((rank, "error", "completed without the lost rank"))
+            leave.wait(60)
             return
         except dfccl.PeerLostError as exc:
             elapsed, message = time.monotonic() - t0, str(exc)
@@ -207,26 +531,25 @@ def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, survivors_done
         queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
         queue.close()
         queue.join_thread()
-        # No close, and not before every survivor has seen the loss: a
-        # survivor that leaves is itself a lost peer to a slower one.
-        survivors_done.wait(timeout=60)
-        os._exit(0)
+        leave.wait(60)
+        os._exit(0)   # no close: the victim cannot take part in it
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
+        leave.wait(60)
 
 
 @needs_ucx
-@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_remote_peer_lost_within_peer_timeout(how):
+@pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "recv"),
+                                     ("sigkill", "all_to_all")])
+def test_remote_peer_lost_within_peer_timeout(how, op):
     """A killed rank's connection drops (seen at once); a stopped one stops
-    its heartbeat (seen within peer_timeout)."""
+    its heartbeat (seen within peer_timeout).  Survivors waiting in a
+    collective, a recv from it or an all-to-all with it all see it."""
     peer_timeout = 3.0
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
-    queue = mp_context.Queue()
-    survivors_done = mp_context.Barrier(N_LOSS - 1)
-    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue, survivors_done),
-                                daemon=True)
+    queue, leave = mp_context.Queue(), mp_context.Event()
+    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue, leave, op), daemon=True)
              for r in range(N_LOSS)]
     for p in procs:
         p.start()
@@ -241,6 +564,7 @@ def test_remote_peer_lost_within_peer_timeout(how):
                 continue
             results[rank] = (what, info)
     finally:
+        leave.set()
         for p in procs:
             if p.is_alive() and p.pid == procs[VICTIM].pid:
                 os.kill(p.pid, signal.SIGKILL)

@@ -9,7 +9,9 @@
  * arena.  The proxy (a native host thread) sends it over UCX; the peer's
  * proxy lands the bytes in its arena, then stores the word, in the order
  * the entries were posted.  What the owner publishes in its own record
- * (NET_RECORD) and its rank status go to every remote peer's mirror of it.
+ * (NET_RECORD) and its rank status go to every remote peer's mirror of it;
+ * what peers read of its arena besides (an all-to-all's split table and
+ * send copy, NET_SHARE) goes to the mirror of the one peer that reads it.
  *
  * One queue per (rank, daemon block): one producer (the block's leader),
  * one consumer (the proxy), so head and tail are plain counters.
@@ -19,7 +21,8 @@
 
 #include "dfccl/abi.h"  /* the fixed-width types, NVRTC included */
 
-/* Entries per queue (a power of two).  A ring step posts at most two. */
+/* Entries per queue (a power of two).  A ring or p2p step posts at most two,
+ * an all-to-all's publication 2 per remote peer and one (2 * 63 + 1). */
 #define DFCCL_NET_QUEUE_ENTRIES 256u
 
 /* Entry kinds. */
@@ -27,6 +30,8 @@
                                 at `word_offset` (none when word_offset is DFCCL_NET_NO_WORD) */
 #define DFCCL_NET_RECORD 2u  /* this rank's record channel at `offset` of its own arena (header at
                                 `word_offset`): what the owner publishes there -> every remote peer's mirror */
+#define DFCCL_NET_SHARE 3u   /* `len` bytes at `offset` of this rank's own arena -> the same offset of `peer`'s
+                                mirror of it (what that peer reads there; no word) */
 
 #define DFCCL_NET_NO_WORD 0xffffffffffffffffull
 
@@ -51,6 +56,7 @@ typedef struct dfccl_net_queue {
 #ifdef __cplusplus
 static_assert(sizeof(dfccl_net_entry) == 64, "dfccl_net_entry layout");
 static_assert((DFCCL_NET_QUEUE_ENTRIES & (DFCCL_NET_QUEUE_ENTRIES - 1)) == 0, "queue entries: a power of two");
+static_assert(DFCCL_NET_QUEUE_ENTRIES >= 2 * DFCCL_MAX_RANKS, "an all-to-all's publication fits a queue");
 #endif
 
 #endif /* DFCCL_NET_H */
