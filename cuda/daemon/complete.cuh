@@ -31,8 +31,9 @@ DFCCL_DEV void complete_single(const dfccl_daemon_args *a, const dfccl_task_ctx 
   res.waiting_on = ctx->waiting_on;
   res.max_wait_ns = ctx->max_wait_ns;
   if (res.status != DFCCL_STATUS_OK) store_gpu(&a->slot_error[slot], 0u);
-  graph_retire(a, &ctx->desc, res.status);
+  graph_retire(a, &ctx->desc);
   publish_result(a, slot, ctx->desc.gen, res);
+  graph_flag_failure(a, &ctx->desc, res.status);
 }
 
 // The leader.  The other blocks' contexts are read with strong (GPU-scope)
@@ -83,10 +84,11 @@ DFCCL_DEV void complete_channel(const BlockEnv &env, const TaskRun &run, uint64_
   // Reset the slot's device words before the host may reuse the slot.
   store_gpu(&a->slot_counter[slot], 0u);
   store_gpu(&a->slot_error[slot], 0u);
-  graph_retire(a, d, res.status);
+  graph_retire(a, d);
   // One system-scope release: the result and every block's data (gathered
   // by the slot counter) before the completion word.
   publish_result(a, slot, d->gen, res);
+  graph_flag_failure(a, d, res.status);
 }
 
 }  // namespace dfccl

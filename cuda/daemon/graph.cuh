@@ -74,14 +74,23 @@ DFCCL_DEV bool graph_read(const dfccl_daemon_args *a, uint32_t slot, pack16 *wor
 }
 
 // The leader finishing a replay (or block 0 rejecting one), before its
-// completion word: the replay is no longer pending, and a failure is flagged
-// to the host (whose next call raises it).  The bit is cleared before the
-// word is published, since the next replay may set it as soon as the word is.
-DFCCL_DEV void graph_retire(const dfccl_daemon_args *a, const dfccl_task_desc *d, uint32_t status) {
+// completion word: the replay is no longer pending.  The bit is cleared
+// before the word is published, since the next replay may set it as soon as
+// the word is.
+DFCCL_DEV void graph_retire(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
   if (!(d->flags & DFCCL_TASK_GRAPH)) return;
   atomic_and_local(&a->graph_mask[d->slot / 32], ~(1u << (d->slot % 32)));
   atomic_add(&a->state->graph_pending, ~0ull);
-  if (status != DFCCL_STATUS_OK) store_relaxed(&a->control->graph_failed, (uint64_t)d->slot + 1u);
+}
+
+// After the completion word: a failed replay is flagged to the host (whose
+// next call raises it).  After, not before: the host clears the flag and
+// then reads the completion words, so a flag set before a word it did not
+// see yet could be cleared and lost with a second failure in between.
+// Release: a host that sees the flag sees the word.
+DFCCL_DEV void graph_flag_failure(const dfccl_daemon_args *a, const dfccl_task_desc *d, uint32_t status) {
+  if (!(d->flags & DFCCL_TASK_GRAPH) || status == DFCCL_STATUS_OK) return;
+  store_release(&a->control->graph_failed, (uint64_t)d->slot + 1u);
 }
 
 }  // namespace dfccl

@@ -86,8 +86,9 @@ DFCCL_DEV bool valid_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) 
 DFCCL_DEV void reject_task(const dfccl_daemon_args *a, const dfccl_task_desc *d) {
   atomic_add(&a->state->bad_tasks, 1ull);
   if (d->slot >= a->nslots) return;
-  graph_retire(a, d, DFCCL_STATUS_BAD_TASK);
+  graph_retire(a, d);
   publish_result(a, d->slot, d->gen, empty_result(DFCCL_STATUS_BAD_TASK, 0));
+  graph_flag_failure(a, d, DFCCL_STATUS_BAD_TASK);
 }
 
 // The leader: device-ring entry `i`, every word in flight at once

@@ -100,7 +100,10 @@ def test_tags_beyond_the_budget_loop_through_reserved_fifos(nranks):
                 works.append(getattr(c, kind)(bufs[r][t], tag=("b", t)) if kind == "all_reduce"
                              else getattr(c, kind)(bufs[r][t], root=root, tag=("b", t)))
             pool = c._endpoint.staging
-            assert pool.free_blocks < pool.blocks - ntags // 2, "most tags hold reserved FIFOs"
+            if r < nranks - 1:
+                # Nothing has completed yet (the last rank has not submitted):
+                # every tag still holds what it took.
+                assert pool.free_blocks < pool.blocks - ntags // 2, "most tags hold reserved FIFOs"
             assert pool.in_use <= pool.size
         for w in works:
             w.synchronize(timeout=TIMEOUT)

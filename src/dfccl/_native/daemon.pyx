@@ -480,8 +480,10 @@ cdef class Daemon(DaemonEndpoints):
     def captured(self):
         """Collectives captured in CUDA graphs that are still alive, as dicts
         (kind, tag, rank, endpoint, slot, and the error of its last failed
-        replay or None)."""
-        self._scan_graphs()
+        replay or None).  Every completion word is read, flagged or not:
+        the daemon flags a failure just after publishing it, so a stream
+        that a failed replay released may run ahead of the flag."""
+        self._scan_graphs(every=True)
         self._reap_graphs()
         return [{"kind": n.kind, "tag": n.tag, "rank": n.rank, "endpoint": n.endpoint, "slot": n.slot,
                  "error": None if n.failed is None else str(n.failed)} for n in self._graphs.values()]
@@ -506,14 +508,14 @@ cdef class Daemon(DaemonEndpoints):
             self.c.n_graph_errors = 0
             raise first
 
-    def _scan_graphs(self):
+    def _scan_graphs(self, every=False):
         """Records the replays that failed since the daemon last flagged
         one (each captured collective's last error, and the errors for
-        check_graphs to raise)."""
+        check_graphs to raise); ``every``: whether or not one is flagged."""
         cdef daemon_core *c = self.c
         cdef uint32_t word
         cdef Work w
-        if c.ctrl.graph_failed == 0:
+        if dfccl_load_acquire_u64(&c.ctrl.graph_failed) == 0 and not every:
             return
         dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
         dfccl_fence_seq_cst()
