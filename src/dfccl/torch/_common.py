@@ -50,7 +50,7 @@ def status_error(rank: int, what: str, status: int, detail: int) -> DfcclError:
     """The error of a collective the C API reports failed with ``status``
     (a dfccl_status) naming rank ``detail``: the class a dfccl Work raises
     for that status."""
-    from dfccl._native import descriptor as abi
+    from dfccl._native import layout as abi
 
     if status == abi.STATUS_MISMATCH:
         return MismatchError(f"rank {rank}: {what} does not match rank {detail}'s submission of the same collective "
