@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["_all_reduce_fast_path", "_all_reduce_ops", "_all_to_all", "_async_and_futures", "_ddp_default", "_ddp_hook", "_divergent_groups",
-           "_fsdp2", "_functional", "_gather_scatter", "_point_to_point", "_timeouts_entry", "_unsupported"]
+           "_fsdp2", "_functional", "_gather_scatter", "_graph_capture_sim", "_point_to_point", "_timeouts_entry",
+           "_unsupported"]
 
 
 def _inputs(rank: int, n: int, dtype):
@@ -540,3 +541,75 @@ def _all_to_all(rank, ws):
         done = torch.ones(1)
         dist.all_reduce(done)
         assert done.item() == ws
+
+
+def _graph_capture_sim(rank, ws):
+    """Collectives captured on a simulated stream (dfccl.torch.cpu_stream,
+    SimStream.begin_capture: the simulator's torch.cuda.graph) run at each
+    replay and not at capture: two all-reduces issued in opposite orders on
+    the two ranks and waited for at the end of the capture, a broadcast, an
+    all-gather into a tensor and a barrier, replayed with fresh inputs and
+    an eager all-reduce of the first one's shape in between.  Host waits on a
+    captured work are refused; destroying the graph gives back what the
+    capture held.  The compiled backend captures every one of them through
+    the C API: none reaches its Python side."""
+    import time
+
+    import dfccl.torch as dt
+    from dfccl import runtime
+
+    comm = dt.communicator()
+    daemon = comm._daemon
+    backend = dt.backend_of(None, "cpu")
+    compiled = not isinstance(backend, dt.ProcessGroupDfccl)
+    stream = runtime.get_device("sim", comm.device).create_stream()
+    a, b = torch.zeros(1000), torch.zeros(3000)
+    c = torch.zeros(64, dtype=torch.float64)
+    part, gathered = torch.zeros(8), torch.zeros(8 * ws)
+    eager = torch.ones(1000)
+    dist.all_reduce(eager)                        # outside capture: binds the shape's plan
+    handed = backend.counts()[1] if compiled else 0
+    with dt.cpu_stream(stream):
+        stream.begin_capture()
+        try:
+            first, second = (a, b) if rank == 0 else (b, a)
+            works = [dist.all_reduce(first, async_op=True), dist.all_reduce(second, async_op=True)]
+            for w in works:
+                w.wait()                          # captured: the stream waits at each replay
+            dist.broadcast(c, src=1)
+            dist.all_gather_into_tensor(gathered, part)
+            dist.barrier()
+            with pytest.raises(dt.NotSupportedError, match="no completion on the host"):
+                works[0].wait(timeout=timedelta(seconds=1))
+            with pytest.raises(dt.NotSupportedError, match="no completion on the host"):
+                works[0].is_completed()
+        finally:
+            graph = stream.end_capture()
+    if compiled:
+        assert backend.counts()[1] == handed, f"{backend.counts()[1] - handed} captured calls went to the Python side"
+    assert len(daemon.captured) == 5, daemon.captured
+    assert bool((a == 0).all()) and bool((gathered == 0).all()), "a captured collective ran at capture"
+    ramp = torch.arange(3000, dtype=torch.float32)
+    try:
+        for k in range(1, 21):
+            a.fill_(float(rank + k))
+            b.copy_(ramp * (rank + 1) + k)
+            c.fill_(float(100 * rank + k))
+            part.fill_(float(10 * rank + k))
+            graph.launch(stream)
+            eager.fill_(1.0)
+            dist.all_reduce(eager)                # an eager collective of a's shape between replays
+            assert stream.synchronize(timeout=30.0), f"replay {k} did not complete"
+            assert bool((a == 2 * k + 1).all()), k
+            assert bool((b == ramp * 3 + 2 * k).all()), k
+            assert bool((c == 100 + k).all()), k
+            assert bool((gathered == torch.cat([torch.full((8,), float(10 * r + k)) for r in range(ws)])).all()), k
+            assert bool((eager == ws).all()), k
+    finally:
+        graph.close()
+        stream.synchronize(timeout=30.0)
+        stream.close()
+    deadline = time.monotonic() + 10.0
+    while daemon.captured and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.captured == []

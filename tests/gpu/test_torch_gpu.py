@@ -32,8 +32,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(18
 WORLD = 2
 
 
-def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_path):
+def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_path, impl):
     import faulthandler
+
+    if impl is not None:
+        os.environ["DFCCL_TORCH_IMPL"] = impl   # read when dfccl.torch is imported, below
 
     # A stuck rank shows where: every thread's stack, written without the GIL
     # to a file the harness reads back (pytest's capture of a child's stderr
@@ -114,13 +117,15 @@ def _device_probe(wait_s: float = 1.0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0) -> None:
+def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0, impl: str | None = None) -> None:
+    """Runs fn(rank, world_size) in one process per rank; ``impl``: the
+    backend implementation ("compiled", "python"; None: dfccl.torch's default)."""
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         stacks = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
-        procs = [mp_context.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r]))
+        procs = [mp_context.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r], impl))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -226,8 +231,13 @@ def _graph_capture(rank, ws):
     for at the end of the capture), an all_to_all_single with uneven splits
     and a barrier, replayed with fresh inputs and eager collectives of the
     same shapes in between; a host wait on a captured work is refused;
-    resetting the graph gives back what the capture held."""
+    resetting the graph gives back what the capture held.  The compiled
+    backend captures all but the all-to-all through the C API: only that
+    one reaches its Python side."""
     import dfccl.torch as dt
+
+    backend = dt.backend_of(None, "cuda")
+    compiled = not isinstance(backend, dt.ProcessGroupDfccl)
 
     a = torch.zeros(1000)
     b = torch.zeros(300_000)
@@ -236,6 +246,7 @@ def _graph_capture(rank, ws):
     send = torch.zeros(sum(splits[rank]))
     recv = torch.zeros(splits[0][rank] + splits[1][rank])
     dist.all_reduce(eager)                      # outside capture: binds the shapes' plans
+    handed = backend.counts()[1] if compiled else 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         first, second = (a, b) if rank == 0 else (b, a)
@@ -244,10 +255,16 @@ def _graph_capture(rank, ws):
             w.wait()
         dist.all_to_all_single(recv, send, output_split_sizes=[splits[0][rank], splits[1][rank]],
                                input_split_sizes=splits[rank])
-        dist.barrier()                          # captured: each replay waits for every rank's
+        # captured: each replay waits for every rank's.  With its device named:
+        # a group that serves CPU tensors too gets torch's plain barrier() on CPU.
+        dist.barrier(device_ids=[torch.cuda.current_device()])
         # (the compiled backend may hand the error back through C++: matched by message)
         with pytest.raises(Exception, match="no completion on the host"):
             works[0].wait(timeout=timedelta(seconds=1))
+        with pytest.raises(Exception, match="no completion on the host"):
+            works[0].is_completed()
+    if compiled:
+        assert backend.counts()[1] == handed + 1, "only all_to_all_single goes to the Python side under capture"
     daemon = dt.communicator()._daemon
     assert len(daemon.captured) == 4
     for k in range(1, 51):
@@ -329,8 +346,9 @@ def test_timeout_gpu():
     run_gpus(_timeout)
 
 
-def test_graph_capture_replays():
-    run_gpus(_graph_capture)
+@pytest.mark.parametrize("impl", ["compiled", "python"])
+def test_graph_capture_replays(impl):
+    run_gpus(_graph_capture, impl=impl)
 
 
 def test_point_to_point_gpu():

@@ -23,8 +23,8 @@ if not dist.is_available():
 # timed test (a minute or two).
 import dfccl.torch as dt  # noqa: E402
 from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
-                             _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _point_to_point,
-                             _timeouts_entry, _unsupported)
+                             _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _graph_capture_sim,
+                             _point_to_point, _timeouts_entry, _unsupported)
 
 # A test's first use of a pool includes starting it (torch's import in four
 # processes: seconds, more on a busy machine).
@@ -185,7 +185,7 @@ def test_compiled_paths_meet():
 
 
 @pytest.mark.parametrize("scenario", [_all_reduce_ops, _all_reduce_fast_path, _ddp_hook, _point_to_point,
-                                      _timeouts_entry], ids=lambda f: f.__name__.strip("_"))
+                                      _timeouts_entry, _graph_capture_sim], ids=lambda f: f.__name__.strip("_"))
 def test_python_backend(scenario):
     run_ranks(scenario, 2, impl="python")
 
@@ -237,6 +237,11 @@ def test_point_to_point(world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_to_all(world_size):
     run_ranks(_all_to_all, world_size)
+
+
+def test_graph_capture_through_the_c_api():
+    """Captured on a simulated stream, without the Python side (docs/torch.md, "CUDA graphs")."""
+    run_ranks(_graph_capture_sim, 2)
 
 
 def test_timeouts_are_typed_and_recoverable():

@@ -16,8 +16,10 @@ wait for it.  CPU tensors (the simulator) have no streams: ``wait()`` blocks
 until the collective completes.  See docs/torch.md.
 """
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "tagged_allreduce_hook",
     "backend_of",
     "communicator",
+    "cpu_stream",
     "implementation",
     "NotSupportedError",
     "InvalidArgumentError",
@@ -100,6 +103,31 @@ def communicator(group: Any = None, device: Any = None) -> dfccl.Communicator:
     backend = backend_of(group, device_type)
     side = backend if isinstance(backend, ProcessGroupDfccl) else backend.group
     return side.communicator(device)
+
+
+@contextlib.contextmanager
+def cpu_stream(stream: Any, group: Any = None) -> Iterator[None]:
+    """Within the block, the collectives of CPU tensors (the simulator) on
+    ``group`` (default: the default group) follow the simulated stream
+    ``stream`` (``runtime.get_device("sim", i).create_stream()``, of the
+    group's simulated device) as CUDA tensors' follow torch's current
+    stream: ``wait()`` makes the stream wait, and while the stream captures
+    (``stream.begin_capture()``) they are captured as under
+    ``torch.cuda.graph``.  What tests and probes of stream order and graph
+    capture run on the simulator."""
+    backend = backend_of(group, "cpu")
+    side = backend if isinstance(backend, ProcessGroupDfccl) else backend.group
+    before = side.cpu_stream
+    compiled_before = None if side is backend else backend.cpu_stream
+    side.set_cpu_stream(stream)
+    if side is not backend:
+        backend.cpu_stream = 0 if stream is None else stream.handle
+    try:
+        yield
+    finally:
+        side.set_cpu_stream(before)
+        if side is not backend:
+            backend.cpu_stream = compiled_before
 
 
 dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICE_TYPES))

@@ -1,7 +1,7 @@
 """The compiled backend (csrc/backend.cpp): built with torch's own extension
 tooling (torch.utils.cpp_extension) against the torch in use, on first
 import, and kept in dfccl's cache under a key of everything that shapes it
-(the sources, dfccl's C API header, torch's version and C++ ABI, Python's).
+(the sources, dfccl's C API and ABI headers, torch's version and C++ ABI, Python's).
 
 Why at first import and not at dfccl's installation: torch is an optional
 extra, installed (or upgraded) after dfccl as often as with it, and the
@@ -39,7 +39,8 @@ class CompiledBackendUnavailable(DfcclError):
 
 
 def _key() -> str:
-    return cache_key(tree_digest(_SOURCES, Path(capi.include_dir()) / "dfccl" / "dfccl_api.h"), torch.__version__,
+    headers = Path(capi.include_dir()) / "dfccl"
+    return cache_key(tree_digest(_SOURCES, headers / "dfccl_api.h", headers / "abi.h"), torch.__version__,
                      str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, sysconfig.get_platform())
 
 

@@ -17,7 +17,8 @@ from dfccl.types import ReduceOp, as_data_type, as_reduce_op
 
 __all__ = ["BACKEND_ENV", "DEFAULT_TIMEOUT", "NotSupportedError", "TorchCollectiveTimeoutError",
            "premul_sum_supported", "map_error", "reduce_op", "plain_ops", "op_name", "data_type", "as_buffer",
-           "contiguous_or_copy", "seconds", "current_stream_handle", "capturing", "capture_error", "group_backend",
+           "contiguous_or_copy", "seconds", "current_stream_handle", "capturing", "capture_error",
+           "captured_wait_error", "group_backend",
            "shape_tag", "status_error"]
 
 #: Environment variable forcing the backend of a group's first
@@ -49,7 +50,7 @@ def status_error(rank: int, what: str, status: int, detail: int) -> DfcclError:
     """The error of a collective the C API reports failed with ``status``
     (a dfccl_status) naming rank ``detail``: the class a dfccl Work raises
     for that status."""
-    from dfccl._native import descriptor as abi
+    from dfccl._native import layout as abi
 
     if status == abi.STATUS_MISMATCH:
         return MismatchError(f"rank {rank}: {what} does not match rank {detail}'s submission of the same collective "
@@ -90,6 +91,17 @@ def capture_error(name: str, rank: int) -> NotSupportedError:
     return NotSupportedError(
         f"{name}: cannot be captured in a CUDA graph: it blocks the host until its peers arrive, which a replayed "
         "graph cannot do; issue it outside torch.cuda.graph", rank=rank)
+
+
+def captured_wait_error(what: str, name: str, rank: int) -> NotSupportedError:
+    """What a host wait (``what``) on a captured torch collective ``name``
+    raises: the words of dfccl's Work, which the Python backend's works
+    raise, for the compiled backend's."""
+    return NotSupportedError(
+        f"{what}: rank {rank}'s {name} was captured in a CUDA graph: it has no completion on the host, it runs at "
+        "each replay.  Wait on a stream instead: work.wait() under the same capture orders what follows in the "
+        "graph after it, and synchronizing the graph's stream after a replay (torch.cuda.synchronize()) waits for "
+        "it; a failed replay is raised by the next dfccl call", rank=rank)
 
 
 # -- reductions ------------------------------------------------------------------

@@ -2,7 +2,7 @@
 compiled one cannot be built (no C++ compiler), and the compiled backend's
 Python side everywhere (its communicators, the plans it submits, and the
 forms it hands over: lists, all-to-all, point-to-point, non-contiguous
-tensors, PREMUL_SUM, barrier).
+tensors, PREMUL_SUM).
 
 Each group gets one dfccl :class:`~dfccl.Communicator` per backend it
 moves: "cuda" for CUDA tensors (device = the tensor's ordinal) and "sim" for
@@ -26,9 +26,9 @@ import dfccl
 from dfccl.errors import CollectiveTimeoutError, DfcclError, InvalidArgumentError
 from dfccl.termination import block_async_signals
 from dfccl.torch._common import (DEFAULT_TIMEOUT, NotSupportedError, TorchCollectiveTimeoutError, as_buffer,
-                                 capture_error, capturing, contiguous_or_copy, current_stream_handle, data_type,
-                                 group_backend, map_error, op_name, plain_ops, reduce_op, seconds, shape_tag,
-                                 status_error)
+                                 capture_error, captured_wait_error, capturing, contiguous_or_copy,
+                                 current_stream_handle, data_type, group_backend, map_error, op_name, plain_ops,
+                                 reduce_op, seconds, shape_tag, status_error)
 
 __all__ = ["BACKEND_NAME", "DEVICE_TYPES", "DfcclWork", "ProcessGroupDfccl"]
 
@@ -81,17 +81,20 @@ class DfcclWork(dist._Work):
     Keeps every tensor the collective touches alive until completion is
     observed.  CUDA: ``wait()`` makes the current stream wait, without
     blocking the host (with an explicit timeout it blocks the host, like
-    torch's NCCL backend).  CPU: ``wait()`` blocks until completion."""
+    torch's NCCL backend).  CPU: ``wait()`` blocks until completion, or,
+    where the collectives follow a simulated stream (``cpu_stream``), makes
+    that stream wait as CUDA's does."""
 
     def __init__(self, works: list, outputs: list[torch.Tensor], *, cuda: bool, device: int | None,
                  finish: Callable[[], None] | None = None, keepalive: object = None,
                  timeout: float | None = None, host_blocking: bool = False,
-                 result: Callable[[], Any] | None = None) -> None:
+                 result: Callable[[], Any] | None = None, cpu_stream: int | None = None) -> None:
         super().__init__()
         self._works = works
         self._outputs = outputs
         self._cuda = cuda
         self._device = device
+        self._cpu_stream = None if cuda else cpu_stream
         self._finish = finish
         self._keepalive = keepalive
         self._timeout = timeout
@@ -123,15 +126,16 @@ class DfcclWork(dist._Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = seconds(timeout)
-        if not self._cuda or self._host_blocking or limit is not None:
+        ordered = self._cuda or self._cpu_stream is not None
+        if not ordered or self._host_blocking or limit is not None:
             self._synchronize(limit if limit is not None else self._timeout)
-        if self._cuda:
+        if ordered:
             # The stream is released when a collective fails too; a failure
             # already seen is raised here rather than left to a later call.
             exc = self.exception()
             if exc is not None:
                 raise exc
-            stream = current_stream_handle(self._device)
+            stream = current_stream_handle(self._device) if self._cuda else self._cpu_stream
             for w in self._works:
                 w.wait(stream)
         self._run_finish()
@@ -257,6 +261,8 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         self._compiled = compiled
         self._tag_ids: dict[Any, int] = {}
         self._tags: list[Any] = [None]
+        # The simulated stream CPU tensors' collectives follow (None: none).
+        self._cpu_stream: Any = None
         self._uid = self._exchange_uid()
         self._default_backend = group_backend()
         self._communicator(self._default_backend, self._default_device(self._default_backend))
@@ -385,15 +391,35 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         comm = self._comm_for(first)
         cuda = first.is_cuda
         kw: dict = {}
-        if cuda:
-            if host_blocking and capturing():
+        cpu_stream = None if cuda or self._cpu_stream is None else self._cpu_stream.handle
+        if cuda or cpu_stream is not None:
+            if host_blocking and self._capturing(first):
                 raise capture_error(name, self._rank)
-            kw["stream"] = current_stream_handle(first.device.index)
+            kw["stream"] = current_stream_handle(first.device.index) if cuda else cpu_stream
         works = submit(comm, kw)
         timeout = seconds(getattr(opts, "timeout", None)) if opts is not None else None
         return DfcclWork(works, outputs, cuda=cuda, device=first.device.index if cuda else None, finish=finish,
                          keepalive=keepalive, timeout=timeout or self._timeout_s,
-                         host_blocking=host_blocking, result=result)
+                         host_blocking=host_blocking, result=result, cpu_stream=cpu_stream)
+
+    def _capturing(self, t: torch.Tensor) -> bool:
+        """Whether the stream ``t``'s collective follows captures a graph."""
+        if t.is_cuda:
+            return bool(capturing())
+        return self._cpu_stream is not None and self._cpu_stream.capturing
+
+    def set_cpu_stream(self, stream: Any) -> None:
+        """Makes the collectives of CPU tensors (the simulator) follow the
+        simulated stream ``stream`` (a SimStream of this group's simulated
+        device; None: none, they run at once), as CUDA tensors' follow
+        torch's current stream: stream-ordered, and captured while the
+        stream captures a graph."""
+        self._cpu_stream = stream
+
+    @property
+    def cpu_stream(self) -> Any:
+        """The simulated stream CPU tensors' collectives follow, or None."""
+        return self._cpu_stream
 
     def _tag(self, kind: str, t: torch.Tensor, count: int, op: Any, root: int) -> tuple | None:
         """The tag of a collective of a kind the compiled backend submits
@@ -423,6 +449,14 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         in_place = kind in ("all_reduce", "broadcast", "reduce") and send.data_ptr() == recv.data_ptr()
         bound = plan.bind(s, s if in_place else as_buffer(recv, kind, owner=None))
         return bound.c_plan, bound
+
+    def _default_device_type(self) -> str:
+        """"cuda" or "cpu": the device of the group's first communicator
+        (where a barrier without a device goes)."""
+        return "cuda" if self._default_backend == "cuda" else "cpu"
+
+    def _captured_error(self, what: str, name: str) -> BaseException:
+        return captured_wait_error(what, name, self._rank)
 
     def _tag_id(self, tag: Any) -> int:
         """A small int naming ``tag`` for the compiled backend's plan cache."""
@@ -490,7 +524,9 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         # inside a backward pass, where caches are cold, every Python layer
         # skipped counts several times over (docs/torch.md, "Host time").
         placed = self._placed.get(t.device)
-        if placed is not None and not self._compiled and t.is_contiguous():
+        # (CPU tensors on a simulated stream take _launch, which orders them.)
+        if placed is not None and not self._compiled and t.is_contiguous() and \
+                (t.is_cuda or self._cpu_stream is None):
             dop = plain_ops.get(op.op if hasattr(op, "op") else op)
             dtype = data_type(t.dtype, "allreduce")
             if dop is not None and dtype is not None:
@@ -690,7 +726,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         # A barrier blocks the host in wait(), as torch's other backends do;
         # under CUDA graph capture it is captured, and wait() makes the
         # stream (so every replay) wait for every rank's barrier instead.
-        blocking = not (backend == "cuda" and capturing())
+        blocking = not self._capturing(t)
         return self._launch("barrier", [t], submit, [t], opts, keepalive=t, host_blocking=blocking)
 
     # -- what dfccl does not have (yet) -------------------------------------------------

@@ -9,9 +9,12 @@
 // bind a plan for a shape seen for the first time, to build the dfccl error
 // of a failed collective, and for the forms this file does not submit
 // itself (lists, all-to-all, point-to-point, non-contiguous tensors,
-// PREMUL_SUM, barrier), which it implements.
-#include <dlfcn.h>
-
+// PREMUL_SUM), which it implements.
+//
+// Under CUDA graph capture the same path captures: the C API captures a
+// submission on a capturing stream (its handle's generation is
+// DFCCL_GRAPH_GEN_BIT), and the Work of a captured call waits on streams
+// only (docs/torch.md, "CUDA graphs").
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -32,6 +35,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <dfccl/abi.h>
 #include <dfccl/dfccl_api.h>
 
 // torch releases before 2.7 have no Backend::shutdown / abort to override.
@@ -51,18 +55,6 @@ const dfccl_api *g_api = nullptr;
 uint64_t current_stream(const c10::Device &device) {
   c10::impl::VirtualGuardImpl impl(device.type());
   return reinterpret_cast<uint64_t>(impl.getStream(device).native_handle());
-}
-
-// Whether `stream` is capturing a CUDA graph: cuStreamIsCapturing from the
-// driver dfccl has loaded (no CUDA toolkit is needed to build this file).
-bool stream_capturing(uint64_t stream) {
-  using is_capturing_fn = int (*)(void *, int *);
-  static is_capturing_fn fn = [] {
-    void *lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    return lib ? reinterpret_cast<is_capturing_fn>(dlsym(lib, "cuStreamIsCapturing")) : nullptr;
-  }();
-  int status = 0;
-  return fn != nullptr && fn(reinterpret_cast<void *>(stream), &status) == 0 && status != 0;
 }
 
 // The Python exception `exc` raised in C++: pybind11 hands it back to the
@@ -196,11 +188,24 @@ struct Shared {
   }
 };
 
+// Where a call's collectives were submitted: the device, and for CPU
+// tensors the simulated stream they follow (0: none, armed at once).
+struct Placement {
+  c10::Device device;
+  uint64_t cpu_stream;
+};
+
+// Whether `h` names a collective captured in a CUDA graph (the C API marks
+// it with this generation): it runs at each replay, never on the host.
+bool captured_handle(const dfccl_handle &h) { return h.gen == DFCCL_GRAPH_GEN_BIT; }
+
 class DfcclWork : public c10d::Work {
  public:
+  // `host_blocking`: wait() blocks the host even where it is stream-ordered
+  // (an eager barrier, as torch's other backends block there).
   DfcclWork(std::shared_ptr<Shared> shared, OpType type, const char *name, std::vector<at::Tensor> outputs,
-            std::vector<at::Tensor> inputs, std::vector<dfccl_handle> handles, c10::Device device,
-            std::chrono::milliseconds timeout)
+            std::vector<at::Tensor> inputs, std::vector<dfccl_handle> handles, Placement where,
+            std::chrono::milliseconds timeout, bool host_blocking)
       : c10d::Work(shared->rank, type),
         shared_(std::move(shared)),
         name_(name),
@@ -208,11 +213,15 @@ class DfcclWork : public c10d::Work {
         inputs_(std::move(inputs)),
         handles_(std::move(handles)),
         done_(handles_.size(), false),
-        device_(device),
+        device_(where.device),
+        cpu_stream_(where.cpu_stream),
+        captured_(!handles_.empty() && captured_handle(handles_[0])),
+        host_blocking_(host_blocking && !captured_),
         timeout_(timeout.count() > 0 ? timeout : shared_->timeout) {}
 
   ~DfcclWork() override {
-    if (!poll()) {
+    // A captured collective's graph holds what it needs: its handles only let go.
+    if (!captured_ && !poll()) {
       // Dropped before it completed (a coalesced call's parts, a Work
       // nobody waits for): the tensors live until the collective ends.
       auto handles = std::make_shared<std::vector<dfccl_handle>>(std::move(handles_));
@@ -230,16 +239,19 @@ class DfcclWork : public c10d::Work {
   }
 
   bool isCompleted() override {
+    if (captured_) refuse_captured("is_completed");
     std::lock_guard<std::mutex> lock(mu_);
     return poll();
   }
 
   bool isSuccess() const override {
+    if (captured_) refuse_captured("is_success");
     std::lock_guard<std::mutex> lock(mu_);
     return const_cast<DfcclWork *>(this)->poll() && failed_status_ == 0 && api_error_.empty();
   }
 
   std::exception_ptr exception() const override {
+    if (captured_) return nullptr;   // a failed replay is raised by the next call
     std::lock_guard<std::mutex> lock(mu_);
     auto *self = const_cast<DfcclWork *>(this);
     if (!self->poll() || !failed()) return nullptr;
@@ -250,16 +262,27 @@ class DfcclWork : public c10d::Work {
 
   std::vector<at::Tensor> result() override { return outputs_; }
 
-  // CPU: blocks until complete (or the timeout).  CUDA: makes the current
-  // stream wait, without blocking the host, unless a timeout is given.
+  // CPU: blocks until complete (or the timeout).  CUDA (and CPU tensors on
+  // a simulated stream): makes the current stream wait, without blocking
+  // the host, unless a timeout is given.  Captured: the stream (under the
+  // same capture) waits for each replay; a host wait is refused.
   bool wait(std::chrono::milliseconds timeout) override {
-    bool host = device_.is_cpu() || timeout.count() > 0;
+    if (captured_) {
+      if (timeout.count() > 0) refuse_captured("wait(timeout)");
+      uint64_t stream = wait_stream();
+      for (auto &h : handles_) {
+        int rc = g_api->stream_wait(&h, stream);
+        if (rc < 0) raise_api(rc, "stream_wait");
+      }
+      return true;
+    }
+    bool host = !stream_ordered() || host_blocking_ || timeout.count() > 0;
     if (host) host_wait(timeout.count() > 0 ? timeout : timeout_);
     std::lock_guard<std::mutex> lock(mu_);
     poll();
     if (failed()) raise_error();
     if (!host) {
-      uint64_t stream = current_stream(device_);
+      uint64_t stream = wait_stream();
       for (size_t i = 0; i < handles_.size(); i++) {
         if (done_[i]) continue;
         int rc = g_api->stream_wait(&handles_[i], stream);
@@ -270,6 +293,7 @@ class DfcclWork : public c10d::Work {
   }
 
   void synchronize() override {
+    if (captured_) refuse_captured("synchronize");
     host_wait(timeout_);
     wait(kNoTimeout);
     if (device_.is_cuda()) {
@@ -290,6 +314,7 @@ class DfcclWork : public c10d::Work {
       future_->markCompleted(c10::IValue(outputs_));
       return future_;
     }
+    if (captured_) refuse_captured("get_future");   // a CPU future completes on the host
     future_ = c10::make_intrusive<c10::ivalue::Future>(type);
     auto self = c10::intrusive_ptr<DfcclWork>::reclaim_copy(this);
     shared_->post([self] { return self->complete_future(); });
@@ -297,6 +322,12 @@ class DfcclWork : public c10d::Work {
   }
 
  private:
+  bool stream_ordered() const { return device_.is_cuda() || cpu_stream_ != 0; }
+
+  // The stream wait() orders: torch's current one (CUDA), or the simulated
+  // stream the collectives follow (CPU).
+  uint64_t wait_stream() const { return device_.is_cuda() ? current_stream(device_) : cpu_stream_; }
+
   // (under mu_) Tests the handles not seen complete; true once all are.
   bool poll() {
     bool all = true;
@@ -360,6 +391,13 @@ class DfcclWork : public c10d::Work {
                                                                ": " + g_api->last_error()));
   }
 
+  // What the Python backend's Work raises for a host wait on a captured
+  // collective (NotSupportedError).
+  [[noreturn]] void refuse_captured(const char *what) const {
+    py::gil_scoped_acquire gil;
+    throw_python(shared_->group.attr("_captured_error")(what, name_));
+  }
+
   [[noreturn]] void raise_timeout(std::chrono::milliseconds timeout) {
     py::gil_scoped_acquire gil;
     throw_python(shared_->group.attr("_timeout_error")(name_, timeout.count() / 1000.0));
@@ -392,6 +430,9 @@ class DfcclWork : public c10d::Work {
   std::vector<dfccl_handle> handles_;
   std::vector<bool> done_;
   c10::Device device_;
+  uint64_t cpu_stream_;
+  bool captured_;
+  bool host_blocking_;
   std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   uint32_t failed_status_ = 0;
@@ -457,13 +498,10 @@ bool plain_dtype(at::ScalarType t) {
   }
 }
 
-// A tensor the native path submits.  Not on a stream that captures a CUDA
-// graph: a C API handle names one completion, a replayed graph runs many, so
-// a captured collective goes to the group, which captures it through
-// dfccl's Python API (docs/torch.md, "CUDA graphs").
+// A tensor the native path submits, on a capturing stream too (the C API
+// captures it).
 bool plain_tensor(const at::Tensor &t) {
-  return (t.is_cpu() || (t.is_cuda() && !stream_capturing(current_stream(t.device())))) && t.is_contiguous() &&
-         t.numel() > 0 && plain_dtype(t.scalar_type());
+  return (t.is_cpu() || t.is_cuda()) && t.is_contiguous() && t.numel() > 0 && plain_dtype(t.scalar_type());
 }
 
 class DfcclBackend : public c10d::Backend {
@@ -593,6 +631,23 @@ class DfcclBackend : public c10d::Backend {
     return make_work(OpType::ALLREDUCE, "tagged_allreduce", tensors, {}, {h}, t.device(), c10d::kUnsetTimeout);
   }
 
+  // A one-element all-reduce of a word kept per device, under the tag the
+  // group's barrier uses (an int32 all-reduce of one element).  Eager, its
+  // wait() blocks the host, as torch's other backends do; captured, wait()
+  // makes the stream (so every replay) wait for every rank's barrier.
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions &opts) override {
+    at::Tensor word = barrier_word(barrier_device(opts));
+    std::vector<at::Tensor> tensors{word};
+    auto h = submit("all_reduce", word, word, 1, static_cast<int>(c10d::ReduceOp::SUM), 0, 0);
+    return make_work(OpType::BARRIER, "barrier", tensors, {}, {h}, word.device(), opts.timeout, true);
+  }
+
+  // The simulated stream (a SimStream's handle; 0: none) the collectives
+  // of CPU tensors follow, as CUDA tensors' follow torch's current stream:
+  // the simulator's stand-in for stream order and graph capture.
+  void set_cpu_stream(uint64_t stream) { cpu_stream_.store(stream); }
+  uint64_t cpu_stream() const { return cpu_stream_.load(); }
+
   // -- what the group submits -------------------------------------------------------
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>> &outputs,
                                            std::vector<at::Tensor> &inputs,
@@ -647,10 +702,6 @@ class DfcclBackend : public c10d::Backend {
     return hand_over("recv_anysource", tensors, tag);
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions &opts) override {
-    return hand_over("barrier", opts);
-  }
-
   // -- lifetime ---------------------------------------------------------------------
 #if DFCCL_TORCH_AT_LEAST(2, 7)
   void shutdown() override { close("shutdown"); }
@@ -697,10 +748,41 @@ class DfcclBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> make_work(OpType type, const char *name, std::vector<at::Tensor> outputs,
                                            std::vector<at::Tensor> inputs, std::vector<dfccl_handle> handles,
-                                           c10::Device device, std::chrono::milliseconds timeout) {
+                                           c10::Device device, std::chrono::milliseconds timeout,
+                                           bool host_blocking = false) {
     native_++;
+    Placement where{device, device.is_cpu() ? cpu_stream_.load() : 0};
     return c10::make_intrusive<DfcclWork>(shared_, type, name, std::move(outputs), std::move(inputs),
-                                          std::move(handles), device, timeout);
+                                          std::move(handles), where, timeout, host_blocking);
+  }
+
+  // Where a barrier goes: its options' device, else the group's first
+  // communicator's kind (torch's current CUDA device, or the simulator).
+  c10::Device barrier_device(const c10d::BarrierOptions &opts) {
+    if (opts.device.has_value() && opts.device->is_cpu()) return c10::Device(c10::DeviceType::CPU);
+    bool cuda = opts.device.has_value();
+    if (!cuda) {
+      std::call_once(default_cuda_once_, [this] {
+        py::gil_scoped_acquire gil;
+        default_cuda_ = shared_->group.attr("_default_device_type")().cast<std::string>() == "cuda";
+      });
+      cuda = default_cuda_;
+    }
+    if (!cuda) return c10::Device(c10::DeviceType::CPU);
+    if (opts.device.has_value() && opts.device->has_index()) return *opts.device;
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    return impl.getDevice();
+  }
+
+  // The word a barrier on `device` reduces: made once, kept with the
+  // backend (a captured barrier's graph uses it at every replay).
+  at::Tensor barrier_word(const c10::Device &device) {
+    int key = device.is_cuda() ? device.index() : -1;
+    std::lock_guard<std::mutex> lock(words_mu_);
+    auto it = barrier_words_.find(key);
+    if (it != barrier_words_.end()) return it->second;
+    at::Tensor word = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+    return barrier_words_.emplace(key, word).first->second;
   }
 
   c10::intrusive_ptr<c10d::Work> handed(py::object work) {
@@ -727,10 +809,8 @@ class DfcclBackend : public c10d::Backend {
     dfccl_submit_at at{};
     at.send_addr = reinterpret_cast<uint64_t>(send.data_ptr());
     at.recv_addr = reinterpret_cast<uint64_t>(recv.data_ptr());
-    if (device.is_cuda()) {
-      at.stream = current_stream(device);
-      at.has_stream = 1;
-    }
+    at.stream = device.is_cuda() ? current_stream(device) : cpu_stream_.load();
+    at.has_stream = at.stream != 0 || device.is_cuda();
     dfccl_handle h{};
     int rc = g_api->submit(plan, &at, &h);
     if (rc != DFCCL_API_OK) {
@@ -761,6 +841,10 @@ class DfcclBackend : public c10d::Backend {
 
   void release() {
     shared_->stop();
+    {
+      std::lock_guard<std::mutex> lock(words_mu_);
+      barrier_words_.clear();
+    }
     std::lock_guard<std::mutex> lock(plans_mu_);
     for (auto &entry : plans_) drop(entry.second.bound);
     plans_.clear();
@@ -769,6 +853,11 @@ class DfcclBackend : public c10d::Backend {
   std::shared_ptr<Shared> shared_;
   std::mutex plans_mu_;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans_;
+  std::mutex words_mu_;
+  std::unordered_map<int, at::Tensor> barrier_words_;   // device index (-1: CPU) -> word
+  std::once_flag default_cuda_once_;
+  bool default_cuda_ = false;
+  std::atomic<uint64_t> cpu_stream_{0};
   std::atomic<bool> closed_{false};
   std::atomic<int64_t> native_{0};
   std::atomic<int64_t> handed_{0};
@@ -797,6 +886,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("group", &DfcclBackend::group,
                              "The Python side (ProcessGroupDfccl): communicators, the forms it submits")
       .def("counts", &DfcclBackend::counts, "(calls submitted here, calls handed to the group)")
+      .def_property("cpu_stream", &DfcclBackend::cpu_stream, &DfcclBackend::set_cpu_stream,
+                    "The simulated stream's handle CPU tensors' collectives follow (0: none)")
       .def("close", &DfcclBackend::close, py::arg("how") = "shutdown",
            "Closes the group's communicators (\"abort\": fails what is pending first)")
       .def("tagged_allreduce", &DfcclBackend::tagged_allreduce, py::arg("tensor"), py::arg("tag_id"),
