@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "dfccl.net", "dfccl.net.host", "dfccl.net._build", "dfccl.net.link", "dfccl.net.__main__"}),
     ("native runtime (Cython)", {
         "dfccl._native", "dfccl._native.layout", "dfccl._native.array_view", "dfccl._native.device",
-        "dfccl._native.work", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",
-        "dfccl._native.hotpath", "dfccl._native.retire", "dfccl._native.inspection", "dfccl._native.endpoints",
+        "dfccl._native.work", "dfccl._native.tag_instances", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",
+        "dfccl._native.hotpath", "dfccl._native.completion", "dfccl._native.retire", "dfccl._native.inspection", "dfccl._native.endpoints", "dfccl._native.graphs", "dfccl._native.daemon_memory",
         "dfccl._native.progress", "dfccl._native.daemon", "dfccl._native.capi", "dfccl._native.sim_device",
         "dfccl._native.cuda_device", "dfccl._native.abi", "dfccl._native.core"}),
     ("values and planning", {

@@ -2,13 +2,13 @@
 """The C API: the table of cuda/include/dfccl/dfccl_api.h, handed out in
 a PyCapsule named DFCCL_API_CAPSULE (the module attribute ``api``, or
 ``api_capsule()``).  Its entries are thin shells over the hot path
-(hotpath.pyx), the same functions the Python layer calls: a C caller gets
-exactly the Python layer's submissions, retirements and errors, with no
+(hotpath.pyx submits, completion.pyx tests, waits and releases), the same
+functions the Python layer calls: a C caller gets exactly the Python layer's submissions, retirements and errors, with no
 Python object per collective.
 
 Threading: any thread may call; a caller that holds the GIL gives it up
 for the call (the locks below may be held by a thread that needs it).
-Only the rare paths take it (hotpath.pyx says which)."""
+Only the rare paths take it (hotpath.pyx and completion.pyx say which)."""
 
 from cpython.pycapsule cimport PyCapsule_New
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -16,8 +16,8 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 from dfccl._native.abi cimport *
 from dfccl._native.core cimport daemon_core, plan_t
-from dfccl._native.hotpath cimport (handle_release, handle_stream_wait, handle_test, handle_wait, submit,
-                                    submitted_t)
+from dfccl._native.completion cimport handle_release, handle_stream_wait, handle_test, handle_wait
+from dfccl._native.hotpath cimport submit, submitted_t
 from dfccl._native.launch cimport core_incref, last_error_message, record_error
 
 from dfccl.errors import InvalidArgumentError

@@ -1,7 +1,7 @@
 # The host runtime's C state, shared by its modules: structures only.
 #   tag_table: tag_core / tag_state (a rank's tags; the table owns them)
 #   descriptor: plan_t (a collective bound to its buffers)
-#   hotpath, retire, inspect, daemon: daemon_core / slot_rec (a device's
+#   hotpath, completion, retire, inspect, graphs, daemon: daemon_core / slot_rec (a device's
 #     daemon: slots, ring, launches; the daemon owns them)
 # Both shared structures are reference counted, so that a slot or a C
 # handle in flight keeps what it points at, whatever Python frees.

@@ -1,14 +1,15 @@
 # cython: language_level=3
-"""A device's daemon in this process: the Daemon.  It lays out the memory
-the host and the daemon share (control words, submission ring, completion
-slots and results) and the daemon's device memory, registers communicator
-ranks (endpoints), submits for Python (a Work per collective), and closes.
+"""A device's daemon in this process: the Daemon.  It sets the daemon up
+(its memory, daemon_memory.pyx), registers communicator ranks (endpoints),
+submits for Python (a Work per collective), and closes.
 
-Its parts live in their own modules: the C state and launches (launch.pyx),
-the hot path that submits, tests and waits (hotpath.pyx, which the C API of
-capi.pyx calls too), retirement and the watcher (retire.pyx), its
-communicator ranks (endpoints.pyx, DaemonEndpoints), what it shows
-(inspection.pyx, DaemonBase), and the descriptor it submits
+Its parts live in their own modules, lowest first: the C state and
+launches (launch.pyx), the submission (hotpath.pyx) and what follows it
+(completion.pyx: test, wait, stream waits, the C API's handles), which the
+C API of capi.pyx calls too, retirement and the watcher (retire.pyx), what
+it shows (inspection.pyx, DaemonBase), its communicator ranks
+(endpoints.pyx, DaemonEndpoints), its collectives captured in CUDA graphs
+(graphs.pyx, GraphCaptures), and the descriptor it submits
 (descriptor.pyx).  Data path, host side: submit() publishes a ring entry
 and returns the Work (work.pyx); the daemon schedules and transfers, then
 writes done[slot], which Work.synchronize() observes (or, for a collective
@@ -26,14 +27,16 @@ from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyT
 from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
 from dfccl._native.device cimport Device
-from dfccl._native.core cimport SLOT_BUSY, SLOT_FREE, SLOT_GRAPH, daemon_core, plan_t, slot_rec, tag_grant
+from dfccl._native.core cimport SLOT_BUSY, daemon_core, slot_rec
 from dfccl._native.descriptor cimport TaskDescriptor
-from dfccl._native.hotpath cimport hold_for_stream, stream_wait, submit, submitted_t
+from dfccl._native.completion cimport hold_for_stream, stream_wait
+from dfccl._native.hotpath cimport submit, submitted_t
+from dfccl._native.daemon_memory cimport daemon_memory, lay_out
 from dfccl._native.endpoints cimport DaemonEndpoints
+from dfccl._native.graphs cimport GraphCaptures, new_graph_captures
 from dfccl._native.launch cimport core_decref, core_new, exited, take_error, wake_watch
 from dfccl._native.retire cimport (abandon_handles, abandon_work, adapt_policy, close_slots, fail_unretired, lock_gil,
                                    retire_completed, retire_work, run_callbacks, watch)
@@ -41,32 +44,14 @@ from dfccl._native.work cimport Work
 
 from dfccl._native.progress import progress as _progress
 from dfccl._native.retire import warn_relaunch_failed
-from dfccl.errors import BackendError, ClosedError, NotSupportedError, ResourceError
+from dfccl.errors import BackendError, ClosedError, ResourceError
+
+__all__ = ["Daemon"]
 
 # What collectives pending when their Daemon closed under a daemon kernel
 # that would not leave kept alive: that kernel may still touch them, and its
 # memory is kept mapped too (Daemon.close), for the life of the process.
 cdef list _kept_for_running_daemons = []
-
-
-class _CapturedNode:
-    """A collective captured in a CUDA graph (Daemon._capture): what it
-    holds until the graph is destroyed (``released`` turns 1)."""
-
-    __slots__ = ("slot", "key", "tags", "released", "kind", "tag", "rank", "endpoint", "first_instance", "owners",
-                 "aux", "failed", "reported")
-
-    def __init__(self, slot, key, tags, released, kind, tag, rank, endpoint, first_instance, owners, aux):
-        self.slot, self.key, self.tags, self.released = slot, key, tags, released
-        self.kind, self.tag, self.rank, self.endpoint = kind, tag, rank, endpoint
-        self.first_instance, self.owners = first_instance, owners
-        self.aux = aux          # (offset, bytes) of staging it has alone (an all-to-all's split table), or None
-        self.failed = None      # the error of its last failed replay
-        self.reported = 0       # the completion word of that replay
-
-
-cdef inline uint64_t _align(uint64_t x, uint64_t a):
-    return (x + a - 1) // a * a
 
 
 cdef class Daemon(DaemonEndpoints):
@@ -79,15 +64,13 @@ cdef class Daemon(DaemonEndpoints):
     cdef readonly object policy
     cdef readonly bint link_block      # the daemon has a link block (link.cuh)
     cdef object watcher
-    cdef dict _graphs             # slot -> _CapturedNode: collectives captured in CUDA graphs
-    cdef list _graph_errors       # failed replays seen and not raised yet
-    cdef uint64_t _bindings       # captures so far: each binds a slot under a new number
+    cdef GraphCaptures graphs     # its collectives captured in CUDA graphs (graphs.pyx)
     cdef object __weakref__
 
     def __init__(self, Device device, *, int blocks, int slots, int max_endpoints, policy, int link_ahead=0,
                  bint link_block=False):
         cdef daemon_core *c
-        cdef uint64_t off, size
+        cdef daemon_memory mem
         if slots & (slots - 1) or slots < 8:
             raise ValueError("slots must be a power of two >= 8")
         if blocks < 1 or blocks > DFCCL_MAX_CHANNELS:
@@ -101,86 +84,11 @@ cdef class Daemon(DaemonEndpoints):
         self.max_endpoints = max_endpoints
         self.policy = policy
 
-        # Host-mapped words: control | ring | done | results | waiting | endpoint_abort
-        # The ring has twice as many entries as there are slots: an entry is
-        # rewritten only once the daemon's host link has copied it, and the
-        # link copies only as far as every block has pulled (link.cuh).
-        c.ring_size = 2 * slots
-        abort_words = _align(max_endpoints, 4)  # the link copies 16 bytes at a time
-        off = _align(sizeof(dfccl_control), 256)
-        ring_off = off
-        off = _align(off + c.ring_size * sizeof(dfccl_sqe), 256)
-        done_off = off
-        off = _align(off + slots * 4, 256)
-        results_off = off
-        off = _align(off + slots * sizeof(dfccl_result), 256)
-        host_waiting_off = off
-        off = _align(off + slots * 4, 256)
-        abort_off = off
-        size = _align(off + abort_words * 4, 4096)
-        host, dev = device.alloc_mapped(size)
-        self.mapped_host = host
-        self.mapped_dev = dev
-        c.ctrl = <dfccl_control *><uintptr_t>host
-        c.ring = <dfccl_sqe *><uintptr_t>(host + ring_off)
-        c.done = <uint32_t *><uintptr_t>(host + done_off)
-        c.results = <dfccl_result *><uintptr_t>(host + results_off)
-        c.ep_abort = <uint32_t *><uintptr_t>(host + abort_off)
-        c.waiting = <uint32_t *><uintptr_t>(host + host_waiting_off)
-        c.done_dev = dev + done_off
-
-        # Device memory: state | ctx[slot][block] | active[block][slot] | per-slot words | device ring |
-        # abort flags | endpoints
-        off = _align(sizeof(dfccl_daemon_state), 256)
-        ctx_off = off
-        off = _align(off + <uint64_t>slots * blocks * sizeof(dfccl_task_ctx), 256)
-        active_off = off
-        off = _align(off + <uint64_t>blocks * slots * 4, 256)
-        counter_off = off
-        off = _align(off + slots * 4, 256)
-        error_off = off
-        off = _align(off + slots * 4, 256)
-        armed_off = off
-        off = _align(off + slots * 4, 256)
-        dev_ring_off = off
-        off = _align(off + c.ring_size * sizeof(dfccl_task_desc), 256)
-        graph_desc_off = off
-        off = _align(off + slots * sizeof(dfccl_task_desc), 256)
-        graph_count_off = off
-        off = _align(off + slots * 8, 256)
-        graph_mask_off = off
-        off = _align(off + (slots + 31) // 32 * 4, 256)
-        abort_dev_off = off
-        off = _align(off + abort_words * 4, 256)
-        ep_off = off
-        size = _align(off + <uint64_t>abort_words * sizeof(dfccl_endpoint), 4096)  # the daemon checks indices against abort_words
-        self.device_mem = device.alloc_device(size)
-        base = self.device_mem
-        self.endpoints_dev = base + ep_off
-        c.armed_dev = base + armed_off
-
-        c.args.control = <dfccl_control *><uintptr_t>dev
-        c.args.ring = <dfccl_sqe *><uintptr_t>(dev + ring_off)
-        c.args.dev_ring = <dfccl_task_desc *><uintptr_t>(base + dev_ring_off)
-        c.args.armed = <uint32_t *><uintptr_t>(base + armed_off)
-        c.args.done = <uint32_t *><uintptr_t>(dev + done_off)
-        c.args.results = <dfccl_result *><uintptr_t>(dev + results_off)
-        c.args.endpoint_abort = <uint32_t *><uintptr_t>(dev + abort_off)
-        c.args.endpoint_abort_dev = <uint32_t *><uintptr_t>(base + abort_dev_off)
-        c.args.state = <dfccl_daemon_state *><uintptr_t>base
-        c.args.ctx = <dfccl_task_ctx *><uintptr_t>(base + ctx_off)
-        c.args.active = <uint32_t *><uintptr_t>(base + active_off)
-        c.args.slot_counter = <uint32_t *><uintptr_t>(base + counter_off)
-        c.args.slot_error = <uint32_t *><uintptr_t>(base + error_off)
-        c.args.slot_waiting = <uint32_t *><uintptr_t>(dev + host_waiting_off)
-        c.args.endpoints = <dfccl_endpoint *><uintptr_t>(base + ep_off)
-        c.args.graph_desc = <dfccl_task_desc *><uintptr_t>(base + graph_desc_off)
-        c.args.graph_count = <uint64_t *><uintptr_t>(base + graph_count_off)
-        c.args.graph_mask = <uint32_t *><uintptr_t>(base + graph_mask_off)
-        c.args.ring_size = c.ring_size
-        c.args.nslots = slots
-        c.args.nblocks = blocks
-        c.args.max_endpoints = abort_words
+        lay_out(c, device, slots, blocks, max_endpoints, &mem)
+        self.mapped_host = mem.mapped_host
+        self.mapped_dev = mem.mapped_dev
+        self.device_mem = mem.device_mem
+        self.endpoints_dev = mem.endpoints_dev
         c.args.link_ahead = link_ahead
         c.args.link_block = 1 if link_block else 0
         self.link_block = link_block
@@ -196,8 +104,7 @@ cdef class Daemon(DaemonEndpoints):
         c.pol_period_ns = policy.period_ns
         c.pol_min_completions = policy.min_completions
 
-        self._graphs = {}
-        self._graph_errors = []
+        self.graphs = new_graph_captures(c, device, policy)
         self.free_endpoints = list(range(max_endpoints - 1, -1, -1))
         self.draining_endpoints = {}
         self.diagnostics = {}
@@ -355,193 +262,42 @@ cdef class Daemon(DaemonEndpoints):
 
     cdef object _bind_capture(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
                               object owners):
-        """``task`` issued on ``stream`` while it captures a CUDA graph: binds
-        it once (a tag of its own, its record and staging, a slot) and
-        captures its arm node and the wait for it, so that every replay runs
-        the tag's next instance (cuda/daemon/graph.cuh).  An all-to-all's
-        split table (``task.plan.aux_offset``, written before the capture
-        and never by a replay) becomes the graph's: every replay reads the
-        counts captured, and its done flags carry each replay's token.
-        Returns its _CapturedNode."""
-        cdef plan_t plan
-        cdef tag_grant g
-        cdef dfccl_graph_arm arm
-        cdef dfccl_task_desc *d = &arm.desc
-        cdef uint32_t slot
-        cdef uint32_t *released
-        cdef daemon_core *c = self.c
-        if c.closed or c.device_fault or task.plan.tags.closed:
+        """``task`` bound and captured on ``stream`` (GraphCaptures.bind),
+        unless this daemon or the collective's rank refuses it."""
+        if self.c.closed or self.c.device_fault or task.plan.tags.closed:
             raise self._refusal(task.plan.desc.nchannels) if not task.plan.tags.closed else ClosedError(
                 "the communicator rank of this collective is closed or aborted")
-        self._reap_graphs()
-        memcpy(&plan, &task.plan, sizeof(plan_t))
-        plan.key = task.tags.graph_key(task.key)
-        plan.desc.tag_key = plan.key
-        plan.desc.first_block = dfccl_first_block(plan.key, plan.block_offset, c.nblocks)
-        task.tags.acquire_c(plan.key, False, plan.staging_bytes, &plan.layout, plan.has_layout, &g)
-        try:
-            slot = self._take_graph_slot()
-        except BaseException:
-            task.tags.release(plan.key, False, None, False)
-            raise
-        memcpy(d, &plan.desc, sizeof(dfccl_task_desc))
-        d.send_addr = send_addr
-        d.recv_addr = recv_addr
-        d.instance = g.instance
-        d.fifo_offset = g.offset | g.shape
-        d.bucket = <uint32_t>g.bucket
-        d.flags = d.flags | DFCCL_TASK_ARMED | DFCCL_TASK_GRAPH | (0 if g.keyed else DFCCL_TASK_KEY_BUCKET)
-        d.slot = slot
-        d.gen = 0
-        d.after = 0   # a tag of its own: no earlier instance laid its staging out
-        self._bindings += 1
-        arm.binding = self._bindings
-        released = <uint32_t *>calloc(1, sizeof(uint32_t))
-        if released == NULL:
-            self._free_graph_slot(slot)
-            task.tags.release(plan.key, False, None, False)
-            raise MemoryError
-        # No replay pending yet: the word each replay's arm waits on first.
-        dfccl_store_release_u32(&c.done[slot], DFCCL_GRAPH_GEN_BIT)
-        try:
-            # The previous replay complete (a graph that never waits for its
-            # collective still runs one replay of it at a time), then the arm.
-            self.device.stream_wait_mask32(stream, c.done_dev + 4 * slot, DFCCL_GRAPH_GEN_BIT)
-            self.device.stream_graph_arm(stream, &c.args, &arm)
-            self.device.retain_for_capture(stream, released)
-        except BaseException:
-            # The capture is broken anyway (CUDA invalidates it); nothing was bound.
-            free(released)
-            self._free_graph_slot(slot)
-            task.tags.release(plan.key, False, None, False)
-            raise
-        node = self._graphs[slot] = _CapturedNode(slot, plan.key, task.tags, <uintptr_t>released, task.kind,
-                                                  task.tag, task.rank, task.plan.desc.endpoint, g.instance, owners,
-                                                  (plan.aux_offset, plan.aux_bytes) if plan.aux_bytes else None)
-        c.n_graph_slots += 1
-        wake_watch(c)   # it watches graph_arms from now on
-        return node
-
-    cdef uint32_t _take_graph_slot(self) except? 0xffffffff:
-        """A completion slot for a captured collective, held until its graph
-        is destroyed (never on the outstanding list: nothing retires it)."""
-        cdef daemon_core *c = self.c
-        cdef uint32_t slot
-        if c.n_free == 0:
-            self._make_room()
-        lock_gil(c)
-        try:
-            if c.n_free == 0:
-                raise ResourceError(f"no completion slot is free on {self.device.where} for a "
-                                    "captured collective (raise DaemonOptions.max_outstanding)")
-            c.n_free -= 1
-            slot = c.free_stack[c.n_free]
-            c.slots[slot].state = SLOT_GRAPH
-        finally:
-            PyThread_release_lock(c.lock)
-        return slot
-
-    cdef void _free_graph_slot(self, uint32_t slot):
-        cdef daemon_core *c = self.c
-        lock_gil(c)
-        c.slots[slot].state = SLOT_FREE
-        c.free_stack[c.n_free] = slot
-        c.n_free += 1
-        PyThread_release_lock(c.lock)
+        return self.graphs.bind(task, send_addr, recv_addr, stream, owners)
 
     def _reap_graphs(self):
-        """Frees what captured collectives of destroyed graphs held: the
-        slot, the tag's record and staging, an all-to-all's split table (a
-        failed tag keeps them, as any failed tag does)."""
-        for slot, node in list(self._graphs.items()):
-            # Destroyed, and its last replay complete (the daemon may still
-            # run a replay whose graph finished without waiting for it).
-            if (<uint32_t *><uintptr_t>node.released)[0] != 1:
-                continue
-            if not (dfccl_load_acquire_u32(&self.c.done[<uint32_t>slot]) & DFCCL_GRAPH_GEN_BIT):
-                continue
-            del self._graphs[slot]
-            free(<void *><uintptr_t>node.released)
-            # ran: a replay reached the daemon (the word moved past the one set at capture)
-            node.tags.release(node.key, node.failed is not None, node.aux,
-                              self.c.done[<uint32_t>slot] != DFCCL_GRAPH_GEN_BIT)
-            self._free_graph_slot(slot)
-            self.c.n_graph_slots -= 1
-        return len(self._graphs)
+        """GraphCaptures.reap: how many captured collectives are alive."""
+        return self.graphs.reap()
 
     def held_by_daemon(self, uint32_t endpoint):
         """DaemonBase.held_by_daemon, and the endpoint's collectives
         captured in graphs that are alive: a replay may still run them."""
-        self._reap_graphs()
-        return DaemonEndpoints.held_by_daemon(self, endpoint) + sum(
-            1 for n in self._graphs.values() if n.endpoint == endpoint)
+        held = self.graphs.held_by(endpoint)
+        return DaemonEndpoints.held_by_daemon(self, endpoint) + held
 
     @property
     def captured(self):
         """Collectives captured in CUDA graphs that are still alive, as dicts
         (kind, tag, rank, endpoint, slot, and the error of its last failed
-        replay or None).  Every completion word is read, flagged or not:
-        the daemon flags a failure just after publishing it, so a stream
-        that a failed replay released may run ahead of the flag."""
-        self._scan_graphs(every=True)
-        self._reap_graphs()
-        return [{"kind": n.kind, "tag": n.tag, "rank": n.rank, "endpoint": n.endpoint, "slot": n.slot,
-                 "error": None if n.failed is None else str(n.failed)} for n in self._graphs.values()]
+        replay or None)."""
+        return self.graphs.captured()
 
     def _graph_stream_wait(self, uint64_t stream, uint32_t slot):
-        """Work.wait(stream) of a captured collective: ``stream`` must be
-        capturing (into the same graph) and waits for each replay."""
-        if not self.device.stream_capturing(stream):
-            raise NotSupportedError("wait: a collective captured in a CUDA graph can only be waited for by a stream "
-                                    "that captures into the same graph")
-        self.device.stream_wait_mask32(stream, self.c.done_dev + 4 * slot, DFCCL_GRAPH_GEN_BIT)
+        """Work.wait(stream) of a captured collective (GraphCaptures.stream_wait)."""
+        self.graphs.stream_wait(stream, slot)
 
     def check_graphs(self):
         """Raises the error of a replay of a captured collective that failed
-        since the last call (the daemon flags it in ctrl.graph_failed); the
-        collective's later replays run as usual.  Every failure seen is in
+        since the last call (GraphCaptures.check); every failure seen is in
         ``captured``."""
-        self._scan_graphs()
-        if self._graph_errors:
-            first = self._graph_errors[0]
-            self._graph_errors = []
-            self.c.n_graph_errors = 0
-            raise first
-
-    def _scan_graphs(self, every=False):
-        """Records the replays that failed since the daemon last flagged
-        one (each captured collective's last error, and the errors for
-        check_graphs to raise); ``every``: whether or not one is flagged."""
-        cdef daemon_core *c = self.c
-        cdef uint32_t word
-        cdef Work w
-        if dfccl_load_acquire_u64(&c.ctrl.graph_failed) == 0 and not every:
-            return
-        dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
-        dfccl_fence_seq_cst()
-        for node in self._graphs.values():
-            word = dfccl_load_acquire_u32(&c.done[node.slot])
-            if not (word & DFCCL_GRAPH_GEN_BIT) or c.results[node.slot].status == DFCCL_STATUS_OK:
-                continue
-            if node.reported == word:
-                continue
-            node.reported = word
-            replay = word & ~DFCCL_GRAPH_GEN_BIT
-            w = Work.completed(node.kind, node.tag, node.rank)
-            w._daemon = self
-            w.endpoint = node.endpoint
-            w.instance = node.first_instance + replay - 1
-            w._status = c.results[node.slot].status
-            w._detail = c.results[node.slot].detail
-            cause = w._make_error()
-            err = type(cause)(f"replay {replay} of a captured collective failed: {cause}", rank=node.rank,
-                              tag=node.tag)
-            node.failed = err
-            self._graph_errors.append(err)
-        c.n_graph_errors = len(self._graph_errors)
+        self.graphs.check()
 
     def _refusal(self, int nchannels):
-        """Why a submission is refused (hotpath.submit's checks)."""
+        """Why a submission is refused (hotpath.submit's checks, launch.refusal)."""
         where = self.device.where
         if self.c.closed:
             if self.c.forked_from:
@@ -697,14 +453,11 @@ cdef class Daemon(DaemonEndpoints):
         cdef daemon_core *c = self.c
         if c.closed:
             return
-        if self._reap_graphs():
-            # Their arm nodes name this context's memory: a replay after close
-            # would write memory that is gone.  The words their graphs set
-            # when destroyed stay allocated for that moment.
+        alive = self.graphs.close()
+        if alive:
             warnings.warn(f"dfccl: closing the daemon on {self.device.where} while CUDA graphs "
-                          f"holding {len(self._graphs)} captured collectives are alive: destroy them first; "
+                          f"holding {alive} captured collectives are alive: destroy them first; "
                           "replaying them after this is an error", RuntimeWarning, stacklevel=2)
-            self._graphs = {}
         c.closed = 1
         self._stop_watch()
         _progress.unregister(self)

@@ -10,7 +10,7 @@ from libc.stdlib cimport calloc, free
 
 from dfccl._native.abi cimport *
 from dfccl._native.core cimport slot_rec
-from dfccl._native.hotpath cimport completed
+from dfccl._native.completion cimport completed
 from dfccl._native.retire cimport lock_gil
 from dfccl._native.work cimport Work
 

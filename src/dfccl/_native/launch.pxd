@@ -13,6 +13,7 @@ cdef object take_error()
 cdef const char *last_error_message() noexcept nogil
 cdef int fail(object exc_type, str message) noexcept with gil
 cdef int fault_failure(daemon_core *c) noexcept with gil
+cdef int refusal(daemon_core *c, int nchannels, bint comm_closed) noexcept with gil
 
 # the progress thread's wake-up
 cdef void signal_progress() noexcept nogil

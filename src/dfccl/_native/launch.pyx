@@ -83,6 +83,20 @@ cdef int fail(object exc_type, str message) noexcept with gil:
     return record_error(exc_type(message))
 
 
+cdef int refusal(daemon_core *c, int nchannels, bint comm_closed) noexcept with gil:
+    """Why a collective (of ``nchannels`` channels) cannot be submitted here:
+    the daemon closed or failed, its communicator rank closed or aborted,
+    bad channels."""
+    try:
+        if c.py_daemon == NULL:
+            return record_error(ClosedError("the daemon of this collective is closed and gone"))
+        if comm_closed and not c.closed and not c.device_fault:
+            return record_error(ClosedError("the communicator rank of this collective is closed or aborted"))
+        return record_error((<object>c.py_daemon)._refusal(nchannels))
+    except BaseException as exc:
+        return record_error(exc)
+
+
 # ---------------------------------------------------------------------------
 # the progress thread's wake-up: a binary semaphore that C code without the
 # GIL (a watcher, a retirement) can release.  Taken at import: "nothing to do".

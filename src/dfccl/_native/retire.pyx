@@ -8,7 +8,7 @@ sees it, and its done-callbacks run.  Whoever sees the completion first
 retires it: the thread waiting for it (Work.synchronize, the C API's test
 and wait), the submitter that runs out of slots, or the progress thread
 after the watcher found it.  A C handle's slot is retired in C
-(hotpath.retire_handle_slot); a Work's needs the GIL to fill the Work.
+(completion.retire_handle_slot); a Work's needs the GIL to fill the Work.
 
 The watcher (a thread per daemon, never holding the GIL) looks at the
 completion words and the daemon every WATCH_POLL_NS while collectives are
@@ -29,8 +29,8 @@ from libc.string cimport memset
 from dfccl._native.abi cimport *
 from dfccl._native.device cimport Device
 from dfccl._native.core cimport NO_SLOT, daemon_core, slot_rec
-from dfccl._native.hotpath cimport completed, drop_stream_wait, release_tag, retire_handle_slot, retired_t, unlink
-from dfccl._native.hotpath cimport unlink_completed
+from dfccl._native.completion cimport (completed, drop_stream_wait, release_tag, retire_handle_slot, retired_t, unlink,
+                                      unlink_completed)
 from dfccl._native.launch cimport (ensure_running, exited, launch_locked, leaving, record_fault, signal_progress,
                                    take_error)
 from dfccl._native.work cimport Work

@@ -1,5 +1,5 @@
-# A rank's tag table (tag_table.pyx): the C state the hot path reads and
-# updates without the GIL, and the TagTable that owns it.
+# A rank's tag table (tag_table.pyx): the TagTable that owns the C state
+# the hot path reads and updates without the GIL (tag_instances.pxd).
 from libc.stdint cimport int64_t, uint64_t
 from dfccl._native.core cimport tag_core, tag_grant, tag_layout, tag_state
 
@@ -27,10 +27,3 @@ cdef class TagTable:
     cdef void _unbind(self, tag_state *st)
     cdef int _release_locked(self, tag_state *st, bint failed, bint ran) except -1
 
-
-cdef void tag_core_incref(tag_core *t) noexcept nogil
-cdef void tag_core_decref(tag_core *t) noexcept nogil
-cdef bint tag_acquire_fast(tag_core *t, tag_state *st, uint64_t key, uint64_t nbytes, const tag_layout *layout,
-                           bint has_layout, tag_grant *g) noexcept nogil
-cdef bint tag_release_fast(tag_core *t, tag_state *st, bint failed) noexcept nogil
-cdef void tag_note_slot(tag_core *t, tag_state *st, uint64_t slot_gen) noexcept nogil

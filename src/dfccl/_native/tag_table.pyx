@@ -6,11 +6,11 @@ instances share (dfccl.tags explains tags, keys and records).
 The state is C (core.pxd: tag_core, tag_state), so that what a submission
 and a retirement of a tag that already has its bucket and staging change
 (instance counter, pending count, idle list, layout, latest slot) runs
-without the GIL under the table's lock: tag_acquire_fast and
-tag_release_fast, called by the hot path.  The rest (claiming a bucket,
-reserving, growing or evicting staging, forgetting a transient tag, errors)
-is the TagTable's methods, which hold the GIL; the hot path falls back to
-them whenever a fast call declines.
+without the GIL under the table's lock: tag_instances.pyx, called by the
+hot path.  The rest (claiming a bucket, reserving, growing or evicting
+staging, forgetting a transient tag, errors) is the TagTable's methods
+here, which hold the GIL; the hot path falls back to them whenever a fast
+call declines.
 
 A tag keeps its bucket (and its staging) while it is idle, so that the next
 instance finds its record, its peers' cached record addresses and its FIFO
@@ -31,28 +31,25 @@ without room for its copies takes such a FIFO too and says so
 instance needs whole on its own (all-to-all tables and copies) raises
 ResourceError when it is not free."""
 
-from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_acquire_lock,
-                               PyThread_release_lock, NOWAIT_LOCK, WAIT_LOCK)
+from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, NOWAIT_LOCK, WAIT_LOCK
 from cpython.ref cimport PyObject
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free, realloc
-from libc.string cimport memcmp, memset
+from libc.stdlib cimport calloc, realloc
+from libc.string cimport memset
 
-from dfccl._native.abi cimport (DFCCL_ALL_TO_ALL, DFCCL_FIFO_NO_STAGE, DFCCL_FIFO_SLOTS_MAX,
-                                DFCCL_FIFO_SLOTS_SHIFT, DFCCL_FIFO_UNIT_BYTES, DFCCL_FIFO_UNIT_MAX,
-                                DFCCL_FIFO_UNIT_SHIFT, DFCCL_PATH_DIRECT, DFCCL_PATH_RING, DFCCL_RECV,
-                                DFCCL_TASK_STAGED, dfccl_add_fetch_u32, dfccl_graph_key, dfccl_home_bucket)
+from dfccl._native.abi cimport dfccl_graph_key, dfccl_home_bucket
+from dfccl._native.core cimport tag_core, tag_grant, tag_layout, tag_state
+from dfccl._native.tag_instances cimport (NO_FIT, fifo_shape, idle_append, idle_remove, loops, set_layout,
+                                          tag_core_decref, tag_note_slot, take_instance)
 
 from dfccl.errors import ResourceError
+
+__all__ = ["TagTable"]
 
 cdef enum:
     CHUNK = 64     # tag states allocated at a time (their addresses never change)
 
 _MASK64 = (1 << 64) - 1
-
-
-cdef extern from "pythread.h":
-    void _free_lock "PyThread_free_lock"(PyThread_type_lock lock) nogil
 
 
 cdef inline void _lock(tag_core *t) noexcept:
@@ -63,184 +60,10 @@ cdef inline void _lock(tag_core *t) noexcept:
             PyThread_acquire_lock(t.lock, WAIT_LOCK)
 
 
-cdef void tag_core_incref(tag_core *t) noexcept nogil:
-    dfccl_add_fetch_u32(&t.refs, 1)
-
-
-cdef void tag_core_decref(tag_core *t) noexcept nogil:
-    cdef uint32_t i
-    if dfccl_add_fetch_u32(&t.refs, -1) != 0:
-        return
-    for i in range(t.nchunks):
-        free(t.chunks[i])
-    free(t.chunks)
-    free(t.owner)
-    free(t.keyed)
-    if t.lock != NULL:
-        _free_lock(t.lock)
-    free(t)
-
-
-cdef inline void _idle_append(tag_core *t, tag_state *st) noexcept nogil:
-    st.idle = 1
-    st.idle_next = NULL
-    st.idle_prev = t.idle_tail
-    if t.idle_tail != NULL:
-        t.idle_tail.idle_next = st
-    else:
-        t.idle_head = st
-    t.idle_tail = st
-    t.nidle += 1
-
-
-cdef inline void _idle_remove(tag_core *t, tag_state *st) noexcept nogil:
-    if not st.idle:
-        return
-    if st.idle_prev != NULL:
-        st.idle_prev.idle_next = st.idle_next
-    else:
-        t.idle_head = st.idle_next
-    if st.idle_next != NULL:
-        st.idle_next.idle_prev = st.idle_prev
-    else:
-        t.idle_tail = st.idle_prev
-    st.idle = 0
-    st.idle_prev = st.idle_next = NULL
-    t.nidle -= 1
-
-
-cdef inline bint _same_layout(tag_state *st, const tag_layout *layout, bint has_layout) noexcept nogil:
-    if st.has_layout != has_layout:
-        return False
-    return not has_layout or memcmp(&st.layout, layout, sizeof(tag_layout)) == 0
-
-
-cdef inline void _set_layout(tag_state *st, const tag_layout *layout, bint has_layout) noexcept nogil:
-    st.has_layout = has_layout
-    if has_layout:
-        st.layout = layout[0]
-
-
 cdef enum:
-    NO_FIT = 1     # _fifo_shape: the FIFO holds less than two 16-byte slots per channel
     # _reserve: the smallest shared FIFO handed out short of the planned one,
     # in reserved blocks (smaller than that, a reserved block serves as well).
     SHARED_FIFO_BLOCKS = 4
-
-
-cdef inline bint _staged(const tag_layout *layout, bint has_layout) noexcept nogil:
-    """Whether the collective is staged direct (tag_layout words as
-    descriptor.pyx writes them)."""
-    return (has_layout and (layout.w[1] >> 16) & 0xff == DFCCL_PATH_DIRECT
-            and (layout.w[2] & DFCCL_TASK_STAGED) != 0)
-
-
-cdef inline bint _loops(const tag_layout *layout, bint has_layout) noexcept nogil:
-    """Whether the collective can run through a FIFO of any shape: a ring
-    collective, a recv through its FIFO (the sender cuts the message in the
-    receiver's slots), or a staged direct one (which then falls back to the
-    ring)."""
-    cdef uint64_t kind = layout.w[1] & 0xff
-    if _staged(layout, has_layout):
-        return True
-    return (has_layout and (layout.w[1] >> 16) & 0xff == DFCCL_PATH_RING
-            and kind != DFCCL_ALL_TO_ALL)
-
-
-cdef inline uint64_t _fifo_shape(uint64_t fifo_bytes, const tag_layout *layout) noexcept nogil:
-    """The shape bits (abi.h, DFCCL_FIFO_*) of ``fifo_bytes`` of FIFO laid
-    out for ``layout``: 0 when it holds the planned slots, else as many
-    planned slices as fit (two at least), else at least two smaller slots;
-    NO_FIT when not even two 16-byte slots per channel fit."""
-    cdef uint64_t nch = layout.w[1] >> 32
-    cdef uint64_t planned = layout.w[2] >> 32
-    cdef uint64_t per_ch, unit
-    if nch == 0 or planned == 0:
-        return NO_FIT
-    per_ch = fifo_bytes // nch // DFCCL_FIFO_UNIT_BYTES * DFCCL_FIFO_UNIT_BYTES
-    if per_ch >= planned * layout.w[3]:
-        return 0
-    if per_ch >= 2 * planned:
-        return min(per_ch // planned, <uint64_t>DFCCL_FIFO_SLOTS_MAX) << DFCCL_FIFO_SLOTS_SHIFT
-    unit = min(per_ch // 2 // DFCCL_FIFO_UNIT_BYTES, <uint64_t>DFCCL_FIFO_UNIT_MAX)
-    if unit == 0:
-        return NO_FIT
-    return ((min(per_ch // (unit * DFCCL_FIFO_UNIT_BYTES), <uint64_t>DFCCL_FIFO_SLOTS_MAX) << DFCCL_FIFO_SLOTS_SHIFT)
-            | (unit << DFCCL_FIFO_UNIT_SHIFT))
-
-
-cdef void _take(tag_core *t, tag_state *st, uint64_t nbytes, const tag_layout *layout, bint has_layout,
-                tag_grant *g) noexcept nogil:
-    """Under the lock, the tag bound and its staging (if it needs any) large
-    enough: takes its next instance.  Instances that lay the staging out
-    alike use the same part of it on each channel, so per-channel order is
-    enough; one laid out differently would write where another channel of a
-    pending instance still works, so it runs after the latest one is over
-    everywhere (``after``)."""
-    g.offset = 0
-    g.shape = 0
-    g.after = 0
-    if nbytes:
-        if st.pending and not _same_layout(st, layout, has_layout):
-            g.after = st.last_slot_gen
-        _set_layout(st, layout, has_layout)
-        g.offset = <uint64_t>st.fifo
-        if _staged(layout, has_layout):
-            # The staging is also the fallback ring's FIFO; without room
-            # for the copies, the ring is what runs.
-            g.shape = _fifo_shape(st.fifo_bytes, layout) | (DFCCL_FIFO_NO_STAGE if st.fifo_bytes < nbytes else 0)
-        elif st.fifo_bytes < nbytes:
-            g.shape = _fifo_shape(st.fifo_bytes, layout)
-    if st.pending == 0 and not st.poisoned:
-        _idle_remove(t, st)
-        t.used += 1
-    st.submitted += 1
-    st.pending += 1
-    g.bucket = st.bucket
-    g.instance = st.submitted
-    g.keyed = t.keyed[st.bucket]
-
-
-cdef bint tag_acquire_fast(tag_core *t, tag_state *st, uint64_t key, uint64_t nbytes, const tag_layout *layout,
-                           bint has_layout, tag_grant *g) noexcept nogil:
-    """The next instance of ``st`` (the state a descriptor last saw for
-    ``key``) when it still is that tag's, is bound and its staging fits;
-    False (nothing changed) otherwise: TagTable.acquire_staged decides."""
-    cdef bint ok = False
-    if st == NULL:
-        return False
-    PyThread_acquire_lock(t.lock, WAIT_LOCK)
-    if st.live and st.key == key and st.bucket >= 0 and (nbytes == 0 or (st.fifo >= 0 and st.fifo_bytes >= nbytes)):
-        _take(t, st, nbytes, layout, has_layout, g)
-        ok = True
-    PyThread_release_lock(t.lock)
-    return ok
-
-
-cdef bint tag_release_fast(tag_core *t, tag_state *st, bint failed) noexcept nogil:
-    """One instance of ``st`` retired (it reached the daemon).  False
-    (nothing changed) when its tag's last pending instance gives staging back
-    or forgets the tag: TagTable.release does that."""
-    cdef bint ok = True
-    PyThread_acquire_lock(t.lock, WAIT_LOCK)
-    if st.pending == 1 and not failed and not st.poisoned and (st.retired_fifos or st.transient):
-        ok = False
-    else:
-        t.keyed[st.bucket] = 1
-        st.pending -= 1
-        if failed:
-            st.poisoned = 1
-        if st.pending == 0 and not st.poisoned:
-            t.used -= 1
-            _idle_append(t, st)
-    PyThread_release_lock(t.lock)
-    return ok
-
-
-cdef void tag_note_slot(tag_core *t, tag_state *st, uint64_t slot_gen) noexcept nogil:
-    PyThread_acquire_lock(t.lock, WAIT_LOCK)
-    st.last_slot_gen = slot_gen
-    PyThread_release_lock(t.lock)
 
 
 cdef class TagTable:
@@ -339,10 +162,10 @@ cdef class TagTable:
     # -- acquire -----------------------------------------------------------------
     def acquire(self, uint64_t key, bint transient):
         """Registers the next instance of ``key``.  Returns (bucket, instance)."""
-        bucket, instance, _, _, _ = self.acquire_staged(key, transient, 0)
+        bucket, instance, _, _, _ = self.acquirestaged(key, transient, 0)
         return bucket, instance
 
-    def acquire_staged(self, uint64_t key, bint transient, uint64_t staging_bytes, layout=None):
+    def acquirestaged(self, uint64_t key, bint transient, uint64_t staging_bytes, layout=None):
         """Like acquire(), and reserves ``staging_bytes`` of staging for the
         tag, shared with its other instances.  ``layout`` (up to four ints, or
         None) says how the instance's channels use it.  Returns (bucket,
@@ -361,7 +184,7 @@ cdef class TagTable:
 
     cdef int acquire_c(self, uint64_t key, bint transient, uint64_t nbytes, const tag_layout *layout,
                        bint has_layout, tag_grant *g) except -1:
-        """acquire_staged() for the hot path's fallback."""
+        """acquirestaged() for the hot path's fallback."""
         _lock(self.t)
         try:
             self._acquire_locked(key, transient, nbytes, layout, has_layout, g)
@@ -389,7 +212,7 @@ cdef class TagTable:
                 if st.submitted == 0:
                     self._forget(st)
             raise
-        _take(self.t, st, nbytes, layout, has_layout, g)
+        take_instance(self.t, st, nbytes, layout, has_layout, g)
         return 0
 
     cdef int64_t _claim(self, uint64_t key) except -1:
@@ -421,8 +244,8 @@ cdef class TagTable:
             # Give back the staging of idle tags, oldest first.
             self._evict(self.t.idle_head)
             off = self._staging.alloc(nbytes)
-        if off is None and _loops(layout, has_layout):
-            if st.fifo >= 0 and _fifo_shape(st.fifo_bytes, layout) != NO_FIT:
+        if off is None and loops(layout, has_layout):
+            if st.fifo >= 0 and fifo_shape(st.fifo_bytes, layout) != NO_FIT:
                 return 0
             # A smaller shared FIFO first (halving down to a few reserved
             # blocks' worth): a deep queue of large messages then loops
@@ -430,7 +253,7 @@ cdef class TagTable:
             # the first few through a minimum one (thousands of slices each).
             smaller = nbytes // 2
             while off is None and smaller >= SHARED_FIFO_BLOCKS * self._staging.block_bytes:
-                if _fifo_shape(smaller, layout) == NO_FIT:
+                if fifo_shape(smaller, layout) == NO_FIT:
                     break
                 off = self._staging.alloc(smaller)
                 if off is not None:
@@ -439,7 +262,7 @@ cdef class TagTable:
             if off is None:
                 off = self._staging.alloc_block()
                 nbytes = self._staging.block_bytes
-                if off is not None and _fifo_shape(nbytes, layout) == NO_FIT:
+                if off is not None and fifo_shape(nbytes, layout) == NO_FIT:
                     self._staging.free(off, nbytes)
                     off = None
         if off is None:
@@ -455,11 +278,11 @@ cdef class TagTable:
                 self._staging.free(st.fifo, st.fifo_bytes)
         st.fifo = off
         st.fifo_bytes = nbytes
-        _set_layout(st, layout, has_layout)
+        set_layout(st, layout, has_layout)
         return 0
 
     cdef void _evict(self, tag_state *st):
-        _idle_remove(self.t, st)
+        idle_remove(self.t, st)
         self._unbind(st)
 
     cdef void _unbind(self, tag_state *st):
@@ -535,7 +358,7 @@ cdef class TagTable:
             self._unbind(st)
             self._forget(st)
         else:
-            _idle_append(self.t, st)
+            idle_append(self.t, st)
         return 0
 
     def drop_failed(self):

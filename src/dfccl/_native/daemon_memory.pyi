@@ -1,0 +1,1 @@
+# A daemon's memory layout is C only (daemon_memory.pxd): Daemon calls it.
