@@ -201,24 +201,12 @@ cdef class Daemon(DaemonEndpoints):
     cdef Work _attach(self, TaskDescriptor task, submitted_t *out, bint has_stream, object owners, uint64_t now):
         """The Work of the slot just submitted: until it is attached, nobody
         retires the slot."""
-        cdef Work work = Work.__new__(Work)
+        cdef Work work = self._new_work(task, owners, out.instance, out.slot, out.gen, has_stream, now)
         cdef slot_rec *r = &self.c.slots[out.slot]
-        work._daemon = self
-        work._keepalive = owners
-        work._key = task.key
-        work.endpoint = task.plan.desc.endpoint
-        work.kind = task.kind
-        work.tag = task.tag   # None for an untagged one: its instance says which (Work.name)
-        work.rank = task.rank
-        work.instance = out.instance
         work.position = out.position
-        work.stream_ordered = has_stream
-        work._slot = out.slot
-        work._gen = out.gen
         work._done = &self.c.done[out.slot]
         work._waiting = &self.c.waiting[out.slot]
         work._fault = &self.c.fault_word
-        work._submitted_ns = now
         lock_gil(self.c)
         if r.state == SLOT_BUSY and r.gen == out.gen:
             Py_INCREF(work)
@@ -228,26 +216,33 @@ cdef class Daemon(DaemonEndpoints):
         PyThread_release_lock(self.c.lock)
         return work
 
+    cdef Work _new_work(self, TaskDescriptor task, object owners, uint64_t instance, uint32_t slot, uint32_t gen,
+                        bint stream_ordered, uint64_t now):
+        """A Work of ``task``'s instance in ``slot``: what submitted and
+        captured collectives have alike."""
+        cdef Work work = Work.__new__(Work)
+        work._daemon = self
+        work._keepalive = owners
+        work._key = task.key
+        work.endpoint = task.plan.desc.endpoint
+        work.kind = task.kind
+        work.tag = task.tag   # None for an untagged one: its instance says which (Work.name)
+        work.rank = task.rank
+        work.instance = instance
+        work.stream_ordered = stream_ordered
+        work._slot = slot
+        work._gen = gen
+        work._submitted_ns = now
+        return work
+
     # -- CUDA graphs (docs/architecture.md, "CUDA graphs") -------------------
     cdef Work _capture(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,
                        object owners):
         """``task`` captured on ``stream`` (_bind_capture), as a captured Work."""
         cdef Work work
         node = self._bind_capture(task, send_addr, recv_addr, stream, owners)
-        work = Work.__new__(Work)
-        work._daemon = self
-        work._keepalive = owners
-        work._key = node.key
-        work.endpoint = node.endpoint
-        work.kind = task.kind
-        work.tag = task.tag
-        work.rank = task.rank
-        work.instance = node.first_instance
-        work.stream_ordered = True
+        work = self._new_work(task, owners, node.first_instance, node.slot, DFCCL_GRAPH_GEN_BIT, True, dfccl_now_ns())
         work.captured = True
-        work._slot = node.slot
-        work._gen = DFCCL_GRAPH_GEN_BIT
-        work._submitted_ns = dfccl_now_ns()
         return work
 
     def capture_for_handle(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream):

@@ -15,7 +15,7 @@ from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
 from dfccl._native.core cimport SLOT_FREE, SLOT_GRAPH, daemon_core, plan_t, tag_grant
-from dfccl._native.descriptor cimport TaskDescriptor
+from dfccl._native.descriptor cimport TaskDescriptor, fill_instance
 from dfccl._native.device cimport Device
 from dfccl._native.launch cimport core_decref, core_incref, wake_watch
 from dfccl._native.retire cimport lock_gil, retire_completed
@@ -89,14 +89,8 @@ cdef class GraphCaptures:
         except BaseException:
             task.tags.release(plan.key, False, None, False)
             raise
-        memcpy(d, &plan.desc, sizeof(dfccl_task_desc))
-        d.send_addr = send_addr
-        d.recv_addr = recv_addr
-        d.instance = g.instance
-        d.fifo_offset = g.offset | g.shape
-        d.bucket = <uint32_t>g.bucket
-        d.flags = d.flags | DFCCL_TASK_ARMED | DFCCL_TASK_GRAPH | (0 if g.keyed else DFCCL_TASK_KEY_BUCKET)
-        d.slot = slot
+        fill_instance(d, &plan, &g, send_addr, recv_addr, slot)
+        d.flags = d.flags | DFCCL_TASK_ARMED | DFCCL_TASK_GRAPH
         d.gen = 0
         d.after = 0   # a tag of its own: no earlier instance laid its staging out
         self._bindings += 1

@@ -20,12 +20,11 @@ take it); only submit_lock is held while the rare paths wait for the GIL."""
 from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcpy
 
 from dfccl._native.abi cimport *
 from dfccl._native.device cimport Device
 from dfccl._native.core cimport SLOT_BUSY, daemon_core, plan_t, slot_rec, tag_grant
-from dfccl._native.descriptor cimport TaskDescriptor, override_fields
+from dfccl._native.descriptor cimport TaskDescriptor, fill_instance, override_fields
 from dfccl._native.launch cimport ensure_running, record_error, refusal, wake_watch
 from dfccl._native.tag_instances cimport tag_acquire_fast, tag_core_incref, tag_note_slot
 
@@ -114,15 +113,7 @@ cdef int _write_entry(daemon_core *c, plan_t *p, uint32_t slot, uint32_t gen, co
             return rc
     e = &c.ring[c.tail & (c.ring_size - 1)]
     d = &e.desc
-    memcpy(d, &p.desc, sizeof(dfccl_task_desc))
-    d.send_addr = send_addr
-    d.recv_addr = recv_addr
-    d.instance = g.instance
-    d.fifo_offset = g.offset | g.shape
-    d.bucket = <uint32_t>g.bucket
-    if not g.keyed:
-        d.flags = d.flags | DFCCL_TASK_KEY_BUCKET
-    d.slot = slot
+    fill_instance(d, p, g, send_addr, recv_addr, slot)
     d.gen = gen
     d.after = g.after
     if p.staging_bytes:
