@@ -18,7 +18,7 @@ from dfccl.scenarios import *  # noqa: F401,F403 - the scenarios themselves, und
 from dfccl.scenarios import SENTINEL, Spec, assert_close, reduce_reference, verify
 from dfccl.scenarios import __all__ as _scenarios_all
 
-__all__ = [*_scenarios_all, "fresh_sim_devices", "run_concurrently", "settle", "settle_after_abort", "rank_inputs",
+__all__ = [*_scenarios_all, "fresh_sim_devices", "sim_ranks_with_streams", "run_concurrently", "settle", "settle_after_abort", "rank_inputs",
            "expected_output", "RankInstance"]
 
 
@@ -37,6 +37,17 @@ def fresh_sim_devices(n: int) -> list[int]:
     if n > 100:
         raise ValueError(f"at most 100 fresh devices per call, not {n}")
     return [base + r for r in range(n)]
+
+
+def sim_ranks_with_streams(first_device: int, n: int = 2):
+    """``n`` ranks on simulator devices ``first_device``.. in one process,
+    and a stream on each rank's device: (communicators, streams)."""
+    import dfccl
+    from dfccl import runtime
+
+    comms = dfccl.Communicator.for_devices(list(range(first_device, first_device + n)), backend="sim")
+    streams = [runtime.get_device("sim", first_device + r).create_stream() for r in range(n)]
+    return comms, streams
 
 
 def run_concurrently(targets, *, timeout: float, switch_interval: float = 1e-5) -> None:

@@ -21,10 +21,7 @@ DEV = 4300          # device ids of this module: 4300..4399
 TIMEOUT = 30.0
 
 
-def _setup(dev: int, n: int = 2):
-    comms = dfccl.Communicator.for_devices(list(range(dev, dev + n)), backend="sim")
-    streams = [runtime.get_device("sim", dev + r).create_stream() for r in range(n)]
-    return comms, streams
+_setup = sc.sim_ranks_with_streams
 
 
 def _close(comms, streams):
