@@ -531,7 +531,10 @@ def _all_to_all(rank, ws):
         # orders the current stream, and the error shows once it is known).
         with pytest.raises(dfccl.MismatchError):
             work.wait(timeout=timedelta(seconds=30))
-        assert isinstance(work.exception(), dfccl.MismatchError)
+        # Older torch binds Work.exception() with no conversion of a C++
+        # Work's exception_ptr (a TypeError for every compiled backend, NCCL's too).
+        if "exception_ptr" not in (dist.Work.exception.__doc__ or ""):
+            assert isinstance(work.exception(), dfccl.MismatchError)
         with pytest.raises(dfccl.MismatchError):
             work.wait()
         # Neither rank closes before both have seen the failure: a rank that

@@ -42,7 +42,12 @@ struct PolicyCache {
 //    windows would make every visit of a round a long wait for a peer busy
 //    with its own round, for a slice or two of progress each;
 //  - every other task gets the base window: a collective whose peers are
-//    absent costs one short window per pass, however many are pending;
+//    absent costs one short window per pass.  In a long list the others
+//    share kStickyListMax base windows per round (down to a single check
+//    each), so that a round stays about as long as the oldest's window: the
+//    peer's block, on its own round, then finds the oldest waiting most of
+//    the time, instead of once in `len` windows (a queue of hundreds of
+//    collectives through minimum FIFOs advanced a slice or two per round);
 //  - never more than max_window_ns, so the daemon stays responsive.
 // Deadlock freedom does not rest on these numbers: every step a run completes
 // (publishing, sending a slice, signalling a phase) persists across
@@ -65,6 +70,7 @@ DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx 
   }
   if (ctx->sticky && len <= kStickyListMax && w < cap)
     w = base > cap / 16 ? cap : (w > 16 * base ? w : 16 * base);
+  if (!oldest && len > kStickyListMax) w = base / len * kStickyListMax;   // zero: check once, move on
   return w < cap ? w : cap;
 }
 

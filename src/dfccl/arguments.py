@@ -45,10 +45,16 @@ def check_options(backend, options, daemon_options) -> None:
 
 
 def is_simple_tag(tag) -> bool:
-    """None, or a tag of exactly str or int: valid without hashing, and equal
-    values are the same tag (unlike 1, True and 1.0), so it can key a kept
+    """None, or a tag of exactly str or int, or a tuple of such tags (DDP's
+    tagged hook names buckets so): valid without hashing, and equal values
+    are the same tag (unlike 1, True and 1.0), so it can key a kept
     descriptor (_plain_task)."""
-    return tag is None or type(tag) is str or type(tag) is int
+    return tag is None or _exact_tag(tag)
+
+
+def _exact_tag(tag) -> bool:
+    t = type(tag)
+    return t is str or t is int or (t is tuple and all(map(_exact_tag, tag)))
 
 
 def overlaps(a: Buffer, b: Buffer) -> bool:

@@ -206,7 +206,10 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
         return (ptr, count, dtype) if dtype is not None and count else None
     cp = sys.modules.get("cupy")
     if cp is not None and type(obj) is cp.ndarray:
-        dtype = BY_FULL_TYPESTR.get(obj.dtype.str)
+        # A CuPy dtype is numpy's: '<f2' is float16 (two-byte typestrs are
+        # left out of BY_FULL_TYPESTR for other exporters' bfloat16).
+        typestr = obj.dtype.str
+        dtype = DataType.FLOAT16 if typestr == "<f2" else BY_FULL_TYPESTR.get(typestr)
         count = obj.size
         if dtype is None or not count or not obj.flags.c_contiguous:
             return None

@@ -1074,21 +1074,22 @@ class Communicator:
         return self._submit_task(task, (ptr, ptr, None, (x, x)))
 
     def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
-                       owner: object) -> Work:
+                       owner: object, tag: object = None) -> Work:
         """In-place all-reduce of ``count`` elements at ``ptr``, memory the
-        caller has checked is this communicator's kind and device (the torch
-        backend's path for one contiguous tensor: no Buffer, no argument
-        parsing)."""
+        caller has checked is this communicator's kind and device, under
+        ``tag`` (a simple tag: str, int or a tuple of them; None: untagged)
+        (the torch backend's path for one contiguous tensor: no Buffer, no
+        argument parsing)."""
         if self._state.closed or self._state.aborted or self._state.lost_rank is not None:
             self._check_open()
         if count == 0:
             return Work.completed("all_reduce", None, self._rank)
         task = None if self._has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0,
-                                                                                 None))
+                                                                                 tag))
         if task is None:
             b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
                        -1 if self._backend == "sim" else self._device, False, owner)
-            return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, None, stream)
+            return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, tag, stream)
         return self._submit_task(task, (ptr, ptr, stream, (owner, owner)))
 
     def _submit_task(self, task: TaskDescriptor, at: tuple | None = None) -> Work:

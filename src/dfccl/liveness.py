@@ -40,6 +40,7 @@ import time
 import weakref
 
 from dfccl import status_page
+from dfccl._native.cuda_device import relax_thread_capture_mode
 from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
 from dfccl.rank_state import RankState
@@ -214,6 +215,7 @@ class _Monitor:
 
     def _run(self) -> None:
         block_async_signals()
+        relax_thread_capture_mode()   # its CUDA calls (aborts) must not break a graph captured meanwhile
         while True:
             now = time.monotonic()
             with self._lock:

@@ -43,7 +43,7 @@ def test_kernel_without_a_doorbell_times_out(system):
     from dfccl.runtime import driver_ok
 
     mod = bench_floor._module(0)
-    driver_ok(driver.cuCtxPushCurrent(mod.daemon), "cuCtxPushCurrent")
+    driver_ok(driver.cuCtxPushCurrent(mod.primary_context), "cuCtxPushCurrent")
     kernel = bench_floor._Resident(0, system, idle_timeout_s=0.05, timeout_s=5.0)
     try:
         kernel.start()

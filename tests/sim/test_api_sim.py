@@ -1248,11 +1248,12 @@ def test_plain_calls_reuse_one_descriptor_per_shape_on_other_buffers(make):
 
 
 def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
-    """str and int tags keep a descriptor per (shape, tag): later calls of a
-    tag submit it at their own buffers and still take the tag's next
-    instance, so two tags issued in opposite orders on the two ranks still
-    meet (the deadlock-freedom guarantee), every round.  Other tag types
-    (tuples) build a descriptor per call."""
+    """str and int tags, and tuples of them, keep a descriptor per (shape,
+    tag): later calls of a tag submit it at their own buffers and still take
+    the tag's next instance, so two tags issued in opposite orders on the
+    two ranks still meet (the deadlock-freedom guarantee), every round.  A
+    tuple holding anything else is still checked (a bool is no tag, though
+    it equals an int)."""
     rng = np.random.default_rng(13)
     comms = make(2, "direct", base=DEV + 146)
     tags = ("grad", 7)
@@ -1274,7 +1275,12 @@ def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
         assert all(t.owners is None for t in kept)
     all_reduce_ok(comms, tag=("layer", 3))
     all_reduce_ok(comms, tag=("layer", 3))
-    assert all(not any(isinstance(t.tag, tuple) for t in c._plain_tasks.values()) for c in comms)
+    all_reduce_ok(comms, tag=("layer", 3, ("sub", 1)))
+    with pytest.raises(dfccl.InvalidArgumentError, match="not a bool"):
+        comms[0].all_reduce(np.ones(64, np.float32), tag=("layer", True))
+    for c in comms:
+        tuples = sorted(map(repr, (t.tag for t in c._plain_tasks.values() if isinstance(t.tag, tuple))))
+        assert tuples == ["('layer', 3)", "('layer', 3, ('sub', 1))"], tuples
 
 
 def test_plain_call_descriptors_are_bounded(make, monkeypatch):

@@ -173,3 +173,13 @@ def test_relaunch_gap_probe_on_the_simulator():
     launches = {float(line.split()[1]): int(line.split()[-1]) for line in proc.stdout.splitlines()
                 if line.startswith("gap")}
     assert launches[8000.0] >= 10 and launches[0.0] < 6, proc.stdout
+
+
+def test_queue_depth_probe_on_the_simulator():
+    """64 all-reduces of 64 KiB past a 1 MiB staging (most through reserved
+    minimum FIFOs) drain, every result exact."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "probes" / "queue_depth_probe.py"), "--backend", "sim",
+                           "--n", "64", "--count", "16384", "--staging-bytes", str(1 << 20)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "n=64 count=16384 path=ring" in proc.stdout and " 0 wrong" in proc.stdout, proc.stdout

@@ -294,6 +294,16 @@ def test_plot_title_clears_the_panels(kinds):
         plt.close(fig)
 
 
+def test_plot_written_with_the_floor(tmp_path):
+    """The PNG ``dfccl bench`` writes when a floor was measured (the floor's
+    line on every latency panel)."""
+    pytest.importorskip("matplotlib")
+    rows = _plot_rows(["all_reduce", "broadcast"], nccl=False)
+    path = tmp_path / "bench.png"
+    assert report.write_plot(str(path), rows, "dfccl, 2 x NVIDIA H200", floor_us=3.2)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_parse_and_format_size():
     assert [bench.parse_size(s) for s in ("8", "1K", "64k", "1M", "2G", "1MB", "1MiB", "1.5K")] == \
         [8, 1024, 65536, 1 << 20, 2 << 30, 1 << 20, 1 << 20, 1536]

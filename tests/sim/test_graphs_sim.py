@@ -171,12 +171,18 @@ def test_a_captured_work_refuses_host_waits():
         _close(comms, streams, graphs)
 
 
-def test_a_failed_replay_is_raised_by_the_next_call():
+@pytest.mark.parametrize("shared", [False, True], ids=["a_daemon_each", "one_daemon"])
+def test_a_failed_replay_is_raised_by_the_next_call(shared):
     """Rank 1 captures a collective of another size under the same tag: the
     replay fails on both ranks (MismatchError) without holding the stream,
     the rank's status shows it, and each rank's next collective raises it
-    (once: the one after runs)."""
-    comms, streams = _setup(DEV + 10)
+    (once: the one after runs); with both ranks on one device (one daemon),
+    each rank's call raises its own failure."""
+    if shared:
+        comms = dfccl.Communicator.for_devices([DEV + 38, DEV + 38], backend="sim")
+        streams = [runtime.get_device("sim", DEV + 38).create_stream() for _ in range(2)]
+    else:
+        comms, streams = _setup(DEV + 10)
     graphs = []
     try:
         xs = [np.ones(64, np.float32), np.ones(32, np.float32)]
@@ -191,7 +197,7 @@ def test_a_failed_replay_is_raised_by_the_next_call():
             assert "1 with a failed replay" in shown and "replay 1 of a captured collective failed" in shown
             with pytest.raises(dfccl.MismatchError, match="replay 1 of a captured collective failed"):
                 comms[r].all_reduce(np.ones(4, np.float32), tag="after")
-            failed = [n for n in comms[r]._daemon.captured if n["error"]]
+            failed = [n for n in comms[r]._daemon.captured if n["error"] and n["rank"] == r]
             assert len(failed) == 1 and "replay 1" in failed[0]["error"]
         ws = [comms[r].all_reduce(np.ones(4, np.float32), tag="after") for r in range(2)]
         for w in ws:

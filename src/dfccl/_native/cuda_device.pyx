@@ -160,6 +160,23 @@ def device_count():
     return n
 
 
+def relax_thread_capture_mode():
+    """Puts the calling thread in CUDA's relaxed stream-capture mode for
+    good.  For dfccl's own threads (the watcher, the progress thread, the
+    liveness monitor): in the global mode, torch's default, a call CUDA
+    deems unsafe (a query, a copy) from any thread while another thread
+    captures a graph invalidates that capture; the relaxed mode exempts
+    this thread's calls, none of which touches a capturing stream.  Does
+    nothing where there is no driver."""
+    cdef int mode = DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED
+    cdef CUresult rc
+    if not _api_loaded:
+        return
+    with nogil:
+        rc = API.cuThreadExchangeStreamCaptureMode(&mode)
+    check(rc, "cuThreadExchangeStreamCaptureMode(relaxed)")
+
+
 def pointer_device(uint64_t ptr):
     """CUDA ordinal owning the device memory at ``ptr``; None for host memory or
     an unknown pointer.  One driver call (the plain call makes it for every

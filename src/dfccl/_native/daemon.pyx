@@ -22,6 +22,7 @@ import time
 import warnings
 
 from dfccl.termination import block_async_signals
+from dfccl._native.cuda_device import relax_thread_capture_mode
 
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF
@@ -185,7 +186,7 @@ cdef class Daemon(DaemonEndpoints):
         if task.plan.core != self.c:
             self._bind(task)
         if self.c.ctrl.graph_failed != 0 or self.c.n_graph_errors != 0:
-            self.check_graphs()
+            self.check_graphs(task.plan.desc.endpoint)
         if has_stream and self.device.stream_capturing(stream):
             return self._capture(task, send_addr, recv_addr, stream, owners)
         with nogil:
@@ -285,11 +286,18 @@ cdef class Daemon(DaemonEndpoints):
         """Work.wait(stream) of a captured collective (GraphCaptures.stream_wait)."""
         self.graphs.stream_wait(stream, slot)
 
-    def check_graphs(self):
-        """Raises the error of a replay of a captured collective that failed
-        since the last call (GraphCaptures.check); every failure seen is in
-        ``captured``."""
-        self.graphs.check()
+    def check_graphs(self, uint32_t endpoint):
+        """Raises the error of a replay of one of ``endpoint``'s captured
+        collectives that failed since its last call (GraphCaptures.check);
+        every failure seen is in ``captured``."""
+        self.graphs.check(endpoint)
+
+    def remove_endpoint(self, int idx, on_released=None):
+        """DaemonEndpoints.remove_endpoint; the failed replays of its
+        captured collectives that were not raised yet are dropped."""
+        if 0 <= idx < <int>self.max_endpoints:
+            self.graphs.forget_errors(idx)
+        return DaemonEndpoints.remove_endpoint(self, idx, on_released)
 
     def _refusal(self, int nchannels):
         """Why a submission is refused (hotpath.submit's checks, launch.refusal)."""
@@ -427,6 +435,7 @@ cdef class Daemon(DaemonEndpoints):
         """The watcher thread (retire.pyx, watch)."""
         cdef int rc
         block_async_signals()
+        relax_thread_capture_mode()
         with nogil:
             rc = watch(self.c)
         if rc != 0:

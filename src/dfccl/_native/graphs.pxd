@@ -11,7 +11,7 @@ cdef class GraphCaptures:
     cdef Device device
     cdef object policy
     cdef dict _nodes              # slot -> CapturedNode, while its graph lives
-    cdef list _errors             # failed replays seen and not raised yet
+    cdef list _errors             # (endpoint, error) of failed replays seen and not raised yet
     cdef uint64_t _bindings       # captures so far: each binds a slot under a new number
 
     cdef object bind(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,

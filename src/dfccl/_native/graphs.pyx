@@ -195,16 +195,23 @@ cdef class GraphCaptures:
                                     "that captures into the same graph")
         self.device.stream_wait_mask32(stream, self.c.done_dev + 4 * slot, DFCCL_GRAPH_GEN_BIT)
 
-    def check(self):
-        """Raises the error of a replay that failed since the last call (the
-        daemon flags it in ctrl.graph_failed); the collective's later
-        replays run as usual.  Every failure seen is in captured()."""
+    def check(self, uint32_t endpoint):
+        """Raises the error of a replay of one of ``endpoint``'s captured
+        collectives that failed since that rank's last call (the daemon
+        flags it in ctrl.graph_failed); the collective's later replays run
+        as usual.  Ranks sharing the daemon each get their own failures.
+        Every failure seen is in captured()."""
         self.scan()
-        if self._errors:
-            first = self._errors[0]
-            self._errors = []
-            self.c.n_graph_errors = 0
-            raise first
+        for i, (owner, err) in enumerate(self._errors):
+            if owner == endpoint:
+                del self._errors[i]
+                self.c.n_graph_errors = len(self._errors)
+                raise err
+
+    def forget_errors(self, uint32_t endpoint):
+        """``endpoint`` is removed: its failures not raised yet are dropped."""
+        self._errors = [(owner, err) for owner, err in self._errors if owner != endpoint]
+        self.c.n_graph_errors = len(self._errors)
 
     def scan(self, every=False):
         """Records the replays that failed since the daemon last flagged
@@ -236,7 +243,7 @@ cdef class GraphCaptures:
             err = type(cause)(f"replay {replay} of a captured collective failed: {cause}", rank=node.rank,
                               tag=node.tag)
             node.failed = err
-            self._errors.append(err)
+            self._errors.append((node.endpoint, err))
         c.n_graph_errors = len(self._errors)
 
     def close(self):

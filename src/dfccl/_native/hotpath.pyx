@@ -219,10 +219,11 @@ cdef int _capture_for_handle(daemon_core *c, plan_t *p, uint64_t send_addr, uint
         return record_error(exc)
 
 
-cdef int _graph_failed(daemon_core *c) noexcept with gil:
-    """A replay of a captured collective failed: its error, raised by this call."""
+cdef int _graph_failed(daemon_core *c, uint32_t endpoint) noexcept with gil:
+    """A replay of one of ``endpoint``'s captured collectives failed: its
+    error, raised by this call."""
     try:
-        (<object>c.py_daemon).check_graphs()
+        (<object>c.py_daemon).check_graphs(endpoint)
         return 0
     except BaseException as exc:
         return record_error(exc)
@@ -241,7 +242,7 @@ cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_add
     if c.n_graph_slots != 0:
         # Captured collectives exist: a replay's failure is raised here.
         if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
-            rc = _graph_failed(c)
+            rc = _graph_failed(c, p.desc.endpoint)
             if rc < 0:
                 return rc
     if has_stream and not by_work and (<Device>c.device).try_stream_capturing(stream) != 0:

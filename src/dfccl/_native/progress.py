@@ -10,6 +10,7 @@ import threading
 import warnings
 import weakref
 
+from dfccl._native.cuda_device import relax_thread_capture_mode
 from dfccl.termination import block_async_signals
 
 __all__ = ["progress"]
@@ -49,6 +50,7 @@ class _ProgressThread:
 
     def _run(self):
         block_async_signals()
+        relax_thread_capture_mode()   # its CUDA calls must not break a graph captured meanwhile
         native = _native()
         while True:
             native.wait_progress(0.05)

@@ -172,13 +172,13 @@ def write_plot(path: str, rows: list[dict], title: str, floor_us: float | None =
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig = plot_figure(plt, rows, title)
+    fig = plot_figure(plt, rows, title, floor_us)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
 
-def plot_figure(plt, rows: list[dict], title: str):
+def plot_figure(plt, rows: list[dict], title: str, floor_us: float | None = None):
     kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
     # Constrained layout makes room for the figure title above the panels
     # (tight_layout lets a tall figure's title run into its first row).

@@ -255,9 +255,8 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         self._placed: dict[torch.device, tuple] = {}
         self._comm_lock = threading.Lock()
         self._closed = False
-        # Serving the compiled backend: the collectives it submits through
-        # plans are matched by shape tags (shape_tag), so the forms of those
-        # kinds handed over here use them too.
+        # Serving the compiled backend (which submits the common forms
+        # itself): this side's all-reduce fast path is not needed.
         self._compiled = compiled
         self._tag_ids: dict[Any, int] = {}
         self._tags: list[Any] = [None]
@@ -421,11 +420,10 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         """The simulated stream CPU tensors' collectives follow, or None."""
         return self._cpu_stream
 
-    def _tag(self, kind: str, t: torch.Tensor, count: int, op: Any, root: int) -> tuple | None:
+    def _tag(self, kind: str, t: torch.Tensor, count: int, op: Any, root: int) -> tuple:
         """The tag of a collective of a kind the compiled backend submits
-        through plans (shape_tag); None (call order) in the Python backend."""
-        if not self._compiled:
-            return None
+        through plans (shape_tag).  The Python backend tags them the same
+        way, so that both implementations match the same programs."""
         return shape_tag(kind, t, count, op, root)
 
     # -- the compiled backend's Python side ---------------------------------------------
@@ -527,14 +525,17 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         # (CPU tensors on a simulated stream take _launch, which orders them.)
         if placed is not None and not self._compiled and t.is_contiguous() and \
                 (t.is_cuda or self._cpu_stream is None):
-            dop = plain_ops.get(op.op if hasattr(op, "op") else op)
+            red_op = op.op if hasattr(op, "op") else op
+            dop = plain_ops.get(red_op)
             dtype = data_type(t.dtype, "allreduce")
             if dop is not None and dtype is not None:
                 comm, cuda, index = placed
                 stream = None
                 if cuda:
                     stream = current_stream_handle(index)
-                work = comm._all_reduce_at(t.data_ptr(), t.numel(), dtype, dop, stream, t)
+                count = t.numel()
+                work = comm._all_reduce_at(t.data_ptr(), count, dtype, dop, stream, t,
+                                           shape_tag("all_reduce", t, count, op_name(red_op), 0))
                 timeout = seconds(opts.timeout) if opts is not None else None
                 return DfcclWork([work], tensors, cuda=cuda, device=index, timeout=timeout or self._timeout_s)
         return self._all_reduce([t], op, opts)
