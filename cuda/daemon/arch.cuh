@@ -92,21 +92,32 @@ DFCCL_DEV uint32_t sm_number() {
 DFCCL_DEV uint32_t sm_number() { return 0; }
 #endif
 
-// Called in every spin iteration.  On the GPU a poll is already a memory
-// round trip (a flag in a peer's memory costs ~2 us over NVLink), so the
-// leader polls back to back, as NCCL does; __nanosleep was measured to stretch
-// each iteration far past its argument.  In the simulator the CPU is handed
-// over so that many simulated GPUs share a few cores.
+// Called in every spin iteration, `spins` the polls of this wait so far.  On
+// the GPU a poll is already a memory round trip (a flag in a peer's memory
+// costs ~2 us over NVLink), so the leader polls back to back, as NCCL does;
+// __nanosleep was measured to stretch each iteration far past its argument.
+// In the simulator the CPU is handed over so that many simulated GPUs share a
+// few cores: a yield for the first polls, then a short sleep, since a yield
+// with nothing else runnable returns at once and a long wait would keep a
+// core busy that the peer's threads (or the network proxy) need.
 // link_pause(): the link block after a round trip that brought nothing.  On
 // the GPU none: each poll is itself a host round trip, and the next one
 // should leave at once.  In the simulator an idle block's pause, so that the
 // link thread does not take a core from the simulated blocks.
 #if DFCCL_GPU
-DFCCL_DEV void spin_pause() {}
+DFCCL_DEV void spin_pause(uint32_t) {}
 DFCCL_DEV void idle_pause() { __nanosleep(500); }
 DFCCL_DEV void link_pause() {}
 #else
-DFCCL_DEV void spin_pause() { sched_yield(); }
+constexpr uint32_t kSimYieldPolls = 32;  // polls of a wait that yield before it sleeps
+DFCCL_DEV void spin_pause(uint32_t spins) {
+  if (spins < kSimYieldPolls) {
+    sched_yield();
+    return;
+  }
+  struct timespec ts = {0, 5000};
+  nanosleep(&ts, nullptr);
+}
 DFCCL_DEV void idle_pause() {
   struct timespec ts = {0, 20000};
   nanosleep(&ts, nullptr);

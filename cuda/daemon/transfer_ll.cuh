@@ -331,7 +331,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
     uint64_t moved = 0;
     if (is_leader()) {
       if (start == 0) start = now_ns();
-      spin_pause();
+      spin_pause(spins);
       ++spins;
       if (area == 0 || spins % kLLReprobePolls == 0) {
         const uint64_t found = ll_peer_record(run, peer, index, true);

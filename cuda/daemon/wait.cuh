@@ -108,7 +108,7 @@ DFCCL_DEV int block_wait(BlockEnv &env, TaskRun &run, uint32_t peer, Ready ready
       start = now_ns();
       uint32_t spins = 0;
       for (;;) {
-        spin_pause();
+        spin_pause(spins);
         state = ready();
         if (state != 0) break;
         if ((++spins & 3u) == 0) {

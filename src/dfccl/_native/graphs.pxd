@@ -12,6 +12,7 @@ cdef class GraphCaptures:
     cdef object policy
     cdef dict _nodes              # slot -> CapturedNode, while its graph lives
     cdef list _errors             # (endpoint, error) of failed replays seen and not raised yet
+    cdef object _lock             # guards _errors and each node's failure: several threads scan
     cdef uint64_t _bindings       # captures so far: each binds a slot under a new number
 
     cdef object bind(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, uint64_t stream,

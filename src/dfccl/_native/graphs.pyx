@@ -8,8 +8,10 @@ graph's collectives held.  It owns that state; Daemon refuses what it must
 (closed, failed device) before it hands a capture here."""
 
 
+import threading
+
 from cpython.pythread cimport PyThread_release_lock
-from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 
@@ -50,6 +52,7 @@ cdef GraphCaptures new_graph_captures(daemon_core *c, Device device, object poli
     g.policy = policy
     g._nodes = {}
     g._errors = []
+    g._lock = threading.Lock()
     return g
 
 
@@ -202,49 +205,60 @@ cdef class GraphCaptures:
         as usual.  Ranks sharing the daemon each get their own failures.
         Every failure seen is in captured()."""
         self.scan()
-        for i, (owner, err) in enumerate(self._errors):
-            if owner == endpoint:
-                del self._errors[i]
-                self.c.n_graph_errors = len(self._errors)
-                raise err
+        with self._lock:
+            for i, (owner, err) in enumerate(self._errors):
+                if owner == endpoint:
+                    del self._errors[i]
+                    self.c.n_graph_errors = len(self._errors)
+                    raise err
 
     def forget_errors(self, uint32_t endpoint):
         """``endpoint`` is removed: its failures not raised yet are dropped."""
-        self._errors = [(owner, err) for owner, err in self._errors if owner != endpoint]
-        self.c.n_graph_errors = len(self._errors)
+        with self._lock:
+            self._errors = [(owner, err) for owner, err in self._errors if owner != endpoint]
+            self.c.n_graph_errors = len(self._errors)
 
     def scan(self, every=False):
         """Records the replays that failed since the daemon last flagged
         one (each captured collective's last error, and the errors for
-        check() to raise); ``every``: whether or not one is flagged."""
+        check() to raise); ``every``: whether or not one is flagged, and
+        leaving the flag to check().  Threads may scan at once (the status
+        page's writer does): each builds the errors it finds, outside the
+        lock (explaining one reads the communicator's records under its
+        teardown lock, which that writer holds while it scans), and the
+        first to record a replay's failure keeps it."""
         cdef daemon_core *c = self.c
-        cdef uint32_t word
+        cdef uint32_t word, status
+        cdef int32_t detail
         cdef Work w
-        if dfccl_load_acquire_u64(&c.ctrl.graph_failed) == 0 and not every:
-            return
-        dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
+        if not every:
+            if dfccl_load_acquire_u64(&c.ctrl.graph_failed) == 0:
+                return
+            dfccl_store_release_u64(&c.ctrl.graph_failed, 0)
         dfccl_fence_seq_cst()
-        for node in self._nodes.values():
+        for node in list(self._nodes.values()):
             word = dfccl_load_acquire_u32(&c.done[node.slot])
-            if not (word & DFCCL_GRAPH_GEN_BIT) or c.results[node.slot].status == DFCCL_STATUS_OK:
+            status = c.results[node.slot].status
+            detail = c.results[node.slot].detail
+            if not (word & DFCCL_GRAPH_GEN_BIT) or status == DFCCL_STATUS_OK or node.reported == word:
                 continue
-            if node.reported == word:
-                continue
-            node.reported = word
             replay = word & ~DFCCL_GRAPH_GEN_BIT
             w = Work.completed(node.kind, node.tag, node.rank)
             # The daemon explains the failure (its endpoints' diagnostics).
             w._daemon = <object>c.py_daemon if c.py_daemon != NULL else None
             w.endpoint = node.endpoint
             w.instance = node.first_instance + replay - 1
-            w._status = c.results[node.slot].status
-            w._detail = c.results[node.slot].detail
+            w._status = status
+            w._detail = detail
             cause = w._make_error()
             err = type(cause)(f"replay {replay} of a captured collective failed: {cause}", rank=node.rank,
                               tag=node.tag)
-            node.failed = err
-            self._errors.append((node.endpoint, err))
-        c.n_graph_errors = len(self._errors)
+            with self._lock:
+                if node.reported != word:
+                    node.reported = word
+                    node.failed = err
+                    self._errors.append((node.endpoint, err))
+                    c.n_graph_errors = len(self._errors)
 
     def close(self):
         """The daemon closes: returns how many captured collectives are
