@@ -295,9 +295,9 @@ cdef class Daemon(DaemonEndpoints):
     def remove_endpoint(self, int idx, on_released=None):
         """DaemonEndpoints.remove_endpoint; the failed replays of its
         captured collectives that were not raised yet are dropped."""
-        if 0 <= idx < <int>self.max_endpoints:
-            self.graphs.forget_errors(idx)
-        return DaemonEndpoints.remove_endpoint(self, idx, on_released)
+        released = DaemonEndpoints.remove_endpoint(self, idx, on_released)   # refuses an unknown idx
+        self.graphs.forget_errors(idx)
+        return released
 
     def _refusal(self, int nchannels):
         """Why a submission is refused (hotpath.submit's checks, launch.refusal)."""

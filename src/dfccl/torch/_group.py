@@ -535,7 +535,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
                     stream = current_stream_handle(index)
                 count = t.numel()
                 work = comm._all_reduce_at(t.data_ptr(), count, dtype, dop, stream, t,
-                                           shape_tag("all_reduce", t, count, op_name(red_op), 0))
+                                           self._tag("all_reduce", t, count, op_name(red_op), 0))
                 timeout = seconds(opts.timeout) if opts is not None else None
                 return DfcclWork([work], tensors, cuda=cuda, device=index, timeout=timeout or self._timeout_s)
         return self._all_reduce([t], op, opts)
