@@ -11,8 +11,11 @@ beside it.  Both in MiB/s (ucx_perftest's MB/s are MiB/s).
     python benchmarks/bench_net.py [--sizes 65536,1048576,4194304] [--iters 20]
     python benchmarks/bench_net.py --iters 3 --warmup 1 --sizes 65536 --perftest-iters 20   # checks the script
 
-Needs the [net] extra (UCX).  The ranks run on the simulator (the network
-path is not built for GPUs yet: docs/multi-node.md); it places them itself.
+    python benchmarks/bench_net.py --backend cuda      # both ranks on GPU 0 (two processes: run under MPS)
+
+Needs the [net] extra (UCX).  The ranks run on the simulator, or with
+``--backend cuda`` on GPU 0, each in its own process (share the GPU through
+MPS); it places them itself.
 """
 
 from __future__ import annotations
@@ -38,20 +41,21 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 MIB = 1 << 20
 
 
-def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, options: dict, results) -> None:
+def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmup: int, options: dict,
+          results) -> None:
     try:
         os.environ.update(UCX_ENV)
         os.environ["DFCCL_HOST_ID"] = f"bench-host-{rank}"
         import dfccl
         from dfccl.bench import arrays
 
-        comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, 2, backend="sim", device=4300 + rank,
-                                  options=dfccl.CommOptions(**options), timeout=120)
+        comm = dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, 2, backend=backend,
+                                  device=_devices(backend)[rank], options=dfccl.CommOptions(**options), timeout=120)
         assert comm.transports[1 - rank] == "ucx", comm.transports
         rows = []
         for size in sizes:
             count = size // 4
-            x = arrays.from_numpy("sim", comm.device, np.full(count, rank + 1, np.float32))
+            x = arrays.from_numpy(backend, comm.device, np.full(count, rank + 1, np.float32))
             row = {"size": size}
             for kind in ("broadcast", "all_reduce"):
                 run = (lambda: comm.broadcast(x, root=0, tag=("bw", kind, size))) if kind == "broadcast" \
@@ -75,13 +79,18 @@ def _rank(uid: str, rank: int, sizes: list[int], iters: int, warmup: int, option
         results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
 
 
-def run_dfccl(sizes: list[int], iters: int, warmup: int, options: dict) -> list[dict]:
+def _devices(backend: str) -> list[int]:
+    return [4300, 4301] if backend == "sim" else [0, 0]
+
+
+def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: dict) -> list[dict]:
     import dfccl
 
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=_rank, args=(str(uid), r, sizes, iters, warmup, options, results)) for r in range(2)]
+    procs = [mp_context.Process(target=_rank, args=(str(uid), r, backend, sizes, iters, warmup, options, results))
+             for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -129,6 +138,7 @@ def run_perftest(size: int, iters: int) -> float | None:
 def main(argv=None) -> int:
     p = suite.parser(__doc__.split("\n\n")[0], iters=20, warmup=2, placement=False)
     p.add_argument("--sizes", default="65536,1048576,4194304,16777216")
+    p.add_argument("--backend", choices=("sim", "cuda"), default="sim", help="where the ranks run (cuda: GPU 0)")
     p.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations per size")
     p.add_argument("--max-slice-bytes", type=int, default=None, help="CommOptions.max_slice_bytes (default: its own)")
     p.add_argument("--ring-slots", type=int, default=None, help="CommOptions.ring_slots (default: its own)")
@@ -136,7 +146,7 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     options = {k: v for k, v in (("max_slice_bytes", args.max_slice_bytes), ("ring_slots", args.ring_slots))
                if v is not None}
-    rows = run_dfccl(sizes, args.iters, args.warmup, options)
+    rows = run_dfccl(args.backend, sizes, args.iters, args.warmup, options)
     for row in rows:
         row["ucx_perftest_mib_s"] = run_perftest(row["size"], args.perftest_iters)
         ref = row["ucx_perftest_mib_s"]
@@ -148,7 +158,7 @@ def main(argv=None) -> int:
         ref = f"{r['ucx_perftest_mib_s']:.0f}" if r["ucx_perftest_mib_s"] else "-"
         print(f"{r['size']:>10} {r['broadcast_mib_s']:12.0f} {r['all_reduce_busbw_mib_s']:13.0f} {ref:>15} "
               f"{ratio:>15}")
-    rec = suite.record("net", args, "sim", [4300, 4301], {"rows": rows, "transport": "UCX tcp on lo"})
+    rec = suite.record("net", args, args.backend, _devices(args.backend), {"rows": rows, "transport": "UCX tcp on lo"})
     print(f"record: {suite.write(args.out, rec)}")
     return 0
 

@@ -20,6 +20,7 @@ from dfccl import runtime
 from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, FIFO_OFFSET_MASK, MAX_CHANNELS, RANK_LIVE,
                                   RECORD_HEADER_BYTES, REG_SLOTS)
 from dfccl.errors import BackendError, InvalidArgumentError
+from dfccl.host_arena import HostArena
 from dfccl.net import NetLink, host_id
 from dfccl.planning import fifo_blocks, ll_region_bytes, reserved_staging_bytes
 from dfccl.processes import start_time
@@ -55,6 +56,9 @@ class Endpoint:
             raise InvalidArgumentError(f"an arena of {self.arena_size} bytes is beyond the {FIFO_OFFSET_MASK + 1} "
                                        "bytes a FIFO word addresses; lower CommOptions.staging_bytes or max_tags")
         self.arena = self.device.alloc_device(self.arena_size, shareable)
+        # On a GPU, a communicator spanning hosts moves the arena into host
+        # shared memory at connect (host_arena.py says why).
+        self._host_arena: HostArena | None = None
         self.shareable = shareable
         # A reserved block for every tag that can be pending here at once
         # (bounded by the records and by the daemon's slots), for a FIFO of
@@ -65,6 +69,7 @@ class Endpoint:
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
         self._imported: list[int] = []
+        self._imported_host: list[HostArena] = []
         # Peers' registered allocations as mapped here (registration.py);
         # only ranks that peers in other processes reach need one.
         self.reg_table = 0
@@ -129,8 +134,21 @@ class Endpoint:
                 raise BackendError(f"ranks {remote} are on other hosts than rank {self.rank}, but the communicator was "
                                    "built in one process (for_devices, or a split of such a group): the network path "
                                    "is set up for communicators built from a UniqueId and their splits")
-            self.net = NetLink.create(self.device, self.rank, self.nranks, self.arena, self.arena_size,
+            # Every rank has a remote peer when any has, so no rank maps the
+            # device arenas described so far: each rank publishes its host
+            # arena with its UCX address instead.
+            arena_host = self.arena
+            if self.device.backend == "cuda":
+                self._move_arena_to_host()
+                arena_host = self._host_arena.host_ptr
+            self.net = NetLink.create(self.device, self.rank, self.nranks, arena_host, self.arena_size,
                                       self.daemon.nblocks, remote)
+            mine = {"address": self.net.address()}
+            if self._host_arena is not None:
+                mine.update(arena=self._host_arena.describe(), arena_ptr=self.arena)
+            net_info = exchange("net", mine)
+            peers = [dict(info, **{k: v for k, v in net_info[p].items() if k in ("arena", "arena_ptr")})
+                     for p, info in enumerate(peers)]
             mode = "ring"
         for p, info in enumerate(peers):
             if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
@@ -158,8 +176,13 @@ class Endpoint:
                     mode = "staged" if self._reachable(info, me) else "ring"
                 if "arena" not in info:
                     raise BackendError(f"rank {p} is in another process but did not export its arena")
-                ptr = self.device.import_memory(info["arena"])
-                self._imported.append(ptr)
+                if info["arena"].get("via") == "host-shm":
+                    mapped = HostArena.open(self.device, info["arena"])
+                    self._imported_host.append(mapped)
+                    ptr = mapped.device_ptr
+                else:
+                    ptr = self.device.import_memory(info["arena"])
+                    self._imported.append(ptr)
                 arenas.append(ptr)
                 if "status_page" not in info:
                     raise BackendError(f"rank {p} is in another process but did not publish a status page")
@@ -170,8 +193,7 @@ class Endpoint:
                                        "ranks of one host must see the same status directory "
                                        "($DFCCL_STATUS_DIR, else /dev/shm)") from exc
         if self.net is not None:
-            addresses = exchange("net", {"address": self.net.address()})
-            self.net.connect({p: addresses[p]["address"] for p in remote})
+            self.net.connect({p: net_info[p]["address"] for p in remote})
             self.write_status(int(self._status[0]))
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
@@ -209,12 +231,22 @@ class Endpoint:
         err, atomics = driver.cuDeviceGetP2PAttribute(attr, mine, dev)
         return err == driver.CUresult.CUDA_SUCCESS and bool(atomics)
 
+    def _move_arena_to_host(self) -> None:
+        """Replaces the device arena (no peer mapped it) with a zeroed one in
+        host shared memory, with this rank's status written again."""
+        host = HostArena.create(self.device, self.arena_size)
+        self.device.free_device(self.arena)
+        self._host_arena, self.arena = host, host.device_ptr
+        self._write_arena_status()
+
     def unlink_export(self) -> None:
         """Drops the names peers in other processes open this rank's arena
-        (a shared-memory file in the simulator) and status page by, once they
-        all have mapped them: nothing is left behind however this process
-        ends."""
-        if self.shareable and self.arena:
+        (a shared-memory file in the simulator, or its host arena) and status
+        page by, once they all have mapped them: nothing is left behind
+        however this process ends."""
+        if self._host_arena is not None:
+            self._host_arena.unlink()
+        elif self.shareable and self.arena:
             self.device.unlink_export(self.arena)
         if self.page is not None:
             self.page.unlink()
@@ -233,6 +265,12 @@ class Endpoint:
         if state is None or not self.arena:
             return
         self._status[0] = state
+        self._write_arena_status()
+
+    def _write_arena_status(self) -> None:
+        if self._host_arena is not None:
+            self._host_arena.write(0, self._status.tobytes())   # plain stores: no stream on the way
+            return
         if self.daemon.device_fault:
             return   # a failed device takes no copy (peers see the status page)
         self.device.copy_to_device(self.arena, self._status.ctypes.data, 24)
@@ -279,6 +317,7 @@ class Endpoint:
             self.page = None
         self.unlink_export()
         imported, self._imported = self._imported, []
+        imported_host, self._imported_host = self._imported_host, []
         net = self.net
         if net is not None:
             net.close()   # its last status first: the remote peers see this rank leave
@@ -293,9 +332,14 @@ class Endpoint:
                     self.device.release_import(ptr)
                 except Exception:
                     pass  # the mapping goes with the process
+            for mapped in imported_host:
+                mapped.close()
             if free_memory:
                 self.tags.drop_failed()   # failed collectives' buffers: no peer reaches them now
-            if free_memory and self.arena:
+            if free_memory and self._host_arena is not None:
+                self._host_arena.close()
+                self._host_arena, self.arena = None, 0
+            elif free_memory and self.arena:
                 self.device.free_device(self.arena)
                 self.arena = 0
             if free_memory and self.reg_table:

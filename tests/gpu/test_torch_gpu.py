@@ -4,12 +4,14 @@ all-to-all), plus what only CUDA has: stream ordering, a host that never
 blocks, side streams, timeouts and graph capture.
 
 On two GPUs, or on one shared through MPS (``DFCCL_TEST_MPS=1``, marker
-``gpu_processes``): without MPS two processes on one GPU are time-sliced
-(each collective waits for the other process's slice, milliseconds), and
-these scenarios then outrun their time limits (seen on one H200)."""
+``gpu_processes``, with eager module loading in the ranks): without MPS two
+processes on one GPU are time-sliced (each collective waits for the other
+process's slice, milliseconds), and these scenarios then outrun their time
+limits (seen on one H200)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -117,6 +119,23 @@ def _device_probe(wait_s: float = 1.0) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def _rank_environment():
+    """The environment the ranks start with.  Two processes on one GPU with
+    lazy module loading stop in a torch kernel's first launch between
+    collectives (docs/torch.md, "Known problems"; dfccl warns of it at
+    start-up), so under MPS they load eagerly.  CUDA reads the variable
+    when it starts, which in a rank is at the import of this module."""
+    if os.environ.get("DFCCL_TEST_MPS", "") in ("", "0") or "CUDA_MODULE_LOADING" in os.environ:
+        yield
+        return
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+    try:
+        yield
+    finally:
+        del os.environ["CUDA_MODULE_LOADING"]
+
+
 def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0, impl: str | None = None) -> None:
     """Runs fn(rank, world_size) in one process per rank; ``impl``: the
     backend implementation ("compiled", "python"; None: dfccl.torch's default)."""
@@ -127,8 +146,9 @@ def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0, impl: str | None
         stacks = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
         procs = [mp_context.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r], impl))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _rank_environment():
+            for p in procs:
+                p.start()
         errors = {}
         try:
             for _ in procs:

@@ -12,52 +12,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
-import time
 import traceback
-
-import importlib.util
 
 import numpy as np
 import pytest
 
 import dfccl
 from dfccl.scenarios import DTYPES, SENTINEL
-
-needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
-                               reason='the network path needs UCX: pip install "dfccl[net]"')
-
-TIMEOUT = 60
-#: UCX over TCP on loopback, whatever else this machine offers.
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
-
-
-def _comm(uid: str, rank: int, nranks: int, host: str, **options):
-    os.environ["DFCCL_HOST_ID"] = host
-    return dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend="sim", device=4200 + rank,
-                              options=dfccl.CommOptions(**options), timeout=TIMEOUT)
-
-
-def _sweep_specs():
-    """(spec, in_place) of the correctness sweep: every kind and dtype at
-    sizes across the slice and the channels, a few MiB for some."""
-    from dfccl_support import scenarios as sc
-
-    out = []
-    for k, kind in enumerate(sc.KINDS):
-        for d, dtype in enumerate(sc.DTYPES):
-            esize = np.dtype(dtype).itemsize
-            counts = [1, 4099]
-            if d % 3 == k % 3:
-                counts.append((3 << 20) // esize + 5)     # a few MiB, odd count
-            for j, count in enumerate(counts):
-                op = "sum" if kind in ("all_gather", "broadcast") else sc.OPS[(k + d + j) % len(sc.OPS)]
-                spec = sc.Spec(("net", kind, dtype, count), kind, count, dtype, op, root=(k + d + j) % 3)
-                out.append((spec, kind != "reduce" and (d + j) % 2 == 1))
-    return out
-
+from net_scenarios import (TIMEOUT, UCX_ENV, check_remote_loss, divergent, exchange, needs_ucx, run_ranks, sweep,
+                           sweep_specs)
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
 
@@ -129,7 +94,7 @@ def _all_to_all(comm, counts: list[list[int]], dtype: str, seed: int, tag=None):
     return work, (lambda: _same_bytes(recv, want, f"all_to_all {dtype} {counts}")), (send, recv)
 
 
-def _p2p_sweep(comm) -> dict:
+def _p2p_sweep(comm, ctx) -> dict:
     n, checked = comm.world_size, 0
     for d, dtype in enumerate(P2P_DTYPES):
         for j, count in enumerate(_p2p_counts(d, dtype)):
@@ -148,7 +113,7 @@ def _p2p_sweep(comm) -> dict:
     return {"checked": checked}
 
 
-def _p2p_divergent(comm) -> dict:
+def _p2p_divergent(comm, ctx) -> dict:
     """Ten operations (collectives, tagged send / recv rings, all-to-alls) in
     opposite orders on even and odd ranks; then, between ranks 0 and 1 on
     different hosts, a recv and an all-to-all whose other half is posted
@@ -218,7 +183,7 @@ def _p2p_divergent(comm) -> dict:
     return {"checked": checked, "expected": 13, "late_preempted": late_preempted}
 
 
-def _p2p_mismatch(comm) -> dict:
+def _p2p_mismatch(comm, ctx) -> dict:
     r = comm.rank
     x = np.ones(10 if r == 0 else 12, np.float32)
     work = comm.send(x, 1) if r == 0 else comm.recv(x, 0)
@@ -237,7 +202,7 @@ def _p2p_mismatch(comm) -> dict:
     return {"checked": 3}
 
 
-def _split(comm) -> dict:
+def _split(comm, ctx) -> dict:
     """Ranks 0, 1 on one host and 2, 3 on another: children {0, 2}, {1, 3}
     span hosts, children {0, 1}, {2, 3} do not."""
     from dfccl_support import scenarios as sc
@@ -257,7 +222,7 @@ def _split(comm) -> dict:
     return {"children": children}
 
 
-def _large(comm) -> dict:
+def _large(comm, ctx) -> dict:
     """256 MiB broadcast (exact: the root's bytes) and a 64 MiB all_reduce
     (the same sum as the ring on one host, checked against numpy's)."""
     from dfccl_support import scenarios as sc
@@ -274,105 +239,26 @@ def _large(comm) -> dict:
     return {"checked": 2}
 
 
-SCENARIOS = {"p2p_sweep": _p2p_sweep, "p2p_divergent": _p2p_divergent, "p2p_mismatch": _p2p_mismatch,
-             "split": _split, "large": _large}
-
-
-def _worker(uid: str, one_host_uid: str, rank: int, nranks: int, scenario: str, results, per_host: int = 1) -> None:
-    try:
-        os.environ.update(UCX_ENV)
-        from dfccl_support import scenarios as sc
-
-        comm = _comm(uid, rank, nranks, f"host-{rank // per_host}")
-        out = {"path": comm.path, "transports": comm.transports}
-        if scenario == "sweep":
-            # The same collectives on one host (the ring through shared
-            # memory): the network must give the same bits.
-            local = _comm(one_host_uid, rank, nranks, "one-host", path="ring")
-            checked = 0
-            for i, (spec, in_place) in enumerate(_sweep_specs()):
-                net = sc.RankInstance(spec, comm, 7000 + i, in_place=in_place)
-                net.submit().synchronize(timeout=TIMEOUT)
-                net.verify()
-                ref = sc.RankInstance(spec, local, 7000 + i, in_place=in_place)
-                ref.submit().synchronize(timeout=TIMEOUT)
-                from dfccl.bench import arrays
-                got, want = arrays.to_numpy(net.recv), arrays.to_numpy(ref.recv)
-                assert got.tobytes() == want.tobytes(), f"{spec.tag}: not bit-identical to one host"
-                checked += 1
-            local.close()
-            out["checked"] = checked
-        elif scenario == "divergent":
-            # Tags in opposite orders on even and odd ranks (hangs NCCL), then
-            # a queue on one tag behind them.
-            kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
-            specs = [sc.Spec(("d", i), kinds[i % 5], 1000 + 97 * i, "float32", "sum", root=i % nranks)
-                     for i in range(10)]
-            insts = [sc.RankInstance(s, comm, 100 + i) for i, s in enumerate(specs)]
-            order = insts if rank % 2 == 0 else insts[::-1]
-            works = [i.submit() for i in order]
-            queue = [sc.RankInstance(sc.Spec("q", "all_reduce", 3000, "int32"), comm, 500 + i) for i in range(50)]
-            works += [i.submit() for i in queue]
-            for w in works:
-                w.synchronize(timeout=TIMEOUT)
-            for i in insts + queue:
-                i.verify()
-            out["checked"] = len(insts) + len(queue)
-            stats = [w.stats for w in works]
-            out["preemptions"] = sum(s["preemptions"] for s in stats)
-        else:
-            out.update(SCENARIOS[scenario](comm))
-        comm.close()
-        results.put((rank, "ok", out))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def _run(scenario: str, nranks: int, per_host: int = 1) -> dict:
-    """Runs ``scenario`` on ``nranks`` processes, ``per_host`` ranks per
-    host id (consecutive ranks share one)."""
-    uid, one_host = dfccl.UniqueId.create(), dfccl.UniqueId.create()
-    mp_context = mp.get_context("spawn")
-    results = mp_context.Queue()
-    procs = [mp_context.Process(target=_worker, args=(str(uid), str(one_host), r, nranks, scenario, results,
-                                                      per_host))
-             for r in range(nranks)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, what, info = results.get(timeout=600)
-            assert what == "ok", f"rank {rank}:\n{info}"
-            got[rank] = info
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
-
-
 @needs_ucx
 def test_every_ring_collective_bit_identical_to_one_host():
-    got = _run("sweep", 3)
+    got = run_ranks(sweep, 3)
     for r, info in got.items():
         assert info["path"] == "ring"
         assert info["transports"] == tuple("self" if p == r else "ucx" for p in range(3))
-        assert info["checked"] == len(_sweep_specs())
+        assert info["checked"] == len(sweep_specs())
 
 
 @needs_ucx
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_divergent_orders_complete(nranks):
-    got = _run("divergent", nranks)
+    got = run_ranks(divergent, nranks)
     assert all(info["checked"] == 60 for info in got.values())
 
 
 @needs_ucx
 def test_point_to_point_and_all_to_all_exact_across_hosts():
     """Two hosts of two ranks: every pair, local and remote, every dtype."""
-    got = _run("p2p_sweep", 4, per_host=2)
+    got = run_ranks(_p2p_sweep, 4, per_host=2)
     for r, info in got.items():
         assert info["transports"] == tuple("self" if p == r else "host" if p // 2 == r // 2 else "ucx"
                                            for p in range(4))
@@ -385,7 +271,7 @@ def test_point_to_point_and_all_to_all_divergent_with_collectives(nranks):
     """Sends, recvs and all-to-alls mixed with collectives in opposite orders
     on even and odd ranks, and a peer that posts its half only after its
     partner's collective completed: the waiting half is preempted."""
-    got = _run("p2p_divergent", nranks)
+    got = run_ranks(_p2p_divergent, nranks)
     assert all(info["checked"] == info["expected"] for info in got.values()), got
     assert got[1]["late_preempted"] > 0, got[1]
 
@@ -394,7 +280,7 @@ def test_point_to_point_and_all_to_all_divergent_with_collectives(nranks):
 def test_mismatches_across_hosts_fail_both_ranks():
     """A send / recv of different counts and all-to-all splits that disagree
     are MismatchError on both ranks, then the communicator goes on."""
-    got = _run("p2p_mismatch", 2)
+    got = run_ranks(_p2p_mismatch, 2)
     assert all(info["checked"] == 3 for info in got.values()), got
 
 
@@ -402,7 +288,7 @@ def test_mismatches_across_hosts_fail_both_ranks():
 def test_split_across_and_within_hosts():
     """Children spanning hosts take the network; children within a host the
     local paths; collectives, send / recv and all-to-all run in both."""
-    got = _run("split", 4, per_host=2)
+    got = run_ranks(_split, 4, per_host=2)
     for r, info in got.items():
         across, within = info["children"]
         assert across["transports"] == tuple("self" if p == r // 2 else "ucx" for p in range(2)), info
@@ -414,7 +300,7 @@ def test_split_across_and_within_hosts():
 def test_largest_sizes_bit_identical():
     """256 MiB broadcast and 64 MiB all_reduce across two hosts (the sweep
     stops at a few MiB)."""
-    got = _run("large", 2)
+    got = run_ranks(_large, 2)
     assert all(info["checked"] == 2 for info in got.values()), got
 
 
@@ -494,49 +380,6 @@ def test_transports_of_one_process(monkeypatch):
 
 
 # -- peer loss -------------------------------------------------------------------
-N_LOSS = 3
-VICTIM = 2
-
-
-def _loss_worker(uid: str, rank: int, peer_timeout: float, queue, leave, op: str = "all_reduce") -> None:
-    """``leave``: set once every survivor reported (a survivor that left
-    earlier would itself be a lost peer to a slower one)."""
-    try:
-        os.environ.update(UCX_ENV)
-        from dfccl.bench import arrays
-
-        comm = _comm(uid, rank, N_LOSS, f"host-{rank}", peer_timeout=peer_timeout)
-        x = arrays.from_numpy("sim", comm.device, np.ones(1 << 16, np.float32))
-        comm.all_reduce(x, tag="warm").synchronize(timeout=TIMEOUT)
-        if rank == VICTIM:
-            queue.put((rank, "ready", None))
-            time.sleep(120)    # the test kills or stops us
-            os._exit(0)
-        t0 = time.monotonic()
-        try:
-            if op == "recv":
-                work = comm.recv(x, VICTIM, tag="work")
-            elif op == "all_to_all":
-                send, recv = np.ones(N_LOSS << 16, np.float32), np.zeros(N_LOSS << 16, np.float32)
-                work = comm.all_to_all(send, recv, tag="work")
-            else:
-                work = comm.all_reduce(x, tag="work")
-            work.synchronize(timeout=TIMEOUT)
-            queue.put((rank, "error", "completed without the lost rank"))
-            leave.wait(60)
-            return
-        except dfccl.PeerLostError as exc:
-            elapsed, message = time.monotonic() - t0, str(exc)
-            assert exc.origin == VICTIM, exc
-        queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
-        queue.close()
-        queue.join_thread()
-        leave.wait(60)
-        os._exit(0)   # no close: the victim cannot take part in it
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-        leave.wait(60)
-
 
 @needs_ucx
 @pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "recv"),
@@ -545,35 +388,12 @@ def test_remote_peer_lost_within_peer_timeout(how, op):
     """A killed rank's connection drops (seen at once); a stopped one stops
     its heartbeat (seen within peer_timeout).  Survivors waiting in a
     collective, a recv from it or an all-to-all with it all see it."""
-    peer_timeout = 3.0
-    uid = dfccl.UniqueId.create()
-    mp_context = mp.get_context("spawn")
-    queue, leave = mp_context.Queue(), mp_context.Event()
-    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, peer_timeout, queue, leave, op), daemon=True)
-             for r in range(N_LOSS)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        deadline = time.monotonic() + 120
-        while len(results) < N_LOSS - 1 and time.monotonic() < deadline:
-            rank, what, info = queue.get(timeout=120)
-            if rank == VICTIM and what == "ready":
-                time.sleep(0.2)
-                os.kill(procs[VICTIM].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
-                continue
-            results[rank] = (what, info)
-    finally:
-        leave.set()
-        for p in procs:
-            if p.is_alive() and p.pid == procs[VICTIM].pid:
-                os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for r in range(N_LOSS - 1):
-        what, info = results[r]
-        assert what == "ok", f"rank {r}: {info}"
-        assert f"rank {VICTIM} is lost" in info["message"], info
-        # Killed: its connection resets at once; stopped: its heartbeat stops.
-        assert info["detected_s"] < (2.0 if how == "sigkill" else peer_timeout + 2.0), info
+    check_remote_loss(how, op)
+
+
+@needs_ucx
+def test_exchange_scenario_of_the_gpu_tests():
+    """The send / recv and all-to-all scenario tests/gpu/test_net_gpu.py
+    runs in device memory, here on the simulator."""
+    got = run_ranks(exchange, 2)
+    assert all(info["checked"] == 20 for info in got.values()), got

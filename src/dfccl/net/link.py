@@ -50,14 +50,15 @@ class NetLink:
         """Mirrors for the ``remote`` ranks (arenas of ``arena_bytes``) and
         a proxy for this rank's ``arena`` with ``nblocks`` queues.
 
+        Args:
+            arena: the host address of this rank's arena: host memory the
+                daemon maps (the simulator's device memory; on a GPU, a
+                HostArena), which the proxy reads and writes with plain
+                host loads and stores.
+
         Raises:
             NetUnavailableError: UCX or a C++ compiler is missing.
-            BackendError: the device cannot run the network path.
         """
-        if device.backend != "sim":
-            raise BackendError(
-                "dfccl: ranks on other hosts run on the simulator in this release; on GPUs the proxy needs to "
-                "land slices in device memory (docs/multi-node.md, 'Status')")
         lib = _declare(load())
         self = NetLink.__new__(NetLink)
         self._lib = lib

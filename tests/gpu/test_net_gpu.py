@@ -1,0 +1,47 @@
+"""Ranks on "different hosts" on a GPU: two processes (under MPS on one GPU)
+with different DFCCL_HOST_IDs reach each other only through the network
+proxy over UCX (TCP on loopback), their arenas in host shared memory.  The
+simulator's network scenarios (tests/net_scenarios.py): every collective
+and dtype bit-identical to the ring on one host, opposite orders and a
+queue on one tag, send / recv and all-to-all exact to the byte, and a
+remote rank killed or stopped is PeerLostError."""
+
+from __future__ import annotations
+
+import pytest
+
+from net_scenarios import check_remote_loss, divergent, exchange, needs_ucx, run_ranks, sweep, sweep_specs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(300), needs_ucx]
+
+#: Host memory per rank: its arena and a mirror of each remote peer's.
+OPTIONS = {"staging_bytes": 64 << 20}
+
+
+def _across_hosts(got: dict, nranks: int) -> None:
+    for r, info in got.items():
+        assert info["path"] == "ring", info
+        assert info["transports"] == tuple("self" if p == r else "ucx" for p in range(nranks)), info
+
+
+def test_every_collective_bit_identical_to_one_host_gpu():
+    got = run_ranks(sweep, 2, backend="cuda", **OPTIONS)
+    _across_hosts(got, 2)
+    assert all(info["checked"] == len(sweep_specs(2)) for info in got.values()), got
+
+
+def test_divergent_orders_complete_gpu():
+    got = run_ranks(divergent, 2, backend="cuda", **OPTIONS)
+    _across_hosts(got, 2)
+    assert all(info["checked"] == 60 for info in got.values()), got
+
+
+def test_point_to_point_and_all_to_all_exact_gpu():
+    got = run_ranks(exchange, 2, backend="cuda", **OPTIONS)
+    _across_hosts(got, 2)
+    assert all(info["checked"] == 20 for info in got.values()), got
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_remote_peer_lost_gpu(how):
+    check_remote_loss(how, "all_reduce", backend="cuda", nranks=2, **OPTIONS)

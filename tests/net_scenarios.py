@@ -1,0 +1,283 @@
+"""Ranks on "different hosts" (DFCCL_HOST_ID) in separate processes, every
+peer reached through the network proxy over UCX (TCP on loopback): the
+scenarios tests/sim/test_net_sim.py runs on the simulator and
+tests/gpu/test_net_gpu.py on a GPU (two processes under MPS).  A scenario
+is a module-level function ``(comm, ctx) -> dict`` run in every rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import dfccl
+from dfccl.scenarios import SENTINEL
+
+__all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
+           "exchange", "run_ranks", "check_remote_loss"]
+
+needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
+                               reason='the network path needs UCX: pip install "dfccl[net]"')
+
+TIMEOUT = 60
+#: UCX over TCP on loopback, whatever else this machine offers.
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+@dataclass
+class RankContext:
+    rank: int
+    nranks: int
+    backend: str
+    one_host_uid: str     # a second communicator's id, all ranks on one host id
+    options: dict
+
+
+def net_comm(uid: str, rank: int, nranks: int, host: str, backend: str = "sim", **options):
+    """Rank ``rank`` on host id ``host``: simulated device 4200 + rank, or
+    GPU 0 (every rank of a GPU test shares it under MPS)."""
+    os.environ["DFCCL_HOST_ID"] = host
+    device = 4200 + rank if backend == "sim" else 0
+    return dfccl.Communicator(dfccl.UniqueId.from_string(uid), rank, nranks, backend=backend, device=device,
+                              options=dfccl.CommOptions(**options), timeout=TIMEOUT)
+
+
+def sweep_specs(nranks: int = 3, large_bytes: int = 3 << 20):
+    """(spec, in_place) of the correctness sweep of ``nranks`` ranks: every
+    kind and dtype at sizes across the slice and the channels,
+    ``large_bytes`` for some, the roots taking turns."""
+    from dfccl_support import scenarios as sc
+
+    out = []
+    for k, kind in enumerate(sc.KINDS):
+        for d, dtype in enumerate(sc.DTYPES):
+            esize = np.dtype(dtype).itemsize
+            counts = [1, 4099]
+            if d % 3 == k % 3:
+                counts.append(large_bytes // esize + 5)     # odd count
+            for j, count in enumerate(counts):
+                op = "sum" if kind in ("all_gather", "broadcast") else sc.OPS[(k + d + j) % len(sc.OPS)]
+                spec = sc.Spec(("net", kind, dtype, count), kind, count, dtype, op, root=(k + d + j) % nranks)
+                out.append((spec, kind != "reduce" and (d + j) % 2 == 1))
+    return out
+
+
+def sweep(comm, ctx: RankContext) -> dict:
+    """The sweep, each collective compared bit for bit with the same one on
+    one host (the ring path, no network)."""
+    from dfccl.bench import arrays
+    from dfccl_support import scenarios as sc
+
+    local = net_comm(ctx.one_host_uid, ctx.rank, ctx.nranks, "one-host", ctx.backend, path="ring", **ctx.options)
+    checked = 0
+    try:
+        for i, (spec, in_place) in enumerate(sweep_specs(ctx.nranks)):
+            net = sc.RankInstance(spec, comm, 7000 + i, in_place=in_place)
+            net.submit().synchronize(timeout=TIMEOUT)
+            net.verify()
+            ref = sc.RankInstance(spec, local, 7000 + i, in_place=in_place)
+            ref.submit().synchronize(timeout=TIMEOUT)
+            got, want = arrays.to_numpy(net.recv), arrays.to_numpy(ref.recv)
+            assert got.tobytes() == want.tobytes(), f"{spec.tag}: not bit-identical to one host"
+            checked += 1
+    finally:
+        local.close()
+    return {"checked": checked}
+
+
+def divergent(comm, ctx: RankContext) -> dict:
+    """Tags in opposite orders on even and odd ranks (hangs NCCL), then a
+    queue of 50 on one tag behind them."""
+    from dfccl_support import scenarios as sc
+
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+    specs = [sc.Spec(("d", i), kinds[i % 5], 1000 + 97 * i, "float32", "sum", root=i % ctx.nranks)
+             for i in range(10)]
+    insts = [sc.RankInstance(s, comm, 100 + i) for i, s in enumerate(specs)]
+    order = insts if ctx.rank % 2 == 0 else insts[::-1]
+    works = [i.submit() for i in order]
+    queue = [sc.RankInstance(sc.Spec("q", "all_reduce", 3000, "int32"), comm, 500 + i) for i in range(50)]
+    works += [i.submit() for i in queue]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for i in insts + queue:
+        i.verify()
+    return {"checked": len(insts) + len(queue), "preemptions": sum(w.stats["preemptions"] for w in works)}
+
+
+def _payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarray:
+    """What ``src`` sends ``dst``: random bytes (any bit pattern, NaNs
+    included: a move must keep every bit)."""
+    rng = np.random.default_rng([seed, src, dst])
+    return rng.integers(0, 256, count * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+
+
+def exchange(comm, ctx: RankContext) -> dict:
+    """Send / recv between every pair (recvs first on even ranks, last on
+    odd ones) and all-to-alls, even and uneven, in the backend's memory:
+    every byte as sent."""
+    from dfccl.bench import arrays
+
+    r, n = comm.rank, comm.world_size
+    peers = [p for p in range(n) if p != r]
+    checked = 0
+    for d, dtype in enumerate(("float32", "int8", "float64", "float16")):
+        for j, count in enumerate((1, 4099, (1 << 20) // np.dtype(dtype).itemsize + 3)):
+            seed = 100 * d + j
+            sends = {p: arrays.from_numpy(ctx.backend, comm.device, _payload(r, p, count, dtype, seed)) for p in peers}
+            recvs = {p: arrays.empty(ctx.backend, comm.device, count, dtype, fill=SENTINEL) for p in peers}
+            posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
+            if r % 2:
+                posted.reverse()
+            works = [comm.recv(recvs[p], p) if k == "recv" else comm.send(sends[p], p) for k, p in posted]
+            for w in works:
+                w.synchronize(timeout=TIMEOUT)
+            for p in peers:
+                got = arrays.to_numpy(recvs[p])
+                assert got.tobytes() == _payload(p, r, count, dtype, seed).tobytes(), f"{dtype} x{count} from {p}"
+            checked += 1
+        # All-to-all, then uneven splits with a zero among them.
+        for uneven in (False, True):
+            counts = [[(a * 7 + b * 3 + d) % 5 * 1000 + (a == b) * 3 if uneven else 3000 for b in range(n)]
+                      for a in range(n)]
+            send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
+            seed = 9000 + 10 * d + uneven
+            host = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
+            send = arrays.from_numpy(ctx.backend, comm.device, host)
+            recv = arrays.empty(ctx.backend, comm.device, sum(recv_splits), dtype, fill=SENTINEL)
+            work = comm.all_to_all_single(send, recv, send_splits=send_splits, recv_splits=recv_splits) if uneven \
+                else comm.all_to_all(send, recv)
+            work.synchronize(timeout=TIMEOUT)
+            want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
+            assert arrays.to_numpy(recv).tobytes() == want.tobytes(), f"all_to_all {dtype} {counts}"
+            checked += 1
+    return {"checked": checked}
+
+
+def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int) -> None:
+    try:
+        os.environ.update(UCX_ENV)
+        comm = net_comm(uid, ctx.rank, ctx.nranks, f"host-{ctx.rank // per_host}", ctx.backend, **ctx.options)
+        out = {"path": comm.path, "transports": comm.transports}
+        out.update(scenario(comm, ctx))
+        comm.close()
+        results.put((ctx.rank, "ok", out))
+    except BaseException:
+        results.put((ctx.rank, "error", traceback.format_exc()))
+
+
+def run_ranks(scenario, nranks: int, per_host: int = 1, backend: str = "sim", **options) -> dict:
+    """Runs ``scenario`` on ``nranks`` processes, ``per_host`` ranks per
+    host id (consecutive ranks share one); every rank's result by rank."""
+    uid, one_host = dfccl.UniqueId.create(), dfccl.UniqueId.create()
+    mp_context = mp.get_context("spawn")
+    results = mp_context.Queue()
+    procs = [mp_context.Process(target=_worker, args=(str(uid), RankContext(r, nranks, backend, str(one_host), options),
+                                                      scenario, results, per_host))
+             for r in range(nranks)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, what, info = results.get(timeout=600)
+            assert what == "ok", f"rank {rank}:\n{info}"
+            got[rank] = info
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+# -- peer loss -------------------------------------------------------------------
+
+def _loss_worker(uid: str, rank: int, nranks: int, victim: int, backend: str, peer_timeout: float, queue, leave,
+                 op: str, options: dict) -> None:
+    """``leave``: set once every survivor reported (a survivor that left
+    earlier would itself be a lost peer to a slower one)."""
+    try:
+        os.environ.update(UCX_ENV)
+        from dfccl.bench import arrays
+
+        comm = net_comm(uid, rank, nranks, f"host-{rank}", backend, peer_timeout=peer_timeout, **options)
+        x = arrays.from_numpy(backend, comm.device, np.ones(1 << 16, np.float32))
+        comm.all_reduce(x, tag="warm").synchronize(timeout=TIMEOUT)
+        if rank == victim:
+            queue.put((rank, "ready", None))
+            time.sleep(120)    # the test kills or stops us
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            if op == "recv":
+                work = comm.recv(x, victim, tag="work")
+            elif op == "all_to_all":
+                send = arrays.from_numpy(backend, comm.device, np.ones(nranks << 16, np.float32))
+                recv = arrays.empty(backend, comm.device, nranks << 16, np.float32, fill=0)
+                work = comm.all_to_all(send, recv, tag="work")
+            else:
+                work = comm.all_reduce(x, tag="work")
+            work.synchronize(timeout=TIMEOUT)
+            queue.put((rank, "error", "completed without the lost rank"))
+            leave.wait(60)
+            return
+        except dfccl.PeerLostError as exc:
+            elapsed, message = time.monotonic() - t0, str(exc)
+            assert exc.origin == victim, exc
+        queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
+        queue.close()
+        queue.join_thread()
+        leave.wait(60)
+        os._exit(0)   # no close: the victim cannot take part in it
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        leave.wait(60)
+
+
+def check_remote_loss(how: str, op: str, backend: str = "sim", nranks: int = 3, peer_timeout: float = 3.0,
+                      **options) -> dict:
+    """The last rank, each rank on a host of its own, is killed (its
+    connection drops: seen at once) or stopped (its heartbeat stops: seen
+    within ``peer_timeout``) while the others wait for it in ``op``;
+    asserts each survivor's PeerLostError and returns what they reported."""
+    victim = nranks - 1
+    uid = dfccl.UniqueId.create()
+    mp_context = mp.get_context("spawn")
+    queue, leave = mp_context.Queue(), mp_context.Event()
+    procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, nranks, victim, backend, peer_timeout, queue,
+                                                           leave, op, options), daemon=True)
+             for r in range(nranks)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(results) < nranks - 1 and time.monotonic() < deadline:
+            rank, what, info = queue.get(timeout=120)
+            if rank == victim and what == "ready":
+                time.sleep(0.2)
+                os.kill(procs[victim].pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+                continue
+            results[rank] = (what, info)
+    finally:
+        leave.set()
+        for p in procs:
+            if p.is_alive() and p.pid == procs[victim].pid:
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r in range(nranks - 1):
+        what, info = results[r]
+        assert what == "ok", f"rank {r}: {info}"
+        assert f"rank {victim} is lost" in info["message"], info
+        assert info["detected_s"] < (2.0 if how == "sigkill" else peer_timeout + 2.0), info
+    return {r: info for r, (_what, info) in results.items()}
