@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations: no dfccl imports but these", {
         "dfccl.errors", "dfccl._deprecated", "dfccl.processes", "dfccl.shared_files", "dfccl.termination",
         "dfccl.policy", "dfccl.kernel_image", "dfccl.launch", "dfccl.staging", "dfccl.store", "dfccl.streams",
-        "dfccl.net", "dfccl.net.host", "dfccl.net._build", "dfccl.net.link", "dfccl.net.__main__"}),
+        "dfccl.net", "dfccl.net.host", "dfccl.net._build", "dfccl.net.link", "dfccl.net.__main__", "dfccl.host_arena"}),
     ("native runtime (Cython)", {
         "dfccl._native", "dfccl._native.layout", "dfccl._native.array_view", "dfccl._native.device",
         "dfccl._native.work", "dfccl._native.tag_instances", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",

@@ -34,7 +34,7 @@ from dfccl._native.device cimport Device
 from dfccl._native.core cimport SLOT_BUSY, daemon_core, slot_rec
 from dfccl._native.descriptor cimport TaskDescriptor
 from dfccl._native.completion cimport hold_for_stream, stream_wait
-from dfccl._native.hotpath cimport submit, submitted_t
+from dfccl._native.hotpath cimport check_graph_failures, submit, submitted_t
 from dfccl._native.daemon_memory cimport daemon_memory, lay_out
 from dfccl._native.endpoints cimport DaemonEndpoints
 from dfccl._native.graphs cimport GraphCaptures, new_graph_captures
@@ -185,9 +185,10 @@ cdef class Daemon(DaemonEndpoints):
         cdef Work work = None
         if task.plan.core != self.c:
             self._bind(task)
-        if self.c.ctrl.graph_failed != 0 or self.c.n_graph_errors != 0:
-            self.check_graphs(task.plan.desc.endpoint)
         if has_stream and self.device.stream_capturing(stream):
+            # A capture publishes nothing, so it checks for failed replays here.
+            if check_graph_failures(self.c, task.plan.desc.endpoint) < 0:
+                raise take_error()
             return self._capture(task, send_addr, recv_addr, stream, owners)
         with nogil:
             rc = submit(self.c, &task.plan, send_addr, recv_addr, has_stream, stream, True, raw, &out)

@@ -15,3 +15,6 @@ cdef struct submitted_t:
 
 cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
                 bint by_work, PyObject *raw, submitted_t *out) noexcept nogil
+
+
+cdef int check_graph_failures(daemon_core *c, uint32_t endpoint) noexcept nogil

@@ -229,6 +229,16 @@ cdef int _graph_failed(daemon_core *c, uint32_t endpoint) noexcept with gil:
         return record_error(exc)
 
 
+cdef int check_graph_failures(daemon_core *c, uint32_t endpoint) noexcept nogil:
+    """The next call of a rank raises a failed replay of its captured
+    collectives (-1, its error kept for this thread): every submission,
+    from Python or C, captured or not, checks here first.  Two loads while
+    nothing failed (the flag is in host memory the daemon writes)."""
+    if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
+        return _graph_failed(c, endpoint)
+    return 0
+
+
 cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_addr, bint has_stream, uint64_t stream,
                 bint by_work, PyObject *raw, submitted_t *out) noexcept nogil:
     """Publishes one instance of ``p`` to the daemon at the given buffers
@@ -239,12 +249,9 @@ cdef int submit(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t recv_add
     out.gen = 0
     if c.closed or c.device_fault or p.tags.closed or p.desc.nchannels < 1 or p.desc.nchannels > c.nblocks:
         return refusal(c, p.desc.nchannels, p.tags.closed)
-    if c.n_graph_slots != 0:
-        # Captured collectives exist: a replay's failure is raised here.
-        if c.ctrl.graph_failed != 0 or c.n_graph_errors != 0:
-            rc = _graph_failed(c, p.desc.endpoint)
-            if rc < 0:
-                return rc
+    rc = check_graph_failures(c, p.desc.endpoint)
+    if rc < 0:
+        return rc
     if has_stream and not by_work and (<Device>c.device).try_stream_capturing(stream) != 0:
         # Capturing (or the query failed, which the slow path raises).  A
         # Work's submission under capture never gets here (Daemon._submit).
