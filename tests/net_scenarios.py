@@ -21,7 +21,8 @@ import dfccl
 from dfccl.scenarios import SENTINEL
 
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
-           "exchange", "run_ranks", "check_remote_loss"]
+           "send_recv_every_pair", "all_to_all_checked", "exchange", "split_children", "run_ranks",
+           "check_remote_loss"]
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')
@@ -119,46 +120,80 @@ def _payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarra
     return rng.integers(0, 256, count * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
 
 
-def exchange(comm, ctx: RankContext) -> dict:
+def send_recv_every_pair(comm, backend: str, count: int, dtype: str, seed: int) -> None:
     """Send / recv between every pair (recvs first on even ranks, last on
-    odd ones) and all-to-alls, even and uneven, in the backend's memory:
-    every byte as sent."""
+    odd ones) in the backend's memory; checks every byte."""
     from dfccl.bench import arrays
 
     r, n = comm.rank, comm.world_size
     peers = [p for p in range(n) if p != r]
-    checked = 0
+    sends = {p: arrays.from_numpy(backend, comm.device, _payload(r, p, count, dtype, seed)) for p in peers}
+    recvs = {p: arrays.empty(backend, comm.device, count, dtype, fill=SENTINEL) for p in peers}
+    posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
+    if r % 2:
+        posted.reverse()
+    works = [comm.recv(recvs[p], p) if k == "recv" else comm.send(sends[p], p) for k, p in posted]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for p in peers:
+        got = arrays.to_numpy(recvs[p])
+        assert got.tobytes() == _payload(p, r, count, dtype, seed).tobytes(), f"{dtype} x{count} from {p}"
+
+
+def all_to_all_checked(comm, backend: str, counts: list[list[int]], dtype: str, seed: int) -> None:
+    """An all-to-all where rank a sends counts[a][b] elements to rank b (the
+    even form where all counts agree), in the backend's memory; checks
+    every byte."""
+    from dfccl.bench import arrays
+
+    r, n = comm.rank, comm.world_size
+    send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
+    host = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
+    send = arrays.from_numpy(backend, comm.device, host)
+    recv = arrays.empty(backend, comm.device, sum(recv_splits), dtype, fill=SENTINEL)
+    if len(set(send_splits + recv_splits)) == 1:
+        work = comm.all_to_all(send, recv)
+    else:
+        work = comm.all_to_all_single(send, recv, send_splits=send_splits, recv_splits=recv_splits)
+    work.synchronize(timeout=TIMEOUT)
+    want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
+    assert arrays.to_numpy(recv).tobytes() == want.tobytes(), f"all_to_all {dtype} {counts}"
+
+
+def exchange(comm, ctx: RankContext) -> dict:
+    """Send / recv between every pair and all-to-alls, even and uneven (a
+    zero among the splits), of four dtypes up to 1 MiB: every byte as sent."""
+    n, checked = comm.world_size, 0
     for d, dtype in enumerate(("float32", "int8", "float64", "float16")):
         for j, count in enumerate((1, 4099, (1 << 20) // np.dtype(dtype).itemsize + 3)):
-            seed = 100 * d + j
-            sends = {p: arrays.from_numpy(ctx.backend, comm.device, _payload(r, p, count, dtype, seed)) for p in peers}
-            recvs = {p: arrays.empty(ctx.backend, comm.device, count, dtype, fill=SENTINEL) for p in peers}
-            posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
-            if r % 2:
-                posted.reverse()
-            works = [comm.recv(recvs[p], p) if k == "recv" else comm.send(sends[p], p) for k, p in posted]
-            for w in works:
-                w.synchronize(timeout=TIMEOUT)
-            for p in peers:
-                got = arrays.to_numpy(recvs[p])
-                assert got.tobytes() == _payload(p, r, count, dtype, seed).tobytes(), f"{dtype} x{count} from {p}"
+            send_recv_every_pair(comm, ctx.backend, count, dtype, 100 * d + j)
             checked += 1
-        # All-to-all, then uneven splits with a zero among them.
         for uneven in (False, True):
             counts = [[(a * 7 + b * 3 + d) % 5 * 1000 + (a == b) * 3 if uneven else 3000 for b in range(n)]
                       for a in range(n)]
-            send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
-            seed = 9000 + 10 * d + uneven
-            host = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
-            send = arrays.from_numpy(ctx.backend, comm.device, host)
-            recv = arrays.empty(ctx.backend, comm.device, sum(recv_splits), dtype, fill=SENTINEL)
-            work = comm.all_to_all_single(send, recv, send_splits=send_splits, recv_splits=recv_splits) if uneven \
-                else comm.all_to_all(send, recv)
-            work.synchronize(timeout=TIMEOUT)
-            want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
-            assert arrays.to_numpy(recv).tobytes() == want.tobytes(), f"all_to_all {dtype} {counts}"
+            all_to_all_checked(comm, ctx.backend, counts, dtype, 9000 + 10 * d + uneven)
             checked += 1
     return {"checked": checked}
+
+
+def split_children(comm, ctx: RankContext) -> dict:
+    """Ranks 0, 1 on one host and 2, 3 on another: children {0, 2}, {1, 3}
+    span hosts, children {0, 1}, {2, 3} do not; each runs an all-reduce,
+    send / recv and an all-to-all, then closes."""
+    from dfccl_support import scenarios as sc
+
+    r = comm.rank
+    children = []
+    for color in (r % 2, r // 2):
+        child = comm.split(color)
+        inst = sc.RankInstance(sc.Spec(("split", color), "all_reduce", 10000, "float32"), child, 40 + color)
+        inst.submit().synchronize(timeout=TIMEOUT)
+        inst.verify()
+        send_recv_every_pair(child, ctx.backend, 20000, "uint32", 60 + color)
+        all_to_all_checked(child, ctx.backend, [[3000] * 2] * 2, "float32", 80 + color)
+        children.append({"transports": child.transports, "path": child.path})
+        child.close()
+    return {"children": children}
 
 
 def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from net_scenarios import check_remote_loss, divergent, exchange, needs_ucx, run_ranks, sweep, sweep_specs
+from net_scenarios import (check_remote_loss, divergent, exchange, needs_ucx, run_ranks, split_children, sweep,
+                           sweep_specs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(300), needs_ucx]
 
@@ -40,6 +41,18 @@ def test_point_to_point_and_all_to_all_exact_gpu():
     got = run_ranks(exchange, 2, backend="cuda", **OPTIONS)
     _across_hosts(got, 2)
     assert all(info["checked"] == 20 for info in got.values()), got
+
+
+def test_split_across_and_within_hosts_gpu():
+    """Four processes, two per host id: children spanning hosts take the
+    network (host arenas), children within a host the local paths (device
+    arenas through CUDA IPC)."""
+    got = run_ranks(split_children, 4, per_host=2, backend="cuda", **OPTIONS)
+    for r, info in got.items():
+        across, within = info["children"]
+        assert across["transports"] == tuple("self" if p == r // 2 else "ucx" for p in range(2)), info
+        assert across["path"] == "ring"
+        assert "ucx" not in within["transports"] and within["path"] != "ring", info
 
 
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])

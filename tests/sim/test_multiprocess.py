@@ -227,6 +227,10 @@ def _queue_depth(comm, seed: int, ntags: int = 60, queued: int = 60) -> int:
     pool = comm._endpoint.staging
     reserved = 0     # the most reserved FIFOs held at once
     pending = {}
+    # Every rank starts queueing together: a rank that came late would find
+    # its peer's half queued, and each of its collectives could complete
+    # (and give its staging back) before it queued the next.
+    comm.barrier(tag="depth-start").synchronize(timeout=TIMEOUT)
     for i in range(ntags) if r % 2 == 0 else reversed(range(ntags)):
         pending[i] = submit(i, ("depth", i))
         reserved = max(reserved, pool.blocks - pool.free_blocks)

@@ -21,8 +21,8 @@ import pytest
 
 import dfccl
 from dfccl.scenarios import DTYPES, SENTINEL
-from net_scenarios import (TIMEOUT, UCX_ENV, check_remote_loss, divergent, exchange, needs_ucx, run_ranks, sweep,
-                           sweep_specs)
+from net_scenarios import (TIMEOUT, UCX_ENV, check_remote_loss, divergent, exchange, needs_ucx, run_ranks,
+                           split_children, sweep, sweep_specs)
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
 
@@ -202,26 +202,6 @@ def _p2p_mismatch(comm, ctx) -> dict:
     return {"checked": 3}
 
 
-def _split(comm, ctx) -> dict:
-    """Ranks 0, 1 on one host and 2, 3 on another: children {0, 2}, {1, 3}
-    span hosts, children {0, 1}, {2, 3} do not."""
-    from dfccl_support import scenarios as sc
-    r = comm.rank
-    children = []
-    for color in (r % 2, r // 2):
-        child = comm.split(color)
-        inst = sc.RankInstance(sc.Spec(("split", color), "all_reduce", 10000, "float32"), child, 40 + color)
-        inst.submit().synchronize(timeout=TIMEOUT)
-        inst.verify()
-        _exchange(child, 20000, "uint32", 60 + color)
-        work, check, _keep = _all_to_all(child, [[3000] * 2] * 2, "float32", 80 + color)
-        work.synchronize(timeout=TIMEOUT)
-        check()
-        children.append({"transports": child.transports, "path": child.path})
-        child.close()
-    return {"children": children}
-
-
 def _large(comm, ctx) -> dict:
     """256 MiB broadcast (exact: the root's bytes) and a 64 MiB all_reduce
     (the same sum as the ring on one host, checked against numpy's)."""
@@ -288,7 +268,7 @@ def test_mismatches_across_hosts_fail_both_ranks():
 def test_split_across_and_within_hosts():
     """Children spanning hosts take the network; children within a host the
     local paths; collectives, send / recv and all-to-all run in both."""
-    got = run_ranks(_split, 4, per_host=2)
+    got = run_ranks(split_children, 4, per_host=2)
     for r, info in got.items():
         across, within = info["children"]
         assert across["transports"] == tuple("self" if p == r // 2 else "ucx" for p in range(2)), info
