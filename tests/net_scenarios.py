@@ -21,8 +21,8 @@ import dfccl
 from dfccl.scenarios import SENTINEL
 
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
-           "send_recv_every_pair", "all_to_all_checked", "exchange", "split_children", "run_ranks",
-           "check_remote_loss"]
+           "storage", "payload", "same_bytes", "send_recv_every_pair", "start_all_to_all", "all_to_all_checked",
+           "exchange", "split_children", "run_ranks", "check_remote_loss"]
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')
@@ -113,51 +113,80 @@ def divergent(comm, ctx: RankContext) -> dict:
     return {"checked": len(insts) + len(queue), "preemptions": sum(w.stats["preemptions"] for w in works)}
 
 
-def _payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarray:
+def storage(dtype: str) -> np.dtype:
+    """How the host holds elements of ``dtype`` (bfloat16 as uint16)."""
+    return np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+
+
+def payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarray:
     """What ``src`` sends ``dst``: random bytes (any bit pattern, NaNs
     included: a move must keep every bit)."""
     rng = np.random.default_rng([seed, src, dst])
-    return rng.integers(0, 256, count * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
+    return rng.integers(0, 256, count * storage(dtype).itemsize, dtype=np.uint8).view(storage(dtype))
 
 
-def send_recv_every_pair(comm, backend: str, count: int, dtype: str, seed: int) -> None:
+def same_bytes(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.tobytes() == want.tobytes(), f"{what}: not the bytes sent"
+
+
+def _buffer(arr, dtype: str):
+    """What a call takes: the array itself, or for bfloat16 a Buffer over it
+    (its host storage is uint16)."""
+    if dtype != "bfloat16":
+        return arr
+    if isinstance(arr, np.ndarray):
+        return dfccl.Buffer.from_pointer(arr.ctypes.data, arr.size, dtype, owner=arr)
+    return dfccl.Buffer.from_pointer(arr.ptr, arr.count, dtype, device=arr.device, owner=arr)
+
+
+def send_recv_every_pair(comm, backend: str, count: int, dtype: str, seed: int, tag=None) -> None:
     """Send / recv between every pair (recvs first on even ranks, last on
     odd ones) in the backend's memory; checks every byte."""
     from dfccl.bench import arrays
 
     r, n = comm.rank, comm.world_size
     peers = [p for p in range(n) if p != r]
-    sends = {p: arrays.from_numpy(backend, comm.device, _payload(r, p, count, dtype, seed)) for p in peers}
-    recvs = {p: arrays.empty(backend, comm.device, count, dtype, fill=SENTINEL) for p in peers}
+    sends = {p: arrays.from_numpy(backend, comm.device, payload(r, p, count, dtype, seed)) for p in peers}
+    recvs = {p: arrays.empty(backend, comm.device, count, storage(dtype), fill=SENTINEL) for p in peers}
     posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
     if r % 2:
         posted.reverse()
-    works = [comm.recv(recvs[p], p) if k == "recv" else comm.send(sends[p], p) for k, p in posted]
+    works = [comm.recv(_buffer(recvs[p], dtype), p, tag=tag) if k == "recv" else
+             comm.send(_buffer(sends[p], dtype), p, tag=tag) for k, p in posted]
     for w in works:
         w.synchronize(timeout=TIMEOUT)
     for p in peers:
-        got = arrays.to_numpy(recvs[p])
-        assert got.tobytes() == _payload(p, r, count, dtype, seed).tobytes(), f"{dtype} x{count} from {p}"
+        same_bytes(arrays.to_numpy(recvs[p]), payload(p, r, count, dtype, seed), f"{dtype} x{count} from {p}")
 
 
-def all_to_all_checked(comm, backend: str, counts: list[list[int]], dtype: str, seed: int) -> None:
+def start_all_to_all(comm, backend: str, counts: list[list[int]], dtype: str, seed: int, tag=None):
     """An all-to-all where rank a sends counts[a][b] elements to rank b (the
-    even form where all counts agree), in the backend's memory; checks
-    every byte."""
+    even form where all counts agree), in the backend's memory; returns its
+    work and its check (which keeps the buffers alive)."""
     from dfccl.bench import arrays
 
     r, n = comm.rank, comm.world_size
     send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
-    host = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
+    host = np.concatenate([payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
     send = arrays.from_numpy(backend, comm.device, host)
-    recv = arrays.empty(backend, comm.device, sum(recv_splits), dtype, fill=SENTINEL)
+    recv = arrays.empty(backend, comm.device, sum(recv_splits), storage(dtype), fill=SENTINEL)
+    sbuf, rbuf = _buffer(send, dtype), _buffer(recv, dtype)
     if len(set(send_splits + recv_splits)) == 1:
-        work = comm.all_to_all(send, recv)
+        work = comm.all_to_all(sbuf, rbuf, tag=tag)
     else:
-        work = comm.all_to_all_single(send, recv, send_splits=send_splits, recv_splits=recv_splits)
+        work = comm.all_to_all_single(sbuf, rbuf, send_splits=send_splits, recv_splits=recv_splits, tag=tag)
+    want = np.concatenate([payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
+
+    def check(send=send):   # holds the send buffer until the check is dropped
+        same_bytes(arrays.to_numpy(recv), want, f"all_to_all {dtype} {counts}")
+    return work, check
+
+
+def all_to_all_checked(comm, backend: str, counts: list[list[int]], dtype: str, seed: int, tag=None) -> None:
+    """start_all_to_all, waited for and checked."""
+    work, check = start_all_to_all(comm, backend, counts, dtype, seed, tag)
     work.synchronize(timeout=TIMEOUT)
-    want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
-    assert arrays.to_numpy(recv).tobytes() == want.tobytes(), f"all_to_all {dtype} {counts}"
+    check()
 
 
 def exchange(comm, ctx: RankContext) -> dict:

@@ -21,8 +21,9 @@ import pytest
 
 import dfccl
 from dfccl.scenarios import DTYPES, SENTINEL
-from net_scenarios import (TIMEOUT, UCX_ENV, check_remote_loss, divergent, exchange, needs_ucx, run_ranks,
-                           split_children, sweep, sweep_specs)
+from net_scenarios import (TIMEOUT, UCX_ENV, all_to_all_checked, check_remote_loss, divergent, exchange, needs_ucx,
+                           payload, run_ranks, same_bytes, send_recv_every_pair, split_children, start_all_to_all,
+                           storage, sweep, sweep_specs)
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
 
@@ -30,27 +31,9 @@ from net_scenarios import (TIMEOUT, UCX_ENV, check_remote_loss, divergent, excha
 P2P_DTYPES = DTYPES + ("bfloat16",)
 
 
-def _storage(dtype: str) -> np.dtype:
-    return np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
-
-
-def _payload(src: int, dst: int, count: int, dtype: str, seed: int) -> np.ndarray:
-    """What ``src`` sends ``dst``: random bytes (any bit pattern, NaNs
-    included: a move must keep every bit)."""
-    rng = np.random.default_rng([seed, src, dst])
-    return rng.integers(0, 256, count * _storage(dtype).itemsize, dtype=np.uint8).view(_storage(dtype))
-
-
-def _buf(host: np.ndarray, dtype: str):
-    """The simulator moves host memory: the array itself, or for bfloat16 a
-    Buffer over it."""
-    return dfccl.Buffer.from_pointer(host.ctypes.data, host.size, dtype, owner=host) if dtype == "bfloat16" \
-        else host
-
-
 def _p2p_counts(d: int, dtype: str) -> list[int]:
     """Message sizes of dtype number ``d``: none, one, a few slices, a few MiB for every third."""
-    return [0, 1, 4099] + ([(3 << 20) // _storage(dtype).itemsize + 5] if d % 3 == 0 else [])
+    return [0, 1, 4099] + ([(3 << 20) // storage(dtype).itemsize + 5] if d % 3 == 0 else [])
 
 
 #: Checks per rank of the p2p sweep: per dtype and size a send / recv to
@@ -58,57 +41,17 @@ def _p2p_counts(d: int, dtype: str) -> list[int]:
 P2P_CHECKS = sum(2 * len(_p2p_counts(d, dtype)) + 1 for d, dtype in enumerate(P2P_DTYPES))
 
 
-def _same_bytes(host: np.ndarray, want: np.ndarray, what: str) -> None:
-    assert host.tobytes() == want.tobytes(), f"{what}: not the bytes sent"
-
-
-def _exchange(comm, count: int, dtype: str, seed: int, tag=None) -> None:
-    """Every rank sends every other rank a message and receives one from each,
-    recvs posted first on even ranks and last on odd ones; checks what came."""
-    r, peers = comm.rank, [p for p in range(comm.world_size) if p != comm.rank]
-    sends = {p: _payload(r, p, count, dtype, seed) for p in peers}
-    recvs = {p: np.full(count, SENTINEL, _storage(dtype)) for p in peers}
-    posted = [("recv", p) for p in peers] + [("send", p) for p in peers]
-    if r % 2:
-        posted.reverse()
-    works = [comm.recv(_buf(recvs[p], dtype), p, tag=tag) if k == "recv" else
-             comm.send(_buf(sends[p], dtype), p, tag=tag) for k, p in posted]
-    for w in works:
-        w.synchronize(timeout=TIMEOUT)
-    for p in peers:
-        _same_bytes(recvs[p], _payload(p, r, count, dtype, seed), f"{dtype} x{count} from {p}")
-
-
-def _all_to_all(comm, counts: list[list[int]], dtype: str, seed: int, tag=None):
-    """An all-to-all where rank a sends counts[a][b] elements to rank b;
-    returns its work and its check."""
-    r, n = comm.rank, comm.world_size
-    send_splits, recv_splits = counts[r], [counts[p][r] for p in range(n)]
-    send = np.concatenate([_payload(r, p, send_splits[p], dtype, seed) for p in range(n)])
-    recv = np.full(sum(recv_splits), SENTINEL, _storage(dtype))
-    even = len(set(send_splits + recv_splits)) == 1
-    sbuf, rbuf = _buf(send, dtype), _buf(recv, dtype)
-    work = comm.all_to_all(sbuf, rbuf, tag=tag) if even else \
-        comm.all_to_all_single(sbuf, rbuf, send_splits=send_splits, recv_splits=recv_splits, tag=tag)
-    want = np.concatenate([_payload(p, r, recv_splits[p], dtype, seed) for p in range(n)])
-    return work, (lambda: _same_bytes(recv, want, f"all_to_all {dtype} {counts}")), (send, recv)
-
-
 def _p2p_sweep(comm, ctx) -> dict:
     n, checked = comm.world_size, 0
     for d, dtype in enumerate(P2P_DTYPES):
         for j, count in enumerate(_p2p_counts(d, dtype)):
-            _exchange(comm, count, dtype, 100 * d + j)
+            send_recv_every_pair(comm, "sim", count, dtype, 100 * d + j)
             checked += 1
-            work, check, _keep = _all_to_all(comm, [[count] * n] * n, dtype, 5000 + 100 * d + j)
-            work.synchronize(timeout=TIMEOUT)
-            check()
+            all_to_all_checked(comm, "sim", [[count] * n] * n, dtype, 5000 + 100 * d + j)
             checked += 1
         # Uneven splits, zeros among them.
         counts = [[(a * 7 + b * 3 + d) % 5 * 1000 + (a == b) * 3 for b in range(n)] for a in range(n)]
-        work, check, _keep = _all_to_all(comm, counts, dtype, 9000 + d)
-        work.synchronize(timeout=TIMEOUT)
-        check()
+        all_to_all_checked(comm, "sim", counts, dtype, 9000 + d)
         checked += 1
     return {"checked": checked}
 
@@ -129,18 +72,18 @@ def _p2p_divergent(comm, ctx) -> dict:
             ops.append([inst.submit])
             checks.append(inst.verify)
         elif i % 3 == 1:
-            x = _payload(r, nxt, 5000 + i, "int32", i)
+            x = payload(r, nxt, 5000 + i, "int32", i)
             y = np.full(5000 + i, SENTINEL, np.int32)
             keep += [x, y]
             ops.append([lambda x=x, i=i: comm.send(x, nxt, tag=("p", i)),
                         lambda y=y, i=i: comm.recv(y, prv, tag=("p", i))])
-            checks.append(lambda y=y, i=i: _same_bytes(y, _payload(prv, r, 5000 + i, "int32", i), f"ring {i}"))
+            checks.append(lambda y=y, i=i: same_bytes(y, payload(prv, r, 5000 + i, "int32", i), f"ring {i}"))
         else:
             counts = [[3000 + 10 * i + a + b for b in range(n)] for a in range(n)]
             holder = {}
 
             def submit(counts=counts, i=i, holder=holder):
-                work, holder["check"], holder["keep"] = _all_to_all(comm, counts, "float64", 700 + i, tag=("a", i))
+                work, holder["check"] = start_all_to_all(comm, "sim", counts, "float64", 700 + i, tag=("a", i))
                 return work
             ops.append([submit])
             checks.append(lambda holder=holder: holder["check"]())
@@ -154,7 +97,7 @@ def _p2p_divergent(comm, ctx) -> dict:
     checked = len(checks)
     # The late halves: rank 1 posts first and must not hold up what follows.
     late_preempted = 0
-    x = _payload(0, 1, 70000, "float32", 1)
+    x = payload(0, 1, 70000, "float32", 1)
     y = np.full(70000, SENTINEL, np.float32)
     after = sc.RankInstance(sc.Spec("after", "all_reduce", 4096, "float32"), comm, 900)
     a2a_counts = [[2000 + a + b for b in range(n)] for a in range(n)]
@@ -163,18 +106,18 @@ def _p2p_divergent(comm, ctx) -> dict:
         after.submit().synchronize(timeout=TIMEOUT)
         comm.send(x, 1, tag="late").synchronize(timeout=TIMEOUT)
         after2.submit().synchronize(timeout=TIMEOUT)
-        a2a, a2a_check, _keep = _all_to_all(comm, a2a_counts, "uint8", 3, tag="late-a2a")
+        a2a, a2a_check = start_all_to_all(comm, "sim", a2a_counts, "uint8", 3, tag="late-a2a")
         a2a.synchronize(timeout=TIMEOUT)
     else:
         late = comm.recv(y, 0, tag="late") if r == 1 else None
         after.submit().synchronize(timeout=TIMEOUT)
-        a2a, a2a_check, _keep = _all_to_all(comm, a2a_counts, "uint8", 3, tag="late-a2a")
+        a2a, a2a_check = start_all_to_all(comm, "sim", a2a_counts, "uint8", 3, tag="late-a2a")
         after2.submit().synchronize(timeout=TIMEOUT)
         a2a.synchronize(timeout=TIMEOUT)
         late_preempted = a2a.stats["preemptions"]
         if late is not None:
             late.synchronize(timeout=TIMEOUT)
-            _same_bytes(y, _payload(0, 1, 70000, "float32", 1), "late recv")
+            same_bytes(y, payload(0, 1, 70000, "float32", 1), "late recv")
             late_preempted = min(late_preempted, late.stats["preemptions"])
     a2a_check()
     after.verify()
@@ -211,7 +154,7 @@ def _large(comm, ctx) -> dict:
     pattern = lambda: (np.arange(count // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.uint8)  # noqa: E731
     buf = pattern() if comm.rank == 0 else np.zeros(count, np.uint8)
     comm.broadcast(buf, root=0, tag="256MiB").synchronize(timeout=300)
-    _same_bytes(buf, pattern(), "broadcast 256 MiB")
+    same_bytes(buf, pattern(), "broadcast 256 MiB")
     del buf
     inst = sc.RankInstance(sc.Spec("64MiB", "all_reduce", 16 << 20, "int32"), comm, 64)
     inst.submit().synchronize(timeout=300)
