@@ -129,6 +129,7 @@ def extensions():
     ]
     # The CUDA backend needs no CUDA headers: it declares the driver ABI itself
     # and resolves entry points at run time (cuda/include/dfccl/cuda_driver.h).
+    exts.append(Extension("dfccl._native.cuda_driver", ["src/dfccl/_native/cuda_driver.pyx"], **common))
     exts.append(Extension("dfccl._native.cuda_device", ["src/dfccl/_native/cuda_device.pyx"], **common))
     from Cython.Build import cythonize
     return cythonize(exts, compiler_directives={"language_level": "3", "embedsignature": True},

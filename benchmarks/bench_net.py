@@ -42,7 +42,7 @@ MIB = 1 << 20
 
 
 def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmup: int, options: dict,
-          results) -> None:
+          seed: int, results) -> None:
     try:
         os.environ.update(UCX_ENV)
         os.environ["DFCCL_HOST_ID"] = f"bench-host-{rank}"
@@ -53,9 +53,12 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
                                   device=_devices(backend)[rank], options=dfccl.CommOptions(**options), timeout=120)
         assert comm.transports[1 - rank] == "ucx", comm.transports
         rows = []
+        rng = np.random.default_rng(seed)
         for size in sizes:
             count = size // 4
-            x = arrays.from_numpy(backend, comm.device, np.full(count, rank + 1, np.float32))
+            # Fresh random data; rank 0's is what the broadcast must deliver.
+            data = rng.standard_normal((2, count), dtype=np.float32)
+            x = arrays.from_numpy(backend, comm.device, data[rank])
             row = {"size": size}
             for kind in ("broadcast", "all_reduce"):
                 run = (lambda: comm.broadcast(x, root=0, tag=("bw", kind, size))) if kind == "broadcast" \
@@ -68,6 +71,8 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
                     run().synchronize(timeout=120)
                     times.append(time.perf_counter() - t0)
                 row[f"{kind}_s"] = statistics.median(times)
+                if kind == "broadcast" and not np.array_equal(arrays.to_numpy(x), data[0]):
+                    raise AssertionError(f"broadcast of {size} B: rank {rank} did not receive rank 0's data")
             row["broadcast_mib_s"] = size / row["broadcast_s"] / MIB
             row["all_reduce_busbw_mib_s"] = size / row["all_reduce_s"] / MIB   # 2 (n-1)/n = 1 for two ranks
             rows.append(row)
@@ -83,13 +88,13 @@ def _devices(backend: str) -> list[int]:
     return [4300, 4301] if backend == "sim" else [0, 0]
 
 
-def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: dict) -> list[dict]:
+def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: dict, seed: int) -> list[dict]:
     import dfccl
 
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=_rank, args=(str(uid), r, backend, sizes, iters, warmup, options, results))
+    procs = [mp_context.Process(target=_rank, args=(str(uid), r, backend, sizes, iters, warmup, options, seed, results))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -135,30 +140,60 @@ def run_perftest(size: int, iters: int) -> float | None:
     return float(fields[6])    # overall bandwidth, MB/s (2^20 bytes)
 
 
+def _option(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    try:
+        return name.strip(), int(value, 0)
+    except ValueError:
+        raise SystemExit(f"--option wants NAME=INT (a CommOptions field), not {text!r}") from None
+
+
+def _summarize(size: int, rows: list[dict]) -> dict:
+    """Median, min and max of each figure over the repeats of one size,
+    and the broadcast's median over ucx_perftest's."""
+    out = {"size": size}
+    for key in ("broadcast_mib_s", "all_reduce_busbw_mib_s", "ucx_perftest_mib_s"):
+        values = [r[key] for r in rows if r[key]]
+        out[key] = [statistics.median(values), min(values), max(values)] if values else None
+    ref = out["ucx_perftest_mib_s"]
+    out["broadcast_vs_perftest"] = out["broadcast_mib_s"][0] / ref[0] if ref else None
+    return out
+
+
+def _spread(fig) -> str:
+    return f"{fig[0]:.0f} ({fig[1]:.0f}-{fig[2]:.0f})" if fig else "-"
+
+
 def main(argv=None) -> int:
     p = suite.parser(__doc__.split("\n\n")[0], iters=20, warmup=2, placement=False)
     p.add_argument("--sizes", default="65536,1048576,4194304,16777216")
     p.add_argument("--backend", choices=("sim", "cuda"), default="sim", help="where the ranks run (cuda: GPU 0)")
     p.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations per size")
-    p.add_argument("--max-slice-bytes", type=int, default=None, help="CommOptions.max_slice_bytes (default: its own)")
-    p.add_argument("--ring-slots", type=int, default=None, help="CommOptions.ring_slots (default: its own)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating (default 3)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                   help="a CommOptions field for both ranks, e.g. channels=1 or max_slice_bytes=1048576 (repeatable)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    options = {k: v for k, v in (("max_slice_bytes", args.max_slice_bytes), ("ring_slots", args.ring_slots))
-               if v is not None}
-    rows = run_dfccl(args.backend, sizes, args.iters, args.warmup, options)
-    for row in rows:
-        row["ucx_perftest_mib_s"] = run_perftest(row["size"], args.perftest_iters)
-        ref = row["ucx_perftest_mib_s"]
-        row["broadcast_vs_perftest"] = row["broadcast_mib_s"] / ref if ref else None
-        print(json.dumps(row))
-    print(f"\n{'size':>10} {'bcast MiB/s':>12} {'allred busbw':>13} {'perftest MiB/s':>15} {'bcast/perftest':>15}")
-    for r in rows:
+    options = dict(_option(text) for text in args.option)
+    # The reference is as noisy as dfccl (TCP on loopback shares the cores):
+    # the two alternate, --repeats times, and the ratio is of the medians.
+    runs = []
+    for rep in range(args.repeats):
+        seed = (args.seed if args.seed is not None else int(time.time())) + rep
+        rows = run_dfccl(args.backend, sizes, args.iters, args.warmup, options, seed)
+        for row in rows:
+            row["ucx_perftest_mib_s"] = run_perftest(row["size"], args.perftest_iters)
+            print(json.dumps(dict(row, repeat=rep)), flush=True)
+        runs.append(rows)
+    summary = [_summarize(size, [rows[i] for rows in runs]) for i, size in enumerate(sizes)]
+    print(f"\nmedian (min-max) of {args.repeats} run(s), MiB/s")
+    print(f"{'size':>10} {'broadcast':>20} {'all-reduce busbw':>20} {'ucx_perftest':>20} {'bcast/perftest':>15}")
+    for r in summary:
         ratio = f"{r['broadcast_vs_perftest']:.2f}" if r["broadcast_vs_perftest"] else "-"
-        ref = f"{r['ucx_perftest_mib_s']:.0f}" if r["ucx_perftest_mib_s"] else "-"
-        print(f"{r['size']:>10} {r['broadcast_mib_s']:12.0f} {r['all_reduce_busbw_mib_s']:13.0f} {ref:>15} "
-              f"{ratio:>15}")
-    rec = suite.record("net", args, args.backend, _devices(args.backend), {"rows": rows, "transport": "UCX tcp on lo"})
+        print(f"{r['size']:>10} {_spread(r['broadcast_mib_s']):>20} {_spread(r['all_reduce_busbw_mib_s']):>20} "
+              f"{_spread(r['ucx_perftest_mib_s']):>20} {ratio:>15}")
+    rec = suite.record("net", args, args.backend, _devices(args.backend), {"runs": runs, "summary": summary,
+                                                                                 "transport": "UCX tcp on lo"})
     print(f"record: {suite.write(args.out, rec)}")
     return 0
 

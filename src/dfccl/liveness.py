@@ -40,7 +40,7 @@ import time
 import weakref
 
 from dfccl import status_page
-from dfccl._native.cuda_device import relax_thread_capture_mode
+from dfccl._native.cuda_driver import relax_thread_capture_mode
 from dfccl._native.layout import RANK_FAILED as _RANK_FAILED
 from dfccl.processes import owner_gone, pid_namespace, process_alive, start_time
 from dfccl.rank_state import RankState

@@ -234,12 +234,15 @@ def test_bench_net_script(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_net.py"), "--iters", "2",
-                           "--warmup", "1", "--sizes", "65536", "--perftest-iters", "20", "--out", str(tmp_path)],
+                           "--warmup", "1", "--sizes", "65536", "--perftest-iters", "20", "--repeats", "2",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rec = json.loads((tmp_path / "net.jsonl").read_text().splitlines()[-1])
-    row = rec["results"]["rows"][0]
-    assert row["size"] == 65536 and row["broadcast_mib_s"] > 0 and row["ucx_perftest_mib_s"] > 0, row
+    assert len(rec["results"]["runs"]) == 2
+    row = rec["results"]["summary"][0]
+    assert row["size"] == 65536 and row["broadcast_mib_s"][0] > 0 and row["ucx_perftest_mib_s"][0] > 0, row
+    assert row["broadcast_vs_perftest"] > 0, row
 
 
 def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "dfccl._native.work", "dfccl._native.tag_instances", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",
         "dfccl._native.hotpath", "dfccl._native.completion", "dfccl._native.retire", "dfccl._native.inspection", "dfccl._native.endpoints", "dfccl._native.graphs", "dfccl._native.daemon_memory",
         "dfccl._native.progress", "dfccl._native.daemon", "dfccl._native.capi", "dfccl._native.sim_device",
-        "dfccl._native.cuda_device", "dfccl._native.abi", "dfccl._native.core"}),
+        "dfccl._native.cuda_driver", "dfccl._native.cuda_device", "dfccl._native.abi", "dfccl._native.core"}),
     ("values and planning", {
         "dfccl.types", "dfccl.options", "dfccl.planning", "dfccl.tags", "dfccl.point_to_point", "dfccl.flight",
         "dfccl.status_page", "dfccl.unique_id"}),

@@ -1,202 +1,29 @@
 # cython: language_level=3
 """The CUDA backend: the daemon kernel on a real GPU through the CUDA driver
-API.  Entry points come from cuda-python (cuda.bindings.driver.cuGetProcAddress)
-into a C table (cuda/include/dfccl/cuda_driver.h) that the hot paths call
-without the GIL.  Every call is checked; a failure raises BackendError naming
-the call and the CUresult."""
+API, called through the table of cuda_driver.pyx without the GIL.  Every
+call is checked; a failure raises BackendError naming the call and the
+CUresult."""
 
 import threading
 
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 from dfccl._native.abi cimport dfccl_daemon_args, dfccl_graph_arm, dfccl_now_ns, dfccl_sleep_ns
+from dfccl._native.cuda_driver cimport *
+from dfccl._native.cuda_driver cimport check, driver_api, error_name
 from dfccl._native.device cimport Device
 
+from dfccl._native.cuda_driver import device_count, load_driver, pointer_device, relax_thread_capture_mode
 from dfccl.errors import BackendError, InvalidArgumentError
 
-
-cdef extern from "dfccl/cuda_driver.h":
-    ctypedef int CUresult
-    ctypedef int CUdevice
-    ctypedef struct CUctx_st
-    ctypedef struct CUmod_st
-    ctypedef struct CUfunc_st
-    ctypedef struct CUstream_st
-    ctypedef CUctx_st *CUcontext
-    ctypedef CUmod_st *CUmodule
-    ctypedef CUfunc_st *CUfunction
-    ctypedef CUstream_st *CUstream
-    ctypedef struct CUgraph_st
-    ctypedef struct CUgraphNode_st
-    ctypedef struct CUuserObject_st
-    ctypedef CUgraph_st *CUgraph
-    ctypedef CUgraphNode_st *CUgraphNode
-    ctypedef CUuserObject_st *CUuserObject
-    ctypedef void (*CUhostFn)(void *) noexcept nogil
-    ctypedef unsigned long long CUdeviceptr
-    ctypedef struct CUipcMemHandle:
-        char reserved[64]
-    ctypedef struct CUuuid:
-        char bytes[16]
-
-    int DFCCL_CUDA_SUCCESS, DFCCL_CUDA_ERROR_NOT_READY, DFCCL_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-    int DFCCL_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-    int DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, DFCCL_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
-    int DFCCL_CU_MEMHOSTALLOC_PORTABLE, DFCCL_CU_MEMHOSTALLOC_DEVICEMAP
-    int DFCCL_CU_STREAM_NON_BLOCKING, DFCCL_CU_STREAM_WAIT_VALUE_GEQ, DFCCL_CU_STREAM_WRITE_VALUE_DEFAULT
-    int DFCCL_CU_STREAM_WAIT_VALUE_AND, DFCCL_CU_STREAM_CAPTURE_STATUS_NONE, DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED
-    int DFCCL_CU_USER_OBJECT_NO_DESTRUCTOR_SYNC, DFCCL_CU_GRAPH_USER_OBJECT_MOVE
-    int DFCCL_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-    int DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, DFCCL_CU_MEMORYTYPE_DEVICE
-    int DFCCL_CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
-    int DFCCL_CUDA_API_VERSION
-
-    ctypedef struct dfccl_cuda_api:
-        CUresult (*cuGetErrorName)(CUresult, const char **) nogil
-        CUresult (*cuInit)(unsigned int) nogil
-        CUresult (*cuDeviceGet)(CUdevice *, int) nogil
-        CUresult (*cuDeviceGetCount)(int *) nogil
-        CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice) nogil
-        CUresult (*cuDeviceGetPCIBusId)(char *, int, CUdevice) nogil
-        CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice) nogil
-        CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice) nogil
-        CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) nogil
-        CUresult (*cuCtxSetCurrent)(CUcontext) nogil
-        CUresult (*cuCtxSynchronize)() nogil
-        CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int) nogil
-        CUresult (*cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice) nogil
-        CUresult (*cuDeviceGetP2PAttribute)(int *, int, CUdevice, CUdevice) nogil
-        CUresult (*cuModuleLoadData)(CUmodule *, const void *) nogil
-        CUresult (*cuModuleUnload)(CUmodule) nogil
-        CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *) nogil
-        CUresult (*cuStreamCreate)(CUstream *, unsigned int) nogil
-        CUresult (*cuStreamDestroy)(CUstream) nogil
-        CUresult (*cuStreamQuery)(CUstream) nogil
-        CUresult (*cuStreamSynchronize)(CUstream) nogil
-        CUresult (*cuStreamWriteValue32)(CUstream, CUdeviceptr, unsigned int, unsigned int) nogil
-        CUresult (*cuStreamWaitValue32)(CUstream, CUdeviceptr, unsigned int, unsigned int) nogil
-        CUresult (*cuMemAlloc)(CUdeviceptr *, size_t) nogil
-        CUresult (*cuMemFree)(CUdeviceptr) nogil
-        CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream) nogil
-        CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream) nogil
-        CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream) nogil
-        CUresult (*cuMemHostAlloc)(void **, size_t, unsigned int) nogil
-        CUresult (*cuMemFreeHost)(void *) nogil
-        CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int) nogil
-        CUresult (*cuPointerGetAttributes)(unsigned int, int *, void **, CUdeviceptr) nogil
-        CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr) nogil
-        CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int) nogil
-        CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) nogil
-        CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
-                                   unsigned int, unsigned int, unsigned int, CUstream, void **, void **) nogil
-        CUresult (*cuStreamIsCapturing)(CUstream, int *) nogil
-        CUresult (*cuStreamGetCaptureInfo)(CUstream, int *, unsigned long long *, CUgraph *, const CUgraphNode **,
-                                           size_t *) nogil
-        CUresult (*cuUserObjectCreate)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int) nogil
-        CUresult (*cuGraphRetainUserObject)(CUgraph, CUuserObject, unsigned int, unsigned int) nogil
-        CUresult (*cuThreadExchangeStreamCaptureMode)(int *) nogil
-
-    int dfccl_cuda_api_count()
-    const char *dfccl_cuda_api_name(int i)
-    void dfccl_cuda_api_set(dfccl_cuda_api *api, int i, void *fn)
-    int dfccl_cuda_api_complete(const dfccl_cuda_api *api)
+__all__ = ["CudaDevice", "load_driver", "device_count", "relax_thread_capture_mode", "pointer_device"]
 
 
 cdef enum:
     BLOCK_THREADS = 512  # threads of a daemon block (cuda/daemon/daemon_kernel.cu)
 
-cdef dfccl_cuda_api API
-cdef bint _api_loaded = False
-
-
-def load_driver():
-    """Resolves the driver entry points; returns False where there is no
-    driver (no GPU machine)."""
-    global _api_loaded
-    if _api_loaded:
-        return True
-    try:
-        from cuda.bindings import driver
-        err, = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return False
-        flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        for i in range(dfccl_cuda_api_count()):
-            name = dfccl_cuda_api_name(i)
-            err, pfn, status = driver.cuGetProcAddress(name, DFCCL_CUDA_API_VERSION, flags)
-            if err != driver.CUresult.CUDA_SUCCESS or not pfn:
-                raise BackendError(f"the CUDA driver has no {name.decode()} ({err}, {status})")
-            dfccl_cuda_api_set(&API, i, <void *><uintptr_t>int(pfn))
-    except BackendError:
-        raise
-    except Exception:
-        return False  # no driver library on this machine
-    if not dfccl_cuda_api_complete(&API):
-        raise BackendError("could not resolve every CUDA driver entry point")
-    _api_loaded = True
-    return True
-
-
-cdef str _error_name(CUresult rc):
-    cdef const char *name = NULL
-    if _api_loaded and API.cuGetErrorName(rc, &name) == DFCCL_CUDA_SUCCESS and name != NULL:
-        return name.decode()
-    return f"CUresult {rc}"
-
-
-cdef int check(CUresult rc, str what) except -1:
-    if rc != DFCCL_CUDA_SUCCESS:
-        raise BackendError(f"{what} failed: {_error_name(rc)}", driver_code=rc)
-    return 0
-
-
-def device_count():
-    """CUDA devices visible to this process (0 when there is no driver)."""
-    cdef int n = 0
-    if not load_driver():
-        return 0
-    if API.cuDeviceGetCount(&n) != DFCCL_CUDA_SUCCESS:
-        return 0
-    return n
-
-
-def relax_thread_capture_mode():
-    """Puts the calling thread in CUDA's relaxed stream-capture mode for
-    good.  For dfccl's own threads (the watcher, the progress thread, the
-    liveness monitor): in the global mode, torch's default, a call CUDA
-    deems unsafe (a query, a copy) from any thread while another thread
-    captures a graph invalidates that capture; the relaxed mode exempts
-    this thread's calls, none of which touches a capturing stream.  Does
-    nothing where there is no driver."""
-    cdef int mode = DFCCL_CU_STREAM_CAPTURE_MODE_RELAXED
-    cdef CUresult rc
-    if not _api_loaded:
-        return
-    with nogil:
-        rc = API.cuThreadExchangeStreamCaptureMode(&mode)
-    check(rc, "cuThreadExchangeStreamCaptureMode(relaxed)")
-
-
-def pointer_device(uint64_t ptr):
-    """CUDA ordinal owning the device memory at ``ptr``; None for host memory or
-    an unknown pointer.  One driver call (the plain call makes it for every
-    collective): cuPointerGetAttributes reports an unknown pointer as memory
-    type 0 instead of failing."""
-    cdef unsigned int memtype = 0
-    cdef int ordinal = -1
-    cdef int attrs[2]
-    cdef void *data[2]
-    if not _api_loaded:
-        return None
-    attrs[0] = DFCCL_CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-    attrs[1] = DFCCL_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    data[0] = &memtype
-    data[1] = &ordinal
-    if API.cuPointerGetAttributes(2, attrs, data, <CUdeviceptr>ptr) != DFCCL_CUDA_SUCCESS:
-        return None
-    if memtype != <unsigned int>DFCCL_CU_MEMORYTYPE_DEVICE or ordinal < 0:
-        return None
-    return ordinal
+# The driver's entry points (filled by load_driver before a device exists).
+cdef dfccl_cuda_api *API = driver_api()
 
 
 cdef void _graph_destroyed(void *released) noexcept nogil:
@@ -291,10 +118,10 @@ cdef class CudaDevice(Device):
         return <int>rc
 
     def fault_name(self, int code):
-        return _error_name(code)
+        return error_name(code)
 
     def launch_error(self, int code):
-        return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.ordinal} failed: {_error_name(code)}",
+        return BackendError(f"cuLaunchKernel(dfccl_daemon) on device {self.ordinal} failed: {error_name(code)}",
                             driver_code=code)
 
     cdef int stream_write32(self, uint64_t stream, uint64_t addr, uint32_t value) except -1:

@@ -22,7 +22,7 @@ import time
 import warnings
 
 from dfccl.termination import block_async_signals
-from dfccl._native.cuda_device import relax_thread_capture_mode
+from dfccl._native.cuda_driver import relax_thread_capture_mode
 
 from cpython.pythread cimport PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 from cpython.ref cimport PyObject, Py_INCREF

@@ -10,7 +10,7 @@ import threading
 import warnings
 import weakref
 
-from dfccl._native.cuda_device import relax_thread_capture_mode
+from dfccl._native.cuda_driver import relax_thread_capture_mode
 from dfccl.termination import block_async_signals
 
 __all__ = ["progress"]
