@@ -235,6 +235,8 @@ class Communicator:
     def _finish_init(self, peers, exchange=None):
         self._channels, self._block_offset = daemon_share(peers, self._rank, self._channels)
         mode = self._endpoint.connect(peers, self._comm_key, exchange)
+        if self._endpoint.net is not None:
+            self._options = (self._user_options or CommOptions()).resolved_for_network(self._options)
         why = shared_gpu_warning(peers, self._rank)
         if why is not None:
             warnings.warn(why, RuntimeWarning, stacklevel=3)

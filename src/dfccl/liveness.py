@@ -169,14 +169,14 @@ class _PeerWatch:
         for p in self.remote:
             info = ep.peers[p]
             try:
-                state, beat, _pid = ep.peer_status(p)
+                peer_state, beat, _pid = ep.peer_status(p)
             except OSError as exc:
                 return p, str(exc)
             except Exception:
                 return p, "its status page can no longer be read"
-            if state == _RANK_FAILED:
+            if peer_state == _RANK_FAILED:
                 return p, "its device failed under its daemon (that rank raised BackendError)"
-            if state != 0:
+            if peer_state != 0:
                 continue   # it left on purpose: the daemon fails what waits for it
             if info.get("host_id") == ep.peers[ep.rank].get("host_id") and not process_alive(info["pid"],
                                                                                          info.get("start_time")):

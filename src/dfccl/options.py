@@ -153,6 +153,15 @@ class DaemonOptions:
 #: number of outstanding collectives, so that the default daemon never runs
 #: out of records before it runs out of slots.
 DEFAULT_MAX_TAGS = 2 * 4096
+#: A communicator that spans hosts: one channel per this many bytes, and ring
+#: slices (one network message each) up to this size, so that a collective
+#: of a MiB or more moves messages of 256 KiB or more (docs/multi-node.md,
+#: "Message size").
+NET_BYTES_PER_CHANNEL = 1 << 20
+NET_MAX_SLICE_BYTES = 512 << 10
+#: ... and the shared staging goes to this many tags' FIFOs at once (the
+#: GPU's default; the simulator's 128 would cut its slices to 48 KiB).
+NET_RING_TAGS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,11 +184,15 @@ class CommOptions:
         reserved as a minimum FIFO for every tag that can be pending, the
         rest shared (docs/architecture.md, "Staging budget").
     ring_slots: FIFO slots per channel (pipelining depth of the ring), >= 2.
-    max_slice_bytes: largest FIFO slot (a multiple of 16).
+    max_slice_bytes: largest FIFO slot (a multiple of 16).  None: 512 KiB
+        on GPUs, 64 KiB on the simulator, 512 KiB on both where the
+        communicator spans hosts.
     one_shot_bytes: direct all-reduces up to this size (out of place) read
         every peer's whole input in one phase instead of two.
     bytes_per_channel: a collective uses one channel per this many bytes
-        (at least one, at most `channels`).
+        (at least one, at most `channels`).  None: 128 KiB on GPUs, 256 KiB
+        on the simulator, 1 MiB where the communicator spans hosts (each
+        ring slice is then a network message: fewer, larger ones).
     staged_max_bytes: largest collective (bytes one rank moves) that takes
         the direct path across processes; larger ones take the ring.  Each
         tag holds up to twice this much staging while it is bound.
@@ -187,7 +200,8 @@ class CommOptions:
         once whatever their size: a tag's FIFO (channels x ring_slots x
         slice) is at most the shared staging // ring_tags, its slices
         shrinking to fit; more tags loop through reserved minimum FIFOs
-        (docs/architecture.md, "Staging budget").
+        (docs/architecture.md, "Staging budget").  None: 8 on GPUs, 128 on
+        the simulator, 8 on both where the communicator spans hosts.
     peer_timeout: seconds after which a peer in another process whose
         heartbeat has stopped is declared lost (PeerLostError on every pending
         and later collective); a peer whose process has exited is detected
@@ -279,4 +293,16 @@ class CommOptions:
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
             staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
             ll_memory_bytes=self.ll_memory_bytes if self.ll_memory_bytes is not None else (128 << 20 if gpu else 8 << 20),
+        )
+
+    def resolved_for_network(self, resolved: "CommOptions") -> "CommOptions":
+        """``resolved`` (this object's resolution) for a communicator that
+        spans hosts: the sizes left to their defaults take the network's,
+        which every rank knows alike (every rank of such a communicator has a
+        peer on another host)."""
+        return replace(
+            resolved,
+            bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else NET_BYTES_PER_CHANNEL,
+            max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else NET_MAX_SLICE_BYTES,
+            ring_tags=self.ring_tags if self.ring_tags is not None else NET_RING_TAGS,
         )

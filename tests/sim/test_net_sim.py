@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -103,6 +104,9 @@ def _p2p_divergent(comm, ctx) -> dict:
     a2a_counts = [[2000 + a + b for b in range(n)] for a in range(n)]
     after2 = sc.RankInstance(sc.Spec("after2", "all_reduce", 4096, "int64"), comm, 901)
     if r == 0:
+        # Longer than the simulator's largest window (50 ms): rank 1's recv
+        # waits past one window however its blocks' lists look.
+        time.sleep(0.1)
         after.submit().synchronize(timeout=TIMEOUT)
         comm.send(x, 1, tag="late").synchronize(timeout=TIMEOUT)
         after2.submit().synchronize(timeout=TIMEOUT)
@@ -217,6 +221,28 @@ def test_split_across_and_within_hosts():
         assert across["transports"] == tuple("self" if p == r // 2 else "ucx" for p in range(2)), info
         assert across["path"] == "ring"
         assert "ucx" not in within["transports"] and within["path"] != "ring", info
+
+
+def _channels_of_one_mib(comm, ctx) -> dict:
+    """Channels a 1 MiB all-reduce and a 4 MiB broadcast took (Work.stats)."""
+    x = np.ones(1 << 18, np.float32)
+    w = comm.all_reduce(x, tag="1MiB")
+    w.synchronize(timeout=TIMEOUT)
+    y = np.full(1 << 20, ctx.rank + 1, np.float32)
+    b = comm.broadcast(y, root=0, tag="4MiB")
+    b.synchronize(timeout=TIMEOUT)
+    assert (x == 2).all() and (y == 1).all()
+    return {"channels": (w.stats["channels"], b.stats["channels"])}
+
+
+@needs_ucx
+@pytest.mark.parametrize("options, channels", [({}, (1, 2)), ({"bytes_per_channel": 256 << 10}, (2, 2)),
+                                               ({"channels": 1}, (1, 1))])
+def test_a_spanning_communicator_plans_network_sized_messages(options, channels):
+    """Across hosts one channel moves a MiB (messages of 256 KiB and more),
+    not the 256 KiB of one host; a size the user set is kept."""
+    got = run_ranks(_channels_of_one_mib, 2, **options)
+    assert all(info["channels"] == channels for info in got.values()), got
 
 
 @needs_ucx

@@ -396,6 +396,18 @@ def test_geometry_channels(kind, direct):
         assert g.nchannels == max(1, min(maxch, -(-total // OPTS.bytes_per_channel)))
 
 
+def test_network_defaults_keep_what_the_user_set():
+    from dfccl.options import NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES
+
+    for backend in ("sim", "cuda"):
+        net = CommOptions().resolved_for_network(CommOptions().resolved(backend))
+        assert (net.bytes_per_channel, net.max_slice_bytes) == (NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES)
+        assert net.staging_bytes == CommOptions().resolved(backend).staging_bytes
+        user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024)
+        net = user.resolved_for_network(user.resolved(backend))
+        assert (net.bytes_per_channel, net.max_slice_bytes) == (4096, 1024)
+
+
 @pytest.mark.parametrize("opts", [OPTS, GPU_OPTS, CommOptions(max_slice_bytes=256).resolved("sim"),
                                   CommOptions(max_slice_bytes=4096, ring_slots=2).resolved("sim"),
                                   CommOptions(bytes_per_channel=1024, ring_slots=8).resolved("sim")],
