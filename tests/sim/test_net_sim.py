@@ -223,7 +223,7 @@ def test_split_across_and_within_hosts():
         assert "ucx" not in within["transports"] and within["path"] != "ring", info
 
 
-def _channels_of_one_mib(comm, ctx) -> dict:
+def _channels_taken(comm, ctx) -> dict:
     """Channels a 1 MiB all-reduce and a 4 MiB broadcast took (Work.stats)."""
     x = np.ones(1 << 18, np.float32)
     w = comm.all_reduce(x, tag="1MiB")
@@ -241,7 +241,7 @@ def _channels_of_one_mib(comm, ctx) -> dict:
 def test_a_spanning_communicator_plans_network_sized_messages(options, channels):
     """Across hosts one channel moves a MiB (messages of 256 KiB and more),
     not the 256 KiB of one host; a size the user set is kept."""
-    got = run_ranks(_channels_of_one_mib, 2, **options)
+    got = run_ranks(_channels_taken, 2, **options)
     assert all(info["channels"] == channels for info in got.values()), got
 
 

@@ -91,7 +91,6 @@ cdef extern from "dfccl/cuda_driver.h":
 
 # The table load_driver() fills (cuda_driver.pyx); valid for the process's life.
 cdef dfccl_cuda_api *driver_api() noexcept nogil
-cdef bint driver_loaded() noexcept nogil
 cdef str error_name(CUresult rc)
 # Raises BackendError naming `what` and the CUresult unless rc is CUDA_SUCCESS.
 cdef int check(CUresult rc, str what) except -1

@@ -109,7 +109,3 @@ def pointer_device(uint64_t ptr):
 
 cdef dfccl_cuda_api *driver_api() noexcept nogil:
     return &API
-
-
-cdef bint driver_loaded() noexcept nogil:
-    return _api_loaded
