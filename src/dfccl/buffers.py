@@ -185,15 +185,18 @@ def _torch_dtypes(torch) -> dict:
     return _TORCH_DTYPES
 
 
-def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
-    """(pointer, count, element type) of the plain call's usual argument: a
-    numpy array (``cuda`` False), a CuPy array, a torch tensor, or another
-    object with ``__cuda_array_interface__``; writable, C-contiguous, not empty, of an
-    element type its description names outright.  None for anything else,
-    which as_buffer then describes, or rejects with its reason (the device of
-    CUDA memory is the caller's to check).  numpy and CuPy arrays and torch
-    tensors are read without building their interface dictionaries (~2 us
-    and more each, most of a plain call's host time)."""
+def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType, int | None] | None:
+    """(pointer, count, element type, device) of the plain call's usual
+    argument: a numpy array (``cuda`` False), a CuPy array, a torch tensor,
+    or another object with ``__cuda_array_interface__``; writable,
+    C-contiguous, not empty, of an element type its description names
+    outright.  None for anything else, which as_buffer then describes, or
+    rejects with its reason.  ``device`` is the CUDA ordinal the array's
+    library reports (CuPy, torch), else None: host memory, or an interface
+    that names no device, whose memory the caller asks the driver about (a
+    driver call is most of a plain call's host time on a GPU).  numpy and
+    CuPy arrays and torch tensors are read without building their interface
+    dictionaries (~2 us and more each)."""
     if not cuda:
         np = sys.modules.get("numpy")   # anything but an ndarray (a scalar, a subclass) as_buffer decides
         if np is None or type(obj) is not np.ndarray:
@@ -203,7 +206,7 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
             return None
         ptr, count, fmt, itemsize = view
         dtype = BY_BUFFER_FORMAT.get((fmt, itemsize))
-        return (ptr, count, dtype) if dtype is not None and count else None
+        return (ptr, count, dtype, None) if dtype is not None and count else None
     cp = sys.modules.get("cupy")
     if cp is not None and type(obj) is cp.ndarray:
         # A CuPy dtype is numpy's: '<f2' is float16 (two-byte typestrs are
@@ -213,7 +216,7 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
         count = obj.size
         if dtype is None or not count or not obj.flags.c_contiguous:
             return None
-        return (obj.data.ptr, count, dtype)
+        return (obj.data.ptr, count, dtype, obj.device.id)
     torch = sys.modules.get("torch")
     if torch is not None and type(obj) is torch.Tensor:
         # torch builds its interface dictionary in Python (several us); a
@@ -222,7 +225,7 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
         if dtype is None or not obj.is_cuda or obj.requires_grad or not obj.is_contiguous():
             return None
         count = obj.numel()
-        return (obj.data_ptr(), count, dtype) if count else None
+        return (obj.data_ptr(), count, dtype, obj.get_device()) if count else None
     try:
         ai = obj.__cuda_array_interface__
     except (AttributeError, TypeError):
@@ -234,7 +237,7 @@ def plain_array(obj: object, cuda: bool) -> tuple[int, int, DataType] | None:
     count = 1
     for n in ai["shape"]:
         count *= n
-    return (data[0], count, dtype) if count else None
+    return (data[0], count, dtype, None) if count else None
 
 
 def as_buffer(obj: object, what: str = "buffer") -> Buffer:

@@ -1067,8 +1067,8 @@ class Communicator:
         desc = plain_array(x, cuda)
         if desc is None:
             return None
-        ptr, count, dtype = desc
-        if cuda and runtime.cuda_pointer_info(ptr) != self._device:
+        ptr, count, dtype, device = desc
+        if cuda and (device if device is not None else runtime.cuda_pointer_info(ptr)) != self._device:
             return None
         task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
         if task is None:

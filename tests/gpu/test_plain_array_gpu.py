@@ -42,7 +42,7 @@ def test_agrees_with_the_general_path(array_type, dtype):
     _, make, strided, _, _ = array_type
     a = make(37, dtype)
     b = as_buffer(a)
-    assert plain_array(a, True) == (b.ptr, b.count, b.dtype)
+    assert plain_array(a, True) == (b.ptr, b.count, b.dtype, b.device)
     assert plain_array(strided(a), True) is None
     assert plain_array(make(0, dtype), True) is None
 

@@ -16,14 +16,14 @@ def test_agrees_with_the_general_path(dtype, shape):
     x = np.zeros(shape, dtype=dtype)
     got = plain_array(x, False)
     b = as_buffer(x)
-    assert got == (b.ptr, b.count, b.dtype)
+    assert got == (b.ptr, b.count, b.dtype, None)
     assert got[2] is DataType[np.dtype(dtype).name.upper()]
 
 
 def test_views_point_at_their_first_element():
     base = np.arange(64, dtype=np.float32)
     view = base[10:20]
-    assert plain_array(view, False) == (base.ctypes.data + 40, 10, DataType.FLOAT32)
+    assert plain_array(view, False) == (base.ctypes.data + 40, 10, DataType.FLOAT32, None)
 
 
 def _readonly():
