@@ -48,7 +48,7 @@ def is_simple_tag(tag) -> bool:
     """None, or a tag of exactly str or int, or a tuple of such tags (DDP's
     tagged hook names buckets so): valid without hashing, and equal values
     are the same tag (unlike 1, True and 1.0), so it can key a kept
-    descriptor (_plain_task)."""
+    descriptor (Submitter.plain_task)."""
     return tag is None or _exact_tag(tag)
 
 

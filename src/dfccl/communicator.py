@@ -1,15 +1,15 @@
-"""Communicators, plans, and the collectives they submit.
+"""Communicators: a rank's API, its start-up and its life.
 
-A collective call validates its buffers, names its instance (tag -> key,
-k-th use), picks its path and geometry (planning.py), reserves a tag record
-and, on the ring path, staging FIFOs, then hands one descriptor to the device's
-daemon (Daemon.submit).  It returns a Work at once; nothing here waits for
-peers."""
+A collective call checks its arguments and buffers, names its instance (tag
+-> key, k-th use), picks its path and geometry (planning.py), reserves a tag
+record and, on the ring path, staging FIFOs, then hands one descriptor to the
+device's daemon (Daemon.submit), all through its rank's Submitter
+(submission.py).  It returns a Work at once; nothing here waits for peers.
+Prepared collectives (prepare_*) are in plans.py."""
 
 from __future__ import annotations
 
 import logging
-import numbers
 import secrets
 import threading
 import time
@@ -19,29 +19,26 @@ from typing import Sequence
 
 from dfccl import liveness, runtime
 from dfccl._deprecated import renamed_keywords
-from dfccl._native.descriptor import TaskDescriptor
-from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_ALL_TO_ALL, KIND_BROADCAST,
-                                  KIND_RECV, KIND_REDUCE, KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS,
-                                  RANK_ABORTED, RANK_CLOSED, TASK_STAGED)
+from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_RECV, KIND_REDUCE,
+                                  KIND_REDUCE_SCATTER, KIND_SEND, MAX_RANKS, RANK_ABORTED, RANK_CLOSED)
 from dfccl._native.work import Work
-from dfccl.arguments import check_int, check_options, check_overlap, check_seconds, is_simple_tag, overlaps
+from dfccl.arguments import check_int, check_options, check_seconds
 from dfccl.bootstrap import StoreBootstrap
-from dfccl.buffers import CPU, CUDA, Buffer, as_buffer, plain_array
+from dfccl.buffers import CPU, CUDA, Buffer, as_buffer
 from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
-from dfccl.errors import ClosedError, DfcclError, InvalidArgumentError, PeerLostError
+from dfccl.errors import DfcclError, InvalidArgumentError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
 from dfccl.local_group import LocalGroup
 from dfccl.options import CommOptions, DaemonOptions
-from dfccl.planning import Geometry, default_ll_max_bytes, ll_capable, plan_geometry
-from dfccl.point_to_point import pair_key, plan_all_to_all, plan_p2p, resolve_splits, split_table
+from dfccl.planning import default_ll_max_bytes, ll_capable
+from dfccl.plans import BoundPlan, Plan
 from dfccl.rank_state import RankState
 from dfccl.registration import Registry, RegistrationHandle
 from dfccl.sharing import daemon_share, shared_gpu_warning
 from dfccl.split import check_color, check_key, split_local, split_through_store
-from dfccl.streams import stream_handle
-from dfccl.tags import tag_key
-from dfccl.types import KIND_NAMES, DataType, ReduceOp, as_data_type, as_reduce_op
+from dfccl.submission import Submitter
+from dfccl.types import KIND_NAMES, DataType, ReduceOp, as_data_type
 from dfccl.unique_id import UniqueId
 
 __all__ = ["Communicator", "Plan", "BoundPlan", "DEFAULT_STARTUP_TIMEOUT"]
@@ -58,11 +55,6 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 # Marks an argument that a kind of collective does not take (None is a value
 # users pass, and must be rejected as a root or op).
 _UNUSED = object()
-
-# Shapes (and tags) of plain calls whose descriptors a communicator keeps
-# (_plain_task); past this many it starts again (a program with ever new
-# sizes or tags).
-_PLAIN_TASKS_KEPT = 256
 
 
 class Communicator:
@@ -226,10 +218,7 @@ class Communicator:
         # Closed, aborted, a lost peer: shared with the threads that watch this rank.
         self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
                                 daemon=self._daemon, flight=self._flight, peer_timeout=self._options.peer_timeout)
-        # Untagged collectives are the instances of one tag: the k-th untagged
-        # call on every rank is instance k (NCCL's matching by position).
-        self._seq_key = tag_key(comm_key, ("#seq",))
-        self._plain_tasks: dict[tuple, TaskDescriptor] = {}   # _plain_task's, by shape
+        self._submitter: Submitter | None = None   # once the rank has met its peers (_finish_init)
         self._barrier_ptr = 0   # barrier()'s word in this rank's arena, taken at its first call
 
     def _finish_init(self, peers, exchange=None):
@@ -254,6 +243,12 @@ class Communicator:
         self._staged = mode == "staged"
         self._registry = (Registry(self._endpoint, self._rank, self._size, self._unique_id)
                           if self._staged and self._unique_id is not None else None)
+        # Everything a descriptor holds is fixed from here on.
+        self._submitter = Submitter(
+            rank=self._rank, world_size=self._size, comm_key=self._comm_key, backend=self._backend,
+            device=self._device, daemon=self._daemon, endpoint=self._endpoint, flight=self._flight, state=self._state,
+            channels=self._channels, block_offset=self._block_offset, options=self._options, mode=mode,
+            registry=self._registry)
         # Failures are explained from the peers' records; peers in other
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
@@ -328,14 +323,15 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
+        sub = self._submitter
         if recv is None and stream is None:
-            work = self._all_reduce_kept(send, op, tag)
+            work = sub.all_reduce_kept(send, op, tag)
             if work is not None:
                 return work
-        self._check_tag(tag, "all_reduce")
-        s, r = self._pair(send, recv, "all_reduce")
-        self._same_shape(s, r, s.count, "all_reduce")
-        return self._submit(KIND_ALL_REDUCE, s, r, s.count, self._op(op, "all_reduce"), 0, tag, stream)
+        sub.check_tag(tag, "all_reduce")
+        s, r = sub.pair(send, recv, "all_reduce")
+        sub.same_shape(s, r, s.count, "all_reduce")
+        return sub.submit(KIND_ALL_REDUCE, s, r, s.count, sub.op(op, "all_reduce"), 0, tag, stream)
 
     def barrier(self, *, tag=None, stream=None) -> Work:
         """Completes once every rank has reached its barrier of this tag
@@ -354,8 +350,8 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        self._check_tag(tag, "barrier")
-        self._check_open()
+        self._submitter.check_tag(tag, "barrier")
+        self._state.check_open()
         if not self._barrier_ptr:
             # Staging taken for good (a few bytes): no allocation, so that a
             # first barrier may be issued under capture too.
@@ -363,7 +359,7 @@ class Communicator:
         sim = self._backend == "sim"
         word = Buffer(self._barrier_ptr, 1, DataType.INT32, CPU if sim else CUDA, -1 if sim else self._device, False,
                       None)
-        return self._submit(KIND_ALL_REDUCE, word, word, 1, ReduceOp.MAX, 0, tag, stream)
+        return self._submitter.submit(KIND_ALL_REDUCE, word, word, 1, ReduceOp.MAX, 0, tag, stream)
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
@@ -376,10 +372,11 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
-        self._check_tag(tag, "all_gather")
-        s, r = self._pair(send, recv, "all_gather")
-        self._same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
-        return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
+        sub = self._submitter
+        sub.check_tag(tag, "all_gather")
+        s, r = sub.pair(send, recv, "all_gather")
+        sub.same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
+        return sub.submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
 
     def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv size).
@@ -393,13 +390,14 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
-        self._check_tag(tag, "reduce_scatter")
-        s, r = self._pair(send, recv, "reduce_scatter")
+        sub = self._submitter
+        sub.check_tag(tag, "reduce_scatter")
+        s, r = sub.pair(send, recv, "reduce_scatter")
         if s.count != r.count * self._size:
             raise InvalidArgumentError(f"reduce_scatter: send has {s.count} elements, expected {self._size} x recv "
                                        f"({r.count}) = {r.count * self._size}", rank=self._rank, tag=tag)
-        self._check_dtype(s, r, "reduce_scatter")
-        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, self._op(op, "reduce_scatter"), 0, tag, stream)
+        sub.check_dtype(s, r, "reduce_scatter")
+        return sub.submit(KIND_REDUCE_SCATTER, s, r, r.count, sub.op(op, "reduce_scatter"), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
         """recv = send of ``root``.
@@ -413,11 +411,12 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
-        self._check_root(root, "broadcast")
-        self._check_tag(tag, "broadcast")
-        s, r = self._pair(send, recv, "broadcast")
-        self._same_shape(s, r, s.count, "broadcast")
-        return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
+        sub = self._submitter
+        sub.check_root(root, "broadcast")
+        sub.check_tag(tag, "broadcast")
+        s, r = sub.pair(send, recv, "broadcast")
+        sub.same_shape(s, r, s.count, "broadcast")
+        return sub.submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
 
     def reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", root: int = 0, tag=None, stream=None) -> Work:
         """recv on ``root`` = op over ranks of send.
@@ -433,12 +432,13 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
-        self._check_root(root, "reduce")
-        self._check_tag(tag, "reduce")
+        sub = self._submitter
+        sub.check_root(root, "reduce")
+        sub.check_tag(tag, "reduce")
         # Only the root's recv is written: another rank's may be read-only.
-        s, r = self._pair(send, recv, "reduce", writes_recv=root == self._rank)
-        self._same_shape(s, r, s.count, "reduce")
-        return self._submit(KIND_REDUCE, s, r, s.count, self._op(op, "reduce"), root, tag, stream)
+        s, r = sub.pair(send, recv, "reduce", writes_recv=root == self._rank)
+        sub.same_shape(s, r, s.count, "reduce")
+        return sub.submit(KIND_REDUCE, s, r, s.count, sub.op(op, "reduce"), root, tag, stream)
 
     # -- registration --------------------------------------------------------------------
     def register(self, buf, *, timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RegistrationHandle:
@@ -456,14 +456,14 @@ class Communicator:
             A handle: close it, or use it as a context manager, once no
             pending collective uses the buffer.
         """
-        self._check_open()
+        self._state.check_open()
         timeout = check_seconds("register: timeout", timeout, positive=True)
         try:
             b = as_buffer(buf, "register")
         except InvalidArgumentError as exc:
             exc.rank = self._rank
             raise
-        self._check_memory(b, "register")
+        self._submitter.check_memory(b, "register")
         if b.nbytes == 0:
             raise InvalidArgumentError("register: the buffer is empty", rank=self._rank)
         if self._registry is None:
@@ -500,7 +500,7 @@ class Communicator:
         Returns:
             The child communicator, or None for a rank without a color.
         """
-        self._check_open()
+        self._state.check_open()
         color = check_color(color)
         key = check_key(key, self._rank)
         timeout = check_seconds("split: timeout", timeout, positive=True)
@@ -582,7 +582,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._p2p(KIND_SEND, buf, peer, tag, stream)
+        return self._submitter.p2p(KIND_SEND, buf, peer, tag, stream)
 
     def recv(self, buf, peer: int, *, tag=None, stream=None) -> Work:
         """Receives into ``buf`` what rank ``peer`` sends with ``tag``; the
@@ -598,7 +598,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._p2p(KIND_RECV, buf, peer, tag, stream)
+        return self._submitter.p2p(KIND_RECV, buf, peer, tag, stream)
 
     def all_to_all(self, send, recv, *, tag=None, stream=None) -> Work:
         """Equal splits: rank r's send[p * n : (p + 1) * n] lands in rank p's
@@ -614,7 +614,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._all_to_all(send, recv, None, None, tag, stream, "all_to_all")
+        return self._submitter.all_to_all(send, recv, None, None, tag, stream, "all_to_all")
 
     def all_to_all_single(self, send, recv, *, send_splits: Sequence[int] | None = None,
                           recv_splits: Sequence[int] | None = None, tag=None, stream=None) -> Work:
@@ -637,99 +637,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
-
-    def _check_peer(self, peer, what: str) -> int:
-        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral):
-            raise InvalidArgumentError(f"{what}: peer must be an int rank, not {type(peer).__name__} ({peer!r})",
-                                       rank=self._rank)
-        peer = int(peer)
-        if not 0 <= peer < self._size:
-            raise InvalidArgumentError(f"{what}: peer {peer} is outside 0..{self._size - 1}", rank=self._rank)
-        if peer == self._rank:
-            raise InvalidArgumentError(f"{what}: peer {peer} is this rank; a rank cannot {what} to itself "
-                                       "(copy the buffer instead)", rank=self._rank)
-        return peer
-
-    def _p2p(self, kind: int, buf, peer, tag, stream) -> Work:
-        what = KIND_NAMES[kind]
-        if self._state.forked_from:
-            self._check_open()
-        self._check_tag(tag, what)
-        peer = self._check_peer(peer, what)
-        try:
-            b = as_buffer(buf, f"{what} buffer")
-        except InvalidArgumentError as exc:
-            exc.rank = self._rank
-            raise
-        self._check_memory(b, f"{what} buffer")
-        if kind == KIND_RECV and b.readonly:
-            raise InvalidArgumentError("recv: the buffer is read-only; it must be writable", rank=self._rank)
-        self._check_open()
-        # Empty messages are submitted too: they keep the pair's instance
-        # numbers aligned and a count mismatch with the peer is still reported.
-        src, dst = (self._rank, peer) if kind == KIND_SEND else (peer, self._rank)
-        geometry = plan_p2p(b.count, b.dtype, self._channels, self._mode == "direct", self._options)
-        task = TaskDescriptor(
-            kind=what, tag=tag, rank=self._rank, key=pair_key(self._comm_key, src, dst, tag), transient=False,
-            tags=self._endpoint.tags, flight=self._flight.ring, endpoint=self._endpoint.id,
-            block_offset=self._block_offset, kind_code=kind, dtype=int(b.dtype), op=int(ReduceOp.SUM),
-            path=geometry.path, root=peer, nchannels=geometry.nchannels,
-            send_addr=b.ptr, recv_addr=b.ptr, count=b.count, slice_bytes=geometry.slice_bytes,
-            fifo_slots=geometry.fifo_slots, staging_bytes=geometry.fifo_bytes if kind == KIND_RECV else 0,
-            stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
-        return self._submit_task(task)
-
-    def _all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
-        self._check_tag(tag, what)
-        s, r = self._pair(send, recv, what)
-        self._check_dtype(s, r, what)
-        try:
-            layout = resolve_splits(s.count, r.count, self._size, send_splits, recv_splits, what)
-        except InvalidArgumentError as exc:
-            exc.rank = self._rank
-            raise
-        if layout.send_counts[self._rank] != layout.recv_counts[self._rank]:
-            raise InvalidArgumentError(
-                f"{what}: this rank sends itself {layout.send_counts[self._rank]} elements but expects "
-                f"{layout.recv_counts[self._rank]} from itself (send_splits[{self._rank}] != "
-                f"recv_splits[{self._rank}])", rank=self._rank)
-        if s.count and r.count and overlaps(s, r):
-            raise InvalidArgumentError(f"{what}: send and recv overlap; an all-to-all cannot run in place",
-                                       rank=self._rank)
-        self._check_open()
-        key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
-        owners = (s.owner, r.owner)
-        sid = None if stream is None else stream_handle(stream)
-        if self._size == 1:
-            if s.count == 0:
-                return Work.completed(what, tag, self._rank)
-            geometry = plan_geometry(KIND_ALL_TO_ALL, s.count, s.dtype, 1, self._channels, True, self._options)
-            return self._submit_task(self._a2a_task(what, tag, key, s, r, s.count, geometry, 0, sid, owners))
-        plan = plan_all_to_all(layout, s.dtype, self._size, self._channels, self._mode, self._options)
-        tags = self._endpoint.tags
-        aux = tags.alloc_instance_staging(plan.aux_bytes)
-        try:
-            table = split_table(layout, plan.geometry.nchannels)
-            # Not waited for: the stream that copies arms the collective.
-            sid = self._daemon.device.stage_to_device(self._endpoint.arena + aux, table.ctypes.data, table.nbytes, sid)
-            # The tag table takes the table back when the instance retires
-            # (TagTable.release; a failed instance keeps it).
-            return self._submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
-                                                    owners, plan.aux_bytes))
-        except BaseException:
-            tags.free_instance_staging(aux, plan.aux_bytes)
-            raise
-
-    def _a2a_task(self, what, tag, key, s: Buffer, r: Buffer, count: int, geometry: Geometry, aux: int, stream,
-                  owners, aux_bytes: int = 0) -> TaskDescriptor:
-        return TaskDescriptor(
-            kind=what, tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset,
-            kind_code=KIND_ALL_TO_ALL, dtype=int(s.dtype),
-            op=int(ReduceOp.SUM), path=geometry.path, root=0, nchannels=geometry.nchannels, send_addr=s.ptr,
-            recv_addr=r.ptr, count=count, flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux,
-            aux_bytes=aux_bytes)
+        return self._submitter.all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
@@ -804,19 +712,25 @@ class Communicator:
 
     def _prepare(self, kind, count, dtype, op, root, tag) -> "Plan":
         what = f"prepare_{KIND_NAMES[kind]}"
-        self._check_open()
+        sub = self._submitter
+        self._state.check_open()
         if root is _UNUSED:
             root = 0
         else:
-            self._check_root(root, what)
-        self._check_tag(tag, what)
+            sub.check_root(root, what)
+        sub.check_tag(tag, what)
         try:
             count = check_int(f"{what}: count", count, 0)
             dtype = as_data_type(dtype)
         except InvalidArgumentError as exc:
             exc.rank = self._rank
             raise
-        return Plan(self, kind, count, dtype, ReduceOp.SUM if op is _UNUSED else self._op(op, what), root, tag)
+        op = ReduceOp.SUM if op is _UNUSED else sub.op(op, what)
+        if tag is None:
+            # Untagged plans are named by creation order (Plan's docstring).
+            self._plans += 1
+            tag = ("#plan", self._plans)
+        return Plan(self, sub, kind, count, dtype, op, root, tag)
 
     # -- lifetime ------------------------------------------------------------------------
     def abort(self, timeout: float = 10.0) -> None:
@@ -911,198 +825,14 @@ class Communicator:
         self.close()
 
     # -- internals -------------------------------------------------------------------
-    def _check_open(self):
-        state = self._state
-        if state.lost_rank is not None and not state.closed:
-            raise PeerLostError(f"rank {self._rank}: the communicator lost rank {state.lost_rank} "
-                                f"({state.lost_why}); close it", rank=self._rank, origin=state.lost_rank)
-        if state.closed:
-            if state.forked_from:
-                raise ClosedError(f"rank {self._rank}: this communicator belongs to process {state.forked_from}, "
-                                  "which forked this process; a forked child cannot use its parent's communicators "
-                                  "(create new ones in the child; on GPUs, start it with the 'spawn' method)",
-                                  rank=self._rank)
-            raise ClosedError(f"rank {self._rank}: the communicator is closed", rank=self._rank)
-        if state.aborted:
-            raise ClosedError(f"rank {self._rank}: the communicator was aborted", rank=self._rank)
-
-    def _check_root(self, root, what):
-        if isinstance(root, bool) or not isinstance(root, numbers.Integral):
-            raise InvalidArgumentError(f"{what}: root must be an int rank, not {type(root).__name__} ({root!r})",
-                                       rank=self._rank)
-        if not 0 <= root < self._size:
-            raise InvalidArgumentError(f"{what}: root {root!r} is outside 0..{self._size - 1}", rank=self._rank)
-
-    def _check_tag(self, tag, what: str) -> None:
-        # str and int tags are the common case: no hashing twice for them.
-        if is_simple_tag(tag):
-            return
-        try:
-            tag_key(self._comm_key, tag)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{what}: tag {tag!r} is not valid: {exc}", rank=self._rank) from None
-
-    def _op(self, op, what: str | None = None) -> ReduceOp:
-        try:
-            return as_reduce_op(op)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{what + ': ' if what else ''}op: {exc}", rank=self._rank) from None
-
-    def _pair(self, send, recv, what, writes_recv: bool = True) -> tuple[Buffer, Buffer]:
-        if self._state.forked_from:
-            self._check_open()   # before the buffers: in a forked child, CUDA cannot tell what they are
-        try:
-            s = as_buffer(send, f"{what} send")
-            r = s if recv is None else as_buffer(recv, f"{what} recv")
-        except InvalidArgumentError as exc:
-            exc.rank = self._rank
-            raise
-        for b, name in ((s, "send"), (r, "recv")):
-            self._check_memory(b, f"{what} {name}")
-        if r.readonly and writes_recv:
-            raise InvalidArgumentError(f"{what}: the output buffer ({'send, in place' if r is s else 'recv'}) is "
-                                       "read-only; it must be writable", rank=self._rank)
-        return s, r
-
-    def _check_memory(self, b: Buffer, what: str):
-        if b.count == 0:
-            return
-        if self._backend == "sim":
-            if b.device_type != CPU:
-                raise InvalidArgumentError(f"{what}: the sim backend moves host memory; got {b.device_type} memory",
-                                           rank=self._rank)
-        else:
-            if b.device_type != CUDA:
-                raise InvalidArgumentError(f"{what}: the cuda backend needs device memory; got host memory "
-                                           "(move the array to the GPU)", rank=self._rank)
-            if b.device != self._device:
-                raise InvalidArgumentError(f"{what}: the buffer is on cuda:{b.device}, this rank runs on "
-                                           f"cuda:{self._device}", rank=self._rank)
-
-    def _check_dtype(self, s: Buffer, r: Buffer, what: str):
-        if s.dtype != r.dtype:
-            raise InvalidArgumentError(f"{what}: send is {s.dtype.name.lower()}, recv is {r.dtype.name.lower()}",
-                                       rank=self._rank)
-
-    def _same_shape(self, s: Buffer, r: Buffer, expect_recv: int, what: str, recv_scale: str = "send"):
-        self._check_dtype(s, r, what)
-        if r.count != expect_recv:
-            raise InvalidArgumentError(f"{what}: recv has {r.count} elements, expected {recv_scale} = {expect_recv}",
-                                       rank=self._rank)
-
-    def _task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-              geometry: Geometry | None = None, key=None, owned: bool = True) -> TaskDescriptor:
-        """The descriptor of one collective (validated buffers in hand);
-        ``owned=False`` keeps no reference to the buffers' owners (a
-        descriptor kept for later calls on other buffers)."""
-        if geometry is None:
-            geometry = plan_geometry(kind, count, s.dtype, self._size, self._channels, self._direct, self._options,
-                                     staged=self._staged)
-        if key is None:
-            key = self._seq_key if tag is None else tag_key(self._comm_key, tag)
-        flags, staging, send_reg = geometry.flags, geometry.fifo_bytes, 0
-        if flags & TASK_STAGED and self._has_registered_memory():
-            flags, staging, send_reg = self._registry.task_fields(s.ptr, s.nbytes, flags, staging)
-        return TaskDescriptor(
-            kind=KIND_NAMES[kind], tag=tag, rank=self._rank, key=key, transient=False, tags=self._endpoint.tags,
-            flight=self._flight.ring, endpoint=self._endpoint.id, block_offset=self._block_offset, kind_code=kind,
-            dtype=int(s.dtype), op=int(op),
-            path=geometry.path, root=root, nchannels=geometry.nchannels, send_addr=s.ptr, recv_addr=r.ptr, count=count,
-            slice_bytes=geometry.slice_bytes, fifo_slots=geometry.fifo_slots, flags=flags,
-            staging_bytes=staging, stream=None if stream is None else stream_handle(stream),
-            owners=(s.owner, r.owner) if owned else None, send_reg=send_reg)
-
-    def _submit(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-                geometry: Geometry | None = None, key=None) -> Work:
-        self._check_open()
-        name = KIND_NAMES[kind]
-        if count == 0:
-            return Work.completed(name, tag, self._rank)
-        check_overlap(kind, s, r, count, self._rank, self._size, name)
-        if key is None and is_simple_tag(tag):
-            task = self._plain_task(kind, s, r, count, op, root, tag)
-            if task is not None:
-                return self._submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
-                                                (s.owner, r.owner)))
-        task = self._task(kind, s, r, count, op, root, tag, stream, geometry, key)
-        return self._submit_task(task)
-
-    def _plain_task(self, kind, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag=None
-                    ) -> TaskDescriptor | None:
-        """The descriptor of a collective of this shape and tag (None, a str
-        or an int: types whose equal values are the same tag), built on its
-        first call and submitted at each later call's buffers
-        (``_submit_task(task, at)``, ``Daemon.submit_at``): a plain call then
-        costs a dict lookup where it built a descriptor.  Each instance of
-        the tag is still taken at submission.  None where the buffers decide
-        more than the addresses (registered memory)."""
-        if self._has_registered_memory():
-            return None
-        shape = (kind, count, s.dtype, op, root, tag)
-        task = self._plain_tasks.get(shape)
-        if task is None:
-            if len(self._plain_tasks) >= _PLAIN_TASKS_KEPT:
-                self._plain_tasks.clear()
-            task = self._plain_tasks[shape] = self._task(kind, s, r, count, op, root, tag, None, owned=False)
-        return task
-
-    def _has_registered_memory(self) -> bool:
-        """Whether any memory is registered with this communicator: then a
-        staged collective's flags depend on its input's address, and a kept
-        descriptor does not serve every buffer of its shape."""
-        return self._registry is not None and bool(self._registry.handles)
-
-    def _all_reduce_kept(self, x, op, tag) -> Work | None:
-        """The plain call's common case, an in-place sum of one plain array
-        (buffers.plain_array) whose shape and tag have a kept descriptor
-        (_plain_task), checked as the general path checks it and submitted
-        without a Buffer.  None where anything else holds: the general path
-        then does, and explains, everything."""
-        if self._state.closed or self._state.aborted or self._state.lost_rank is not None or self._state.forked_from:
-            return None
-        if not (op is ReduceOp.SUM or (type(op) is str and op == "sum")) or not is_simple_tag(tag) \
-                or self._has_registered_memory():
-            return None
-        cuda = self._backend != "sim"
-        desc = plain_array(x, cuda)
-        if desc is None:
-            return None
-        ptr, count, dtype, device = desc
-        if cuda and (device if device is not None else runtime.cuda_pointer_info(ptr)) != self._device:
-            return None
-        task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
-        if task is None:
-            return None
-        return self._submit_task(task, (ptr, ptr, None, (x, x)))
-
     def _all_reduce_at(self, ptr: int, count: int, dtype: DataType, op: ReduceOp, stream: int | None,
                        owner: object, tag: object = None) -> Work:
         """In-place all-reduce of ``count`` elements at ``ptr``, memory the
         caller has checked is this communicator's kind and device, under
         ``tag`` (a simple tag: str, int or a tuple of them; None: untagged)
         (the torch backend's path for one contiguous tensor: no Buffer, no
-        argument parsing)."""
-        if self._state.closed or self._state.aborted or self._state.lost_rank is not None:
-            self._check_open()
-        if count == 0:
-            return Work.completed("all_reduce", None, self._rank)
-        task = None if self._has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0,
-                                                                                 tag))
-        if task is None:
-            b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
-                       -1 if self._backend == "sim" else self._device, False, owner)
-            return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, tag, stream)
-        return self._submit_task(task, (ptr, ptr, stream, (owner, owner)))
-
-    def _submit_task(self, task: TaskDescriptor, at: tuple | None = None) -> Work:
-        """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
-        stream handle or None, owners) the same descriptor at those buffers."""
-        try:
-            return self._daemon.submit(task) if at is None else self._daemon.submit_at(task, *at)
-        except DfcclError as exc:
-            if exc.rank is None:
-                exc.rank = self._rank
-            raise
+        argument parsing; Submitter.all_reduce_at)."""
+        return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
 
     # -- diagnostics -------------------------------------------------------------------
     def status(self) -> CommStatus:
@@ -1150,111 +880,3 @@ class Communicator:
         st.recent = self._flight.events()[-20:]
         return st
 
-
-class Plan:
-    """A collective with its shape fixed once ("prepare"); calling it submits
-    one instance with the given buffers.  All calls of a plan share its tag,
-    so the k-th call on one rank meets the k-th call on the others.  Without
-    ``tag``, plans are named by creation order: prepare them in the same order
-    on every rank, or pass a tag."""
-
-    def __init__(self, comm: Communicator, kind: int, count: int, dtype, op: ReduceOp, root: int, tag):
-        count = check_int(f"prepare_{KIND_NAMES[kind]}: count", count, 0)
-        self._comm = comm
-        self.kind = KIND_NAMES[kind]
-        self._kind = kind
-        self.count = int(count)
-        self.dtype: DataType = as_data_type(dtype)
-        self.op = op
-        self.root = int(root)
-        if tag is None:
-            comm._plans += 1
-            tag = ("#plan", comm._plans)
-        self.tag = tag
-        self._key = tag_key(comm._comm_key, tag)
-        self._geometry = plan_geometry(kind, self.count, self.dtype, comm._size, comm._channels, comm._direct,
-                                       comm._options, staged=comm._staged)
-
-    def __call__(self, send, recv=None, *, stream=None) -> Work:
-        c = self._comm
-        s, r = c._pair(send, recv, self.kind, writes_recv=self._kind != KIND_REDUCE or self.root == c._rank)
-        self._check(s, r)
-        return c._submit(self._kind, s, r, self.count, self.op, self.root, self.tag, stream, self._geometry,
-                         self._key)
-
-    def bind(self, send, recv=None, *, stream=None) -> "BoundPlan":
-        """Fixes the buffers (and stream) too.
-
-        Args:
-            send: the input of every instance.
-            recv: the output (None: in place, where the kind allows it).
-            stream: the CUDA stream every instance follows; None: run now.
-
-        Returns:
-            A BoundPlan: calling it submits one instance with no argument
-            parsing or validation left to do.
-        """
-        return BoundPlan(self, send, recv, stream)
-
-    def _check(self, s: Buffer, r: Buffer):
-        n = self._comm._size
-        want_s, want_r = {
-            KIND_ALL_GATHER: (self.count, self.count * n),
-            KIND_REDUCE_SCATTER: (self.count * n, self.count),
-        }.get(self._kind, (self.count, self.count))
-        for b, want, name in ((s, want_s, "send"), (r, want_r, "recv")):
-            if b.count != want or b.dtype != self.dtype:
-                raise InvalidArgumentError(
-                    f"plan {self.kind} tag {self.tag!r}: {name} must hold {want} x {self.dtype.name.lower()}, "
-                    f"got {b.count} x {b.dtype.name.lower()}", rank=self._comm._rank, tag=self.tag)
-
-    def __repr__(self) -> str:
-        return f"<dfccl.Plan {self.kind} count={self.count} {self.dtype.name.lower()} tag={self.tag!r}>"
-
-
-class BoundPlan:
-    """A plan with its buffers fixed (``Plan.bind``): the lowest-overhead way to
-    submit the same collective repeatedly (training steps, benchmarks)."""
-
-    def __init__(self, plan: Plan, send, recv, stream):
-        c = plan._comm
-        s, r = c._pair(send, recv, plan.kind, writes_recv=plan._kind != KIND_REDUCE or plan.root == c._rank)
-        plan._check(s, r)
-        check_overlap(plan._kind, s, r, plan.count, c._rank, c._size, plan.kind)
-        self.plan = plan
-        self._comm = c
-        self._task = None if plan.count == 0 else c._task(plan._kind, s, r, plan.count, plan.op, plan.root,
-                                                           plan.tag, stream, plan._geometry, plan._key)
-        self._submit = c._daemon.submit
-
-    def __call__(self) -> Work:
-        c = self._comm
-        if c._state.closed or c._state.aborted:
-            c._check_open()
-        task = self._task
-        if task is None:
-            return Work.completed(self.plan.kind, self.plan.tag, c._rank)
-        try:
-            return self._submit(task)   # Communicator._submit_task, one frame less
-        except DfcclError as exc:
-            if exc.rank is None:
-                exc.rank = c._rank
-            raise
-
-    @property
-    def c_plan(self) -> int:
-        """The address of this collective for the C API
-        (``cuda/include/dfccl/dfccl_api.h``: a ``const dfccl_plan *``).  It
-        stays valid while this BoundPlan is alive; C code that must outlive
-        it calls the table's ``plan_retain`` (and ``plan_release`` when done).
-        Submissions through it are the same instances of the plan's tag as
-        calls of this object (they share its instance numbers), but have no
-        Work: they are not in ``status()`` or the flight recorder."""
-        c = self._comm
-        c._check_open()
-        if self._task is None:
-            raise InvalidArgumentError(f"{self.plan!r} has no elements: there is nothing to submit", rank=c._rank)
-        return c._daemon.c_plan(self._task)
-
-    def __repr__(self) -> str:
-        return f"<dfccl.BoundPlan {self.plan!r}>"

@@ -2,13 +2,17 @@
 with it: whether it is closed, aborted or has lost a peer, the lock its
 memory is read under, and what a lost peer does to it.  The Communicator owns
 it; the liveness monitor (liveness.py) and the diagnostics that explain a
-failure (diagnostics.py) are handed it, and touch the rank through it only."""
+failure (diagnostics.py) are handed it, and touch the rank through it only;
+the submission path (submission.py, plans.py) asks it whether the rank
+takes collectives."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from typing import TYPE_CHECKING
+
+from dfccl.errors import ClosedError, PeerLostError
 
 if TYPE_CHECKING:
     from dfccl.diagnostics import EndpointDiagnostics
@@ -46,6 +50,23 @@ class RankState:
         self.fault_reported = False   # its device failed and its peers were told (liveness.py)
         self.forked_from = 0          # in a forked child: the pid of the process this rank belongs to
         self.diagnostics: "EndpointDiagnostics | None" = None
+
+    def check_open(self) -> None:
+        """Raises unless the rank takes new collectives: PeerLostError once
+        a peer is lost, ClosedError once it is closed (or its parent's, in a
+        forked child) or aborted."""
+        if self.lost_rank is not None and not self.closed:
+            raise PeerLostError(f"rank {self.rank}: the communicator lost rank {self.lost_rank} "
+                                f"({self.lost_why}); close it", rank=self.rank, origin=self.lost_rank)
+        if self.closed:
+            if self.forked_from:
+                raise ClosedError(f"rank {self.rank}: this communicator belongs to process {self.forked_from}, "
+                                  "which forked this process; a forked child cannot use its parent's communicators "
+                                  "(create new ones in the child; on GPUs, start it with the 'spawn' method)",
+                                  rank=self.rank)
+            raise ClosedError(f"rank {self.rank}: the communicator is closed", rank=self.rank)
+        if self.aborted:
+            raise ClosedError(f"rank {self.rank}: the communicator was aborted", rank=self.rank)
 
     def attach(self, diagnostics: "EndpointDiagnostics") -> None:
         """Reads of the peers' records go under this rank's lock, and a loss

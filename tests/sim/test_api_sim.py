@@ -1238,13 +1238,13 @@ def test_plain_calls_reuse_one_descriptor_per_shape_on_other_buffers(make):
             got = outs[r] if it % 2 else xs[r]
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"call {it} rank {r} {op}")
     for c in comms:
-        tasks = list(c._plain_tasks.values())
+        tasks = list(c._submitter._plain_tasks.values())
         assert len(tasks) == 3            # one per reduction: the size and dtype never changed
         assert all(t.owners is None for t in tasks)
     # A tagged call keeps its own descriptor: the untagged ones are not touched.
     all_reduce_ok(comms, tag="plain-vs-tagged")
-    assert all(len(c._plain_tasks) == 4 for c in comms)
-    assert all(sum(t.tag == "plain-vs-tagged" for t in c._plain_tasks.values()) == 1 for c in comms)
+    assert all(len(c._submitter._plain_tasks) == 4 for c in comms)
+    assert all(sum(t.tag == "plain-vs-tagged" for t in c._submitter._plain_tasks.values()) == 1 for c in comms)
 
 
 def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
@@ -1270,7 +1270,7 @@ def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
                 np.testing.assert_allclose(xs[t][r], wants[t], rtol=1e-6, err_msg=f"round {it} tag {t!r} rank {r}")
         assert [w.tag for w in works[0]] == list(tags)
     for c in comms:
-        kept = [t for t in c._plain_tasks.values() if t.tag is not None]
+        kept = [t for t in c._submitter._plain_tasks.values() if t.tag is not None]
         assert sorted(map(str, (t.tag for t in kept))) == ["7", "grad"]
         assert all(t.owners is None for t in kept)
     all_reduce_ok(comms, tag=("layer", 3))
@@ -1279,18 +1279,18 @@ def test_tagged_calls_reuse_one_descriptor_per_shape_and_tag(make):
     with pytest.raises(dfccl.InvalidArgumentError, match="not a bool"):
         comms[0].all_reduce(np.ones(64, np.float32), tag=("layer", True))
     for c in comms:
-        tuples = sorted(map(repr, (t.tag for t in c._plain_tasks.values() if isinstance(t.tag, tuple))))
+        tuples = sorted(map(repr, (t.tag for t in c._submitter._plain_tasks.values() if isinstance(t.tag, tuple))))
         assert tuples == ["('layer', 3)", "('layer', 3, ('sub', 1))"], tuples
 
 
 def test_plain_call_descriptors_are_bounded(make, monkeypatch):
-    import dfccl.communicator as dc
+    import dfccl.submission as ds
 
-    monkeypatch.setattr(dc, "_PLAIN_TASKS_KEPT", 8)
+    monkeypatch.setattr(ds, "_PLAIN_TASKS_KEPT", 8)
     comms = make(2, "direct", base=DEV + 142)
     for count in range(1, 20):
         all_reduce_ok(comms, count=count)
-        assert all(len(c._plain_tasks) <= 8 for c in comms)
+        assert all(len(c._submitter._plain_tasks) <= 8 for c in comms)
 
 
 def test_all_reduce_at_a_pointer_matches_the_array_call(make):
@@ -1318,15 +1318,15 @@ def test_all_reduce_at_a_pointer_matches_the_array_call(make):
 
 def test_plain_in_place_sum_skips_the_buffer_and_nothing_else(make, monkeypatch):
     """The in-place sum of a plain array whose shape has a kept descriptor is
-    submitted without a Buffer (Communicator._all_reduce_kept); whatever
+    submitted without a Buffer (Submitter.all_reduce_kept); whatever
     differs from that case takes the general path and gets its answer: a
     read-only array, a strided view, another dtype, a tuple tag, a closed
     communicator."""
-    import dfccl.communicator as dc
+    import dfccl.submission as ds
 
     taken = []
-    kept = dc.Communicator._all_reduce_kept
-    monkeypatch.setattr(dc.Communicator, "_all_reduce_kept",
+    kept = ds.Submitter.all_reduce_kept
+    monkeypatch.setattr(ds.Submitter, "all_reduce_kept",
                         lambda self, *a: taken.append(kept(self, *a)) or taken[-1])
     comms = make(2, "direct", base=DEV + 148)
     for shape in [(64,), (64,), (8, 8), (64,)]:

@@ -206,7 +206,7 @@ def test_daemon_rejects_descriptor_naming_a_released_endpoint():
         assert daemon.endpoint_entry(stale) == (0, 0) and daemon.draining == []
         c = live[0]
         x = np.ones(64, np.float32)
-        task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
+        task = c._submitter.task(0, *c._submitter.pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
         before = daemon.bad_tasks
         w = daemon.submit(task, {"endpoint": stale})
         with pytest.raises(dfccl.BackendError, match="BAD_TASK"):
@@ -294,7 +294,7 @@ def test_daemon_rejects_bad_descriptor(fields):
     try:
         c = comms[0]
         x = np.ones(64, np.float32)
-        task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
+        task = c._submitter.task(0, *c._submitter.pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
         before = c._daemon.bad_tasks
         w = c._daemon.submit(task, fields)
         with pytest.raises(dfccl.BackendError, match="BAD_TASK"):
@@ -315,7 +315,7 @@ def test_daemon_counts_descriptor_with_bad_slot():
     try:
         c = comms[0]
         x = np.ones(64, np.float32)
-        task = c._task(0, *c._pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
+        task = c._submitter.task(0, *c._submitter.pair(x, None, "all_reduce"), 64, dfccl.ReduceOp.SUM, 0, "raw", None)
         before = c._daemon.bad_tasks
         c._daemon.submit(task, {"slot": 1 << 30})
         deadline = time.monotonic() + TIMEOUT
@@ -335,7 +335,7 @@ def test_raw_descriptor_rejects_unknown_field():
     try:
         c = comms[0]
         x = np.ones(4, np.float32)
-        task = c._task(0, *c._pair(x, None, "all_reduce"), 4, dfccl.ReduceOp.SUM, 0, "raw", None)
+        task = c._submitter.task(0, *c._submitter.pair(x, None, "all_reduce"), 4, dfccl.ReduceOp.SUM, 0, "raw", None)
         with pytest.raises(dfccl.InvalidArgumentError, match="not one a test may set"):
             c._daemon.submit(task, {"send_addr": 0})
     finally:

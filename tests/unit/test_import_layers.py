@@ -33,8 +33,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one rank's machinery", {
         "dfccl.runtime", "dfccl.buffers", "dfccl.endpoint", "dfccl.diagnostics", "dfccl.rank_state",
         "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split",
-        "dfccl.arguments", "dfccl.sharing"}),
-    ("the API", {"dfccl.communicator", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
+        "dfccl.arguments", "dfccl.sharing", "dfccl.submission"}),
+    ("the API", {"dfccl.communicator", "dfccl.plans", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
     ("the package", {"dfccl"}),
     ("tools and integrations", {
         "dfccl.info", "dfccl.demo", "dfccl.scenarios", "dfccl.bench", "dfccl.bench.config", "dfccl.bench.harness",
