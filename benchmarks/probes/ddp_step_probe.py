@@ -72,11 +72,12 @@ def main() -> None:
                  for meth in ("allreduce", "allgather", "broadcast", "_allgather_base", "_reduce_scatter_base")]
         if args.breakdown:
             from dfccl.communicator import Communicator
+            from dfccl.submission import Submitter
 
             # The tag table's part of a submission is C inside the daemon's
             # submit (hotpath.pyx): no Python call of its own to time.
             timed += [(Communicator, "_all_reduce_at", "communicator all_reduce_at"),
-                      (Communicator, "_submit_task", "daemon submit_at"),
+                      (Submitter, "submit_task", "daemon submit_at"),
                       (dt.DfcclWork, "__init__", "DfcclWork()"),
                       (dt.DfcclWork, "get_future", "get_future")]
         for owner, meth, label in timed:

@@ -49,19 +49,21 @@ def main() -> None:
     x = bufs[0]
     ptr = x.ptr if backend == "cuda" else x.ctypes.data
     s = as_buffer(x)
-    op = c._op("sum")
+    sub = c._submitter   # the submission layer's steps, timed one by one
+    op = sub.op("sum")
     rows = [
         ("__cuda_array_interface__ / __array_interface__",
          (lambda: x.__cuda_array_interface__) if backend == "cuda" else (lambda: x.__array_interface__)),
         ("x.dtype.name (no longer read for '<f4')", lambda: x.dtype.name),
         ("runtime.cuda_pointer_info (driver query)", lambda: runtime.cuda_pointer_info(ptr)),
         ("as_buffer", lambda: as_buffer(x)),
-        ("Communicator._pair", lambda: c._pair(x, None, "all_reduce")),
-        ("_check_tag + _same_shape + _op", lambda: (c._check_tag(None, "all_reduce"),
-                                                     c._same_shape(s, s, s.count, "all_reduce"), c._op("sum"))),
-        ("_check_open + check_overlap", lambda: (c._check_open(), check_overlap(KIND_ALL_REDUCE, s, s, s.count,
-                                                                                 c._rank, c._size, "all_reduce"))),
-        ("_plain_task (kept descriptor)", lambda: c._plain_task(KIND_ALL_REDUCE, s, s, s.count, op, 0)),
+        ("Submitter.pair", lambda: sub.pair(x, None, "all_reduce")),
+        ("check_tag + same_shape + op", lambda: (sub.check_tag(None, "all_reduce"),
+                                                 sub.same_shape(s, s, s.count, "all_reduce"), sub.op("sum"))),
+        ("check_open + check_overlap", lambda: (c._state.check_open(), check_overlap(KIND_ALL_REDUCE, s, s, s.count,
+                                                                                     c.rank, c.world_size,
+                                                                                     "all_reduce"))),
+        ("Submitter.plain_task (kept descriptor)", lambda: sub.plain_task(KIND_ALL_REDUCE, s, s, s.count, op, 0)),
     ]
     print(f"{backend}:{device}, two ranks; medians over {args.iters} calls, us")
     for name, fn in rows:
