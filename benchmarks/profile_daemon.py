@@ -65,6 +65,15 @@ def main(argv=None) -> int:
     for b, row in enumerate(prof):
         if row["passes"]:
             print(f"{b:>5} " + " ".join(f"{row[k]:>12}" for k in keys))
+    # The step profile is counted only by a daemon built with DFCCL_STEP_PROFILE=1.
+    steps = ("ll_runs", "ll_credit_ns", "ll_push_ns", "ll_publish_ns", "ll_recv_ns", "ll_finish_ns",
+             "ll_move_ns", "complete_ns")
+    if any(row["ll_runs"] for row in prof):
+        print("block " + " ".join(f"{k:>13}" for k in steps) + "   (ns per LL run)")
+        for b, row in enumerate(prof):
+            if row["ll_runs"]:
+                print(f"{b:>5} {row['ll_runs']:>13} "
+                      + " ".join(f"{row[k] / row['ll_runs']:>13.0f}" for k in steps[1:]))
     for c in comms:
         c.close()
     results = {"us_back_to_back": elapsed * 1e6 / args.iters, "profile": prof}
