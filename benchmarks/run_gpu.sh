@@ -2,7 +2,8 @@
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
 #   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp graphs depth torch chaos latency bench
-#                                         mpbench hostpath preempt all
+#                                         mpbench hostpath preempt ab all
+#   ab (daemon images alternated, AB_IMAGES="a.fatbin b.fatbin") runs only where AB_IMAGES is set.
 # Each phase's limit and extra arguments come from the environment, e.g.
 #   BENCH_LIMIT=600 BENCH_ARGS="--devices 0,1" benchmarks/run_gpu.sh bench
 # Tables go to $OUT/<phase>.log; results (JSON, PNG) to $OUT; then
@@ -99,4 +100,19 @@ if has hostpath; then
 fi
 if has preempt; then
   step preempt ${PREEMPT_LIMIT:-120} $PY benchmarks/bench_preemption.py --out "$OUT" ${PREEMPT_ARGS:-}
+fi
+if has ab && [ -n "${AB_IMAGES:-}" ]; then
+  # Daemon images alternated in one run, two rounds (docs/profiling.md,
+  # "Another daemon image"): AB_IMAGES="before.fatbin after.fatbin"; each
+  # round runs every image's small-message bench, then its step profile
+  # (counted only by an image built with DFCCL_STEP_PROFILE=1).
+  for round in 1 2; do
+    for img in $AB_IMAGES; do
+      name=ab$round-$(basename "$img" | tr -c 'A-Za-z0-9._\n-' _)
+      DFCCL_DAEMON_IMAGE=$img step $name-bench ${AB_LIMIT:-120} $PY -m dfccl bench all_reduce -b 8 -e 64K -f 8192 \
+        -n 300 -w 30 --devices ${AB_DEVICES:-0,0} --no-nccl --no-progress --out "$OUT"
+      DFCCL_DAEMON_IMAGE=$img step $name-profile ${AB_LIMIT:-120} $PY benchmarks/profile_daemon.py \
+        --devices ${AB_DEVICES:-0,0} --size 8 --iters 2000 --out "$OUT"
+    done
+  done
 fi

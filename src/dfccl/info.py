@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from importlib import metadata, resources
+from pathlib import Path
 from typing import TextIO
 
 from dfccl import kernel_image
@@ -65,8 +66,16 @@ def nccl_version() -> str:
 
 
 def kernel_image_info() -> dict:
-    """Where the daemon fatbin is and which architectures it holds."""
-    path = resources.files("dfccl") / "_kernels" / "daemon.fatbin"
+    """Where the daemon image is and which architectures it holds: the
+    file $DFCCL_DAEMON_IMAGE names, else the fatbin built at install."""
+    from dfccl import runtime
+
+    override = os.environ.get(runtime.DAEMON_IMAGE_ENV, "")
+    path = Path(override) if override else resources.files("dfccl") / "_kernels" / "daemon.fatbin"
+    if override and not path.is_file():
+        return {"path": str(path), "architectures": [],
+                "note": f"{runtime.DAEMON_IMAGE_ENV} names a file that does not exist: the cuda backend will refuse "
+                        "to start"}
     if not path.is_file():
         return {"path": None, "architectures": [],
                 "note": "no fatbin built at install (no GPU or nvcc there, or DFCCL_SKIP_KERNEL=1): the cuda "
@@ -75,20 +84,23 @@ def kernel_image_info() -> dict:
     tool = shutil.which("cuobjdump")
     if tool is None:
         info["note"] = "architectures unknown (cuobjdump not found)"
-        return info
-    archs: set[str] = set()
-    for flag in ("--list-elf", "--list-ptx"):
-        try:
-            out = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        kind = "ptx" if flag == "--list-ptx" else "sass"
-        archs.update(f"{m} ({kind})" for m in re.findall(r"sm_\d+[a-z]?", out))
-    info["architectures"] = sorted(archs)
-    info["resources"] = _kernel_resources(tool, str(path))
-    if not archs:
-        info["note"] = "architectures unknown (cuobjdump listed none)"
-    if os.environ.get("DFCCL_FORCE_NVRTC"):
+    else:
+        archs: set[str] = set()
+        for flag in ("--list-elf", "--list-ptx"):
+            try:
+                out = subprocess.run([tool, flag, str(path)], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            kind = "ptx" if flag == "--list-ptx" else "sass"
+            archs.update(f"{m} ({kind})" for m in re.findall(r"sm_\d+[a-z]?", out))
+        info["architectures"] = sorted(archs)
+        info["resources"] = _kernel_resources(tool, str(path))
+        if not archs:
+            info["note"] = "architectures unknown (cuobjdump listed none)"
+    if override:
+        info["note"] = "; ".join(n for n in (info["note"], f"{runtime.DAEMON_IMAGE_ENV} is set: the cuda backend "
+                                             "loads this image instead of the installed one") if n)
+    elif os.environ.get("DFCCL_FORCE_NVRTC"):
         info["note"] = f"DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead, cached in " \
                        f"{kernel_image.cache_dir()}"
     return info

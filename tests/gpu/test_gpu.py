@@ -539,6 +539,27 @@ def test_nvrtc_image_is_compiled_once_and_cached(tmp_path):
     assert len(cached) == 1 and cached[0].name.startswith("daemon-sm_") and cached[0].suffix == ".cubin"
 
 
+@pytest.mark.timeout(1800)  # without an installed fatbin, the reference image is compiled with NVRTC first
+def test_daemon_image_from_the_environment(tmp_path):
+    """DFCCL_DAEMON_IMAGE names the image a process loads instead of the
+    installed one (a profiling build, say): a copy of the installed image runs
+    a collective; a file that is not an image is refused when the daemon
+    starts, naming the variable."""
+    import subprocess
+    import sys
+    image = tmp_path / "daemon.fatbin"
+    image.write_bytes(runtime.daemon_image(runtime.compute_capability(0)))
+    ok = subprocess.run([sys.executable, "-c", _NVRTC_ALL_REDUCE], capture_output=True, text=True, timeout=800,
+                        env=dict(os.environ, DFCCL_DAEMON_IMAGE=str(image)))
+    assert "RESULT ok" in ok.stdout, ok.stdout + ok.stderr
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a kernel")
+    refused = subprocess.run([sys.executable, "-c", _NVRTC_ALL_REDUCE], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, DFCCL_DAEMON_IMAGE=str(bad)))
+    assert "RESULT ok" not in refused.stdout
+    assert "DFCCL_DAEMON_IMAGE=" in refused.stderr and "not a daemon image" in refused.stderr, refused.stderr
+
+
 def test_long_compute_kernels_while_pending(comms2, rng):
     """Long compute kernels occupy both GPUs while collectives are pending in
     rank-divergent order; everything completes and the compute is right."""
