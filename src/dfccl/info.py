@@ -68,14 +68,12 @@ def nccl_version() -> str:
 def kernel_image_info() -> dict:
     """Where the daemon image is and which architectures it holds: the
     file $DFCCL_DAEMON_IMAGE names, else the fatbin built at install."""
-    from dfccl import runtime
-
-    override = os.environ.get(runtime.DAEMON_IMAGE_ENV, "")
+    override = os.environ.get(kernel_image.DAEMON_IMAGE_ENV, "")
     path = Path(override) if override else resources.files("dfccl") / "_kernels" / "daemon.fatbin"
     if override and not path.is_file():
         return {"path": str(path), "architectures": [],
-                "note": f"{runtime.DAEMON_IMAGE_ENV} names a file that does not exist: the cuda backend will refuse "
-                        "to start"}
+                "note": f"{kernel_image.DAEMON_IMAGE_ENV} names a file that does not exist: the cuda backend "
+                        "will refuse to start"}
     if not path.is_file():
         return {"path": None, "architectures": [],
                 "note": "no fatbin built at install (no GPU or nvcc there, or DFCCL_SKIP_KERNEL=1): the cuda "
@@ -98,11 +96,12 @@ def kernel_image_info() -> dict:
         if not archs:
             info["note"] = "architectures unknown (cuobjdump listed none)"
     if override:
-        info["note"] = "; ".join(n for n in (info["note"], f"{runtime.DAEMON_IMAGE_ENV} is set: the cuda backend "
-                                             "loads this image instead of the installed one") if n)
-    elif os.environ.get("DFCCL_FORCE_NVRTC"):
-        info["note"] = f"DFCCL_FORCE_NVRTC is set: the daemon is compiled with NVRTC instead, cached in " \
-                       f"{kernel_image.cache_dir()}"
+        chosen = (f"{kernel_image.DAEMON_IMAGE_ENV} is set: the cuda backend loads this image instead of the "
+                  "installed one")
+        info["note"] = "; ".join(n for n in (info["note"], chosen) if n)
+    elif os.environ.get(kernel_image.FORCE_NVRTC_ENV):
+        info["note"] = f"{kernel_image.FORCE_NVRTC_ENV} is set: the daemon is compiled with NVRTC instead, " \
+                       f"cached in {kernel_image.cache_dir()}"
     return info
 
 

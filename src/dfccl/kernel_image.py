@@ -24,8 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-__all__ = ["CACHE_DIR_ENV", "CUDA_ARCHS_ENV", "SKIP_KERNEL_ENV", "DEFAULT_CUDA_ARCHS", "cache_dir", "include_dir",
-           "tree_digest", "cache_key", "atomic_write", "cached_build", "gpu_present", "kernel_build_plan"]
+__all__ = ["CACHE_DIR_ENV", "CUDA_ARCHS_ENV", "SKIP_KERNEL_ENV", "FORCE_NVRTC_ENV", "DAEMON_IMAGE_ENV",
+           "DEFAULT_CUDA_ARCHS", "cache_dir", "include_dir", "tree_digest", "cache_key", "atomic_write",
+           "cached_build", "gpu_present", "kernel_build_plan"]
 
 #: Overrides where run-time compiled images are kept.
 CACHE_DIR_ENV = "DFCCL_CACHE_DIR"
@@ -33,6 +34,12 @@ CACHE_DIR_ENV = "DFCCL_CACHE_DIR"
 CUDA_ARCHS_ENV = "DFCCL_CUDA_ARCHS"
 #: Set (not "0"), the install builds no fatbin even where a GPU is present.
 SKIP_KERNEL_ENV = "DFCCL_SKIP_KERNEL"
+#: Set, the CUDA backend compiles the daemon with NVRTC even where a fatbin was built.
+FORCE_NVRTC_ENV = "DFCCL_FORCE_NVRTC"
+#: A daemon image that the CUDA backend loads instead of the installed one:
+#: a build with the step profile or line information, say, made from the
+#: installed package's sources (docs/profiling.md, "Another daemon image").
+DAEMON_IMAGE_ENV = "DFCCL_DAEMON_IMAGE"
 #: What a GPU machine's install builds when no architectures are asked for.
 DEFAULT_CUDA_ARCHS = ("80", "90")
 

@@ -17,7 +17,7 @@ from dfccl.options import DaemonOptions, link_ahead, link_block
 from dfccl.policy import default_policy
 
 __all__ = ["default_backend", "device_count", "get_device", "get_daemon", "shutdown", "device_synchronize",
-           "compute_capability", "driver_ok", "nvrtc_cubin", "daemon_image", "read_daemon_image", "DAEMON_IMAGE_ENV"]
+           "compute_capability", "driver_ok", "nvrtc_cubin", "daemon_image", "read_daemon_image"]
 
 # Old names, one release (design decision 43).
 __getattr__ = renamed_attributes(__name__, {"get_context": "get_daemon"})
@@ -105,13 +105,8 @@ def _kernel_dir():
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 
 
-#: A daemon image that the CUDA backend loads instead of the installed one:
-#: a build with the step profile or line information, say, made from the
-#: installed package's sources (docs/profiling.md, "Another daemon image").
-DAEMON_IMAGE_ENV = "DFCCL_DAEMON_IMAGE"
-
-#: How each kind of image cuModuleLoadData takes begins.
-_IMAGE_MAGIC = {b"\x7fELF": "cubin", b"\x50\xed\x55\xba": "fatbin"}
+#: How a cubin and a fatbin begin (cuModuleLoadData also takes PTX text).
+_IMAGE_MAGICS = (b"\x7fELF", b"\x50\xed\x55\xba")
 
 
 def daemon_image(compute_capability: int, environ: Mapping[str, str] | None = None) -> bytes:
@@ -120,11 +115,11 @@ def daemon_image(compute_capability: int, environ: Mapping[str, str] | None = No
     NVRTC (cuda.bindings.nvrtc), once per architecture and source version
     (kernel_image.cache_dir())."""
     env = os.environ if environ is None else environ
-    override = env.get(DAEMON_IMAGE_ENV, "")
+    override = env.get(kernel_image.DAEMON_IMAGE_ENV, "")
     if override:
         return read_daemon_image(override)
     fatbin = _kernel_dir() / "daemon.fatbin"
-    if fatbin.is_file() and not env.get("DFCCL_FORCE_NVRTC"):
+    if fatbin.is_file() and not env.get(kernel_image.FORCE_NVRTC_ENV):
         return fatbin.read_bytes()
     return _nvrtc_image(compute_capability)
 
@@ -133,12 +128,12 @@ def read_daemon_image(path: str | os.PathLike) -> bytes:
     """The daemon image at ``path`` (a cubin, a fatbin or PTX text), or
     BackendError saying why it cannot be one, before the driver is asked
     to load it."""
-    where = f"{DAEMON_IMAGE_ENV}={path}"
+    where = f"{kernel_image.DAEMON_IMAGE_ENV}={path}"
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise BackendError(f"{where}: the daemon image cannot be read ({exc.strerror or exc})") from exc
-    if data[:4] in _IMAGE_MAGIC or (data.lstrip()[:1] in (b"/", b".") and b".entry dfccl_daemon" in data):
+    if data[:4] in _IMAGE_MAGICS or (data.lstrip()[:1] in (b"/", b".") and b".entry dfccl_daemon" in data):
         return data
     raise BackendError(f"{where}: not a daemon image (expected a cubin, a fatbin or PTX of dfccl_daemon, "
                        f"as nvcc builds from cuda/daemon/daemon_kernel.cu; the file has {len(data)} bytes)")
