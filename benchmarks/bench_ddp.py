@@ -40,7 +40,11 @@ def run(backend: str, args) -> tuple[list[float], list[float]]:
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout,
                        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     rows = STEP.findall(r.stdout)
-    if r.returncode != 0 or len(rows) != args.iters:
+    if r.returncode != 0 and len(rows) == args.iters and backend != "dfccl":
+        # The reference's own exit failed after every step ran (gloo can abort
+        # in its teardown): its figures are whole; say so rather than drop them.
+        print(f"warning: reference {backend} exited {r.returncode} after all {args.iters} steps", file=sys.stderr)
+    elif r.returncode != 0 or len(rows) != args.iters:
         raise SystemExit(f"{backend}: exit {r.returncode}, {len(rows)} of {args.iters} steps\n{r.stdout[-3000:]}")
     return [float(ms) for _, _, ms, _ in rows], [float(loss) for _, _, _, loss in rows]
 

@@ -12,6 +12,7 @@ registers dfccl's tagged all-reduce hook (buckets complete in any order).
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -70,6 +71,11 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         if rank == 0:
             print(f"[{backend}] step {step:3d}  {elapsed * 1e3:8.2f} ms  loss {loss.item():.6f}", flush=True)
+    # DDP's reducer holds the process group and sits in reference cycles: drop
+    # it now so that the group is torn down here, not during interpreter
+    # shutdown (where gloo's worker threads can abort the process).
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
