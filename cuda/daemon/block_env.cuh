@@ -124,6 +124,17 @@ DFCCL_DEV uint64_t count_for(uint64_t word, uint64_t instance) {
   return (word >> 32) == (instance & 0xffffffffull) ? (word & 0xffffffffull) : 0;
 }
 
+// ---- peers in the order of a run's peer cache -------------------------------------
+// Cache index i (0 <= i < n - 1) is the i-th rank after this one.  Without a
+// division: the paths of small collectives map ranks to indices in every step.
+DFCCL_DEV uint32_t peer_at(uint32_t rank, uint32_t nranks, uint32_t index) {
+  const uint32_t p = rank + 1 + index;
+  return p >= nranks ? p - nranks : p;
+}
+DFCCL_DEV uint32_t peer_index(uint32_t rank, uint32_t nranks, uint32_t peer) {
+  return peer > rank ? peer - rank - 1 : peer + nranks - rank - 1;
+}
+
 // ---- tag records ---------------------------------------------------------------
 DFCCL_DEV uint32_t home_bucket(uint64_t key, uint32_t capacity) { return dfccl_home_bucket(key, capacity); }
 
@@ -132,7 +143,7 @@ DFCCL_DEV dfccl_chan_state *record_chan(uint64_t record, uint32_t channel) {
 }
 
 DFCCL_DEV uint64_t record_at(const dfccl_endpoint *ep, uint32_t rank, uint32_t bucket) {
-  return ep->peer_table[rank] + (uint64_t)bucket * ep->record_stride;
+  return ep->peer_table[rank] + (uint64_t)bucket * DFCCL_RECORD_BYTES;
 }
 
 // Finds rank's record of `key` by linear probing from the home bucket, the

@@ -253,7 +253,7 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   if (net_room(env, run.ep, 1)) net_push_record(env, run);
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
-      uint32_t p = (run.ep->rank + 1 + i) % run.ep->nranks;
+      uint32_t p = peer_at(run.ep->rank, run.ep->nranks, i);
       uint64_t rec = peer_record(run, i, p);
       if (rec != 0) net_mark_abort(env, run, p, rec, info);
     }

@@ -88,7 +88,7 @@ DFCCL_DEV bool send_registered(const TaskRun &run) { return (run.d->flags & DFCC
 // a peer's from the record it published).
 DFCCL_DEV uint64_t rank_buffer(const TaskRun &run, const DirectGeometry &g, uint32_t p, bool output) {
   if (p == g.r) return output ? run.d->recv_addr : run.d->send_addr;
-  uint32_t index = (p + g.n - g.r - 1) % g.n;
+  uint32_t index = peer_index(g.r, g.n, p);
   if (index < DFCCL_PEER_CACHE && run.ctx->peer_rec[index] != 0) {
     const uint64_t a = output ? run.ctx->peer_recv[index] : run.ctx->peer_send[index];
     return staged(run) ? staged_address(run, p, a) : a;
@@ -223,7 +223,7 @@ DFCCL_DEV void stage_input(BlockEnv &env, const TaskRun &run, const DirectGeomet
 DFCCL_DEV void signal_peers(const TaskRun &run, const DirectGeometry &g, bool phase1) {
   if (!is_leader()) return;
   for (uint32_t i = 0; i + 1 < g.n; ++i) {
-    uint32_t p = (g.r + 1 + i) % g.n;
+    uint32_t p = peer_at(g.r, g.n, i);
     dfccl_chan_state *pc = record_chan(peer_record(run, i, p), g.c);
     red_add_relaxed(phase1 ? &pc->phase1 : &pc->phase2, 1);
   }
@@ -271,7 +271,7 @@ DFCCL_DEV int run_direct(BlockEnv &env, TaskRun &run) {
         while (run.pos[0] + 1 < g.n) {
           uint32_t i = (uint32_t)run.pos[0];
           uint64_t word = 0;
-          int w = meet_peer(env, run, (g.r + 1 + i) % g.n, i, &word);
+          int w = meet_peer(env, run, peer_at(g.r, g.n, i), i, &word);
           if (w != WAIT_OK) return stop_run(w);
           word = from_leader(word);
           run.pos[1] |= word & DFCCL_FIFO_FLAG_MASK;

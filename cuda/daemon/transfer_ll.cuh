@@ -91,6 +91,18 @@ DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
   return run.d->send_addr + (run.d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)receiver * ll_bytes(run) : 0);
 }
 
+// The words a run's lines carry, hashed once per run (three 64-bit mixes:
+// the push and every peer's poll would otherwise each hash them again).
+struct LLNames {
+  uint32_t flag;     // ll_flag of this instance
+  uint64_t check;    // ll_check_word
+  uint64_t lines;    // lines of an area this instance fills: header and payload
+};
+DFCCL_DEV LLNames ll_names(const TaskRun &run) {
+  return LLNames{ll_flag(run.d->tag_key, run.d->instance), ll_check_word(run),
+                 kLLHeaderLines + ceil_div(ll_bytes(run), 8)};
+}
+
 // ---- PUSH --------------------------------------------------------------------------
 // The leader: whether this block completed the previous instance of this
 // run's tag, in its bucket and endpoint, without failure (BlockShared's
@@ -144,7 +156,7 @@ DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own,
   const uint64_t tag_bits = mix64(key) & 0xffffffff00000000ull;
   const uint64_t want = ll_ack_word(key, last);
   for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
-    const uint32_t receiver = (run.ep->rank + 1 + i) % run.ep->nranks;
+    const uint32_t receiver = peer_at(run.ep->rank, run.ep->nranks, i);
     const uint64_t ack = load_acquire(ll_ack(run.ep, run.ep->rank, run.d->bucket, receiver));
     const bool ok = same_tag ? (ack & 0xffffffff00000000ull) == tag_bits && (ack & 0xffffffffull) >= (last & 0xffffffffull)
                              : ack == want;
@@ -171,13 +183,13 @@ DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
 }
 
 // The control warp: this rank's lines for `receiver`, into its area.
-DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
+DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver, const LLNames &names) {
   const dfccl_endpoint *ep = run.ep;
   const uint64_t area = ll_area(ep, receiver, ep->rank, run.d->bucket, run.d->instance);
-  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  const uint32_t flag = names.flag;
   const uint64_t bytes = ll_bytes(run);
   const uint64_t src = ll_source(run, receiver);
-  const uint64_t lines = kLLHeaderLines + ceil_div(bytes, 8);
+  const uint64_t lines = names.lines;
   const uint64_t stride = lane_count();
   for (uint64_t base = lane_index(); base < lines; base += stride * kLLBatch) {
     // A batch of loads in flight, then its stores (an LL store may not be
@@ -187,7 +199,7 @@ DFCCL_DEV void ll_push(const TaskRun &run, uint32_t receiver) {
     for (uint32_t j = 0; j < kLLBatch; ++j) {
       const uint64_t i = base + j * stride;
       const uint64_t off = (i - kLLHeaderLines) * 8;
-      v[j] = i >= lines ? 0 : i == 0 ? run.token : i == 1 ? ll_check_word(run) : load_bytes8(src + off, word_bytes(bytes, off));
+      v[j] = i >= lines ? 0 : i == 0 ? run.token : i == 1 ? names.check : load_bytes8(src + off, word_bytes(bytes, off));
     }
 #pragma unroll
     for (uint32_t j = 0; j < kLLBatch; ++j)
@@ -217,7 +229,7 @@ DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t status, uint32_t origin) {
   const dfccl_endpoint *ep = run.ep;
   const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
-    const uint64_t area = ll_area(ep, (ep->rank + 1 + i) % ep->nranks, ep->rank, run.d->bucket, run.d->instance);
+    const uint64_t area = ll_area(ep, peer_at(ep->rank, ep->nranks, i), ep->rank, run.d->bucket, run.d->instance);
     // Either line alone says "aborted" (they land in no fixed order).
     ll_store(area, run.token ^ kLLAbortMark, flag);
     ll_store(area + 16, ll_poison_word(status, origin), flag);
@@ -266,7 +278,7 @@ DFCCL_DEV uint64_t ll_peer_record(TaskRun &run, uint32_t peer, uint32_t index, b
 }
 
 DFCCL_DEV uint32_t bucket_of(const dfccl_endpoint *ep, uint32_t peer, uint64_t rec) {
-  return (uint32_t)((rec - ep->peer_table[peer]) / ep->record_stride);
+  return (uint32_t)((rec - ep->peer_table[peer]) / DFCCL_RECORD_BYTES);
 }
 
 // Waits until every line of `peer` for this instance is in this rank's area,
@@ -276,15 +288,15 @@ DFCCL_DEV uint32_t bucket_of(const dfccl_endpoint *ep, uint32_t peer, uint64_t r
 // kLLReprobePolls polls looks the peer's record up afresh (the peer's tag may
 // have moved to another bucket since it was cached).  A token line whose flag
 // matches but whose signature line differs is a mismatch.
-DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t index) {
+DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t index, const LLNames &names) {
   const dfccl_endpoint *ep = run.ep;
   uint64_t rec = 0;
   if (is_leader()) rec = ll_peer_record(run, peer, index, false);
   rec = from_leader(rec);
   uint64_t area = rec != 0 ? ll_area(ep, ep->rank, peer, bucket_of(ep, peer, rec), run.d->instance) : 0;
-  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
-  const uint64_t check = ll_check_word(run);
-  const uint64_t lines = kLLHeaderLines + ceil_div(ll_bytes(run), 8);
+  const uint32_t flag = names.flag;
+  const uint64_t check = names.check;
+  const uint64_t lines = names.lines;
   uint64_t start = 0;
   uint32_t spins = 0;
   int r = WAIT_OK;
@@ -378,7 +390,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
 // context since RECV).
 DFCCL_DEV uint64_t ll_payload(const TaskRun &run, uint32_t p) {
   const dfccl_endpoint *ep = run.ep;
-  const uint64_t rec = run.ctx->peer_rec[(p + ep->nranks - ep->rank - 1) % ep->nranks];
+  const uint64_t rec = run.ctx->peer_rec[peer_index(ep->rank, ep->nranks, p)];
   return ll_area(ep, ep->rank, p, bucket_of(ep, p, rec), run.d->instance) + 16ull * kLLHeaderLines;
 }
 
@@ -424,7 +436,7 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
   if (is_leader()) {
     const uint64_t ack = ll_ack_word(d->tag_key, d->instance);
     for (uint32_t i = 0; i + 1 < n; ++i) {
-      const uint32_t p = (r + 1 + i) % n;
+      const uint32_t p = peer_at(r, n, i);
       store_relaxed(ll_ack(ep, p, bucket_of(ep, p, run.ctx->peer_rec[i]), r), ack);
     }
   }
@@ -444,6 +456,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
     return RUN_FAILED;
   }
   dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, r, run.d->bucket));
+  const LLNames names = ll_names(run);
   for (;;) {
     switch (run.step) {
       case L_PUSH: {
@@ -456,7 +469,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         if (w != WAIT_OK) return stop_run(w);
         // The lines: what the peers wait for.  The record is published
         // later, where a wait or the move hides it (ll_publish).
-        for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, (r + 1 + i) % n);
+        for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, peer_at(r, n, i), names);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
         if (is_leader()) {
@@ -478,7 +491,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         uint64_t t = step_start();
         while (run.pos[1] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[1];
-          int w = ll_wait_lines(env, run, (r + 1 + i) % n, i);
+          int w = ll_wait_lines(env, run, peer_at(r, n, i), i, names);
           step_mark(env, &dfccl_step_profile::ll_recv_ns, t);
           if (w == WAIT_ABORT) {
             // What travels, as in push_abort: a relayed failure keeps its

@@ -268,7 +268,7 @@ DFCCL_DEV A2aGeometry a2a_geometry(const TaskRun &run) {
 
 // The leader: rank p's published channel state (p != r, cache index i).
 DFCCL_DEV dfccl_chan_state *a2a_peer_chan(const TaskRun &run, const A2aGeometry &g, uint32_t p) {
-  const uint32_t index = (p + g.n - g.r - 1) % g.n;
+  const uint32_t index = peer_index(g.r, g.n, p);
   return record_chan(peer_record(run, index, p), g.c);
 }
 
@@ -320,7 +320,7 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
       case Q_MEET:
         while (run.pos[0] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[0];
-          const uint32_t p = (g.r + 1 + i) % n;
+          const uint32_t p = peer_at(g.r, n, i);
           uint64_t aux = 0;
           int w = meet_peer(env, run, p, i, &aux);
           if (w != WAIT_OK) return stop_run(w);
@@ -386,7 +386,7 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
         // Every peer has read what it takes from us on this channel: our
         // buffers, copy and table may go.
         while (run.pos[1] + 1 < n) {
-          const uint32_t p = (g.r + 1 + (uint32_t)run.pos[1]) % n;
+          const uint32_t p = peer_at(g.r, n, (uint32_t)run.pos[1]);
           const uint64_t *flag = ptr<const uint64_t>(g.table) + 4 * (uint64_t)n + (uint64_t)g.c * n + p;
           const uint64_t token = run.token;
           int w = block_wait(env, run, p, [&]() -> int { return load_acquire(flag) == token ? 1 : 0; });

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_HEADER_BYTES,
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_BYTES, RECORD_HEADER_BYTES,
                                   instance_token)
 from dfccl.errors import ClosedError, MismatchError
 from dfccl.tags import home_bucket
@@ -76,7 +76,6 @@ class EndpointDiagnostics:
         self._device = endpoint.device
         self._arenas = list(arenas)
         self._capacity = endpoint.capacity
-        self._stride = endpoint.record_stride
         self._buf = np.zeros(14, np.uint64)
         self.on_peer_lost = None   # set by the rank's RankState: called with the lost rank
         self.lost_why: dict[int, str] = {}   # lost rank -> why, where this host found out
@@ -118,7 +117,7 @@ class EndpointDiagnostics:
         b = home_bucket(key, self._capacity)
         first = 0
         for _ in range(self._capacity):
-            rec = table + b * self._stride
+            rec = table + b * RECORD_BYTES
             k = self._read(rec, 1)[0]
             if k == 0:
                 break

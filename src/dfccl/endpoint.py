@@ -17,8 +17,7 @@ import socket
 import numpy as np
 
 from dfccl import runtime
-from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_STATE_BYTES, FIFO_OFFSET_MASK, MAX_CHANNELS, RANK_LIVE,
-                                  RECORD_HEADER_BYTES, REG_SLOTS)
+from dfccl._native.layout import ARENA_STATUS_BYTES, FIFO_OFFSET_MASK, RANK_LIVE, RECORD_BYTES, REG_SLOTS
 from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.host_arena import HostArena
 from dfccl.net import NetLink, host_id
@@ -28,9 +27,7 @@ from dfccl.staging import StagingPool
 from dfccl.status_page import StatusPage
 from dfccl.tags import TagTable
 
-__all__ = ["Endpoint", "RECORD_STRIDE"]
-
-RECORD_STRIDE = RECORD_HEADER_BYTES + MAX_CHANNELS * CHAN_STATE_BYTES
+__all__ = ["Endpoint"]
 
 
 def _align(x: int, a: int) -> int:
@@ -44,9 +41,8 @@ class Endpoint:
         self.rank = rank
         self.nranks = nranks
         self.capacity = options.max_tags   # resolved: equal on every rank
-        self.record_stride = RECORD_STRIDE
         # Status header + table; the LL region and the staging follow, page aligned.
-        self.table_bytes = _align(ARENA_STATUS_BYTES + self.capacity * RECORD_STRIDE, 4096)
+        self.table_bytes = _align(ARENA_STATUS_BYTES + self.capacity * RECORD_BYTES, 4096)
         self.ll_max_bytes = options.ll_max_bytes or 0
         self.ll_offset = self.table_bytes
         self.ll_bytes = _align(ll_region_bytes(self.capacity, nranks, self.ll_max_bytes), 4096)
@@ -102,7 +98,7 @@ class Endpoint:
             "blocks": self.daemon.nblocks,
             "arena_ptr": self.arena,
             "capacity": self.capacity,
-            "stride": RECORD_STRIDE,
+            "stride": RECORD_BYTES,
             "ll_max_bytes": self.ll_max_bytes,
             "bus_id": getattr(self.device, "pci_bus_id", None),
         }
@@ -151,9 +147,9 @@ class Endpoint:
                      for p, info in enumerate(peers)]
             mode = "ring"
         for p, info in enumerate(peers):
-            if info["capacity"] != self.capacity or info["stride"] != RECORD_STRIDE:
+            if info["capacity"] != self.capacity or info["stride"] != RECORD_BYTES:
                 raise BackendError(f"rank {p} uses {info['capacity']} tag records of {info['stride']} bytes, "
-                                   f"rank {self.rank} {self.capacity} of {RECORD_STRIDE}: CommOptions differ")
+                                   f"rank {self.rank} {self.capacity} of {RECORD_BYTES}: CommOptions differ")
             if info.get("ll_max_bytes", 0) != self.ll_max_bytes:
                 raise BackendError(f"rank {p} has an LL region for {info.get('ll_max_bytes', 0)} bytes per peer, "
                                    f"rank {self.rank} for {self.ll_max_bytes}: CommOptions differ")
@@ -196,7 +192,7 @@ class Endpoint:
             self.net.connect({p: net_info[p]["address"] for p in remote})
             self.write_status(int(self._status[0]))
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
-        self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, RECORD_STRIDE, comm_key,
+        self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, comm_key,
                                            tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes,
                                            net_remote=self.net.remote_mask if self.net else 0,
                                            net_queues=self.net.queues if self.net else 0)

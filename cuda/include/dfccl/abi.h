@@ -314,7 +314,8 @@ typedef struct dfccl_daemon_state {
 typedef struct dfccl_endpoint {
   uint32_t rank, nranks;
   uint32_t table_capacity;  /* tag records in each rank's table */
-  uint32_t record_stride;   /* bytes per record */
+  uint32_t record_stride;   /* DFCCL_RECORD_BYTES, which the daemon uses; filled for images
+                               built before that constant (DFCCL_DAEMON_IMAGE loads one) */
   uint64_t comm_key;
   uint64_t reg_table;       /* device, [nranks][DFCCL_REG_SLOTS]: peers' registered allocations as
                                mapped here (0: none); 0 when the communicator has no staged path */
@@ -423,6 +424,11 @@ typedef struct dfccl_chan_state {
 } dfccl_chan_state;  /* 128 bytes */
 
 #define DFCCL_RECORD_HEADER_BYTES 128u
+/* One tag record: its header and a channel state per possible channel.  A
+ * constant, so that the daemon finds a record's bucket from its address with
+ * a multiplication instead of a 64-bit division routine. */
+#define DFCCL_CHAN_STATE_BYTES 128u
+#define DFCCL_RECORD_BYTES (DFCCL_RECORD_HEADER_BYTES + DFCCL_MAX_CHANNELS * DFCCL_CHAN_STATE_BYTES)
 
 /* ---- arena: all-to-all split table -------------------------------------- */
 /* One per all-to-all instance, at dfccl_task_desc.aux_offset in the owner's
@@ -465,7 +471,7 @@ static_assert(sizeof(dfccl_graph_arm) == 120, "dfccl_graph_arm layout");
 static_assert(sizeof(dfccl_result) == 64, "dfccl_result layout");
 static_assert(sizeof(dfccl_block_profile) == 64, "dfccl_block_profile layout");
 static_assert(sizeof(dfccl_step_profile) == 64, "dfccl_step_profile layout");
-static_assert(sizeof(dfccl_chan_state) == 128, "dfccl_chan_state layout");
+static_assert(sizeof(dfccl_chan_state) == DFCCL_CHAN_STATE_BYTES, "dfccl_chan_state layout");
 static_assert(sizeof(dfccl_rank_status) == 64, "dfccl_rank_status layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
 static_assert(sizeof(dfccl_endpoint) == 64 + 2 * 8 * DFCCL_MAX_RANKS, "dfccl_endpoint layout");

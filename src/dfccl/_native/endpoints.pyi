@@ -5,7 +5,7 @@ from dfccl._native.inspection import DaemonBase
 class DaemonEndpoints(DaemonBase):
     max_endpoints: int
     diagnostics: dict[int, object]
-    def add_endpoint(self, rank: int, nranks: int, table_capacity: int, record_stride: int, comm_key: int,
+    def add_endpoint(self, rank: int, nranks: int, table_capacity: int, comm_key: int,
                      peer_tables: list[int], peer_arenas: list[int], reg_table: int = 0, ll_offset: int = 0,
                      ll_max_bytes: int = 0, net_remote: int = 0, net_queues: int = 0) -> int: ...
     def remove_endpoint(self, idx: int, on_released: Callable[[], None] | None = None) -> bool: ...

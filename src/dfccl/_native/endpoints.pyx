@@ -32,7 +32,7 @@ cdef class DaemonEndpoints(DaemonBase):
         return 0
 
     # -- endpoints -----------------------------------------------------------
-    def add_endpoint(self, int rank, int nranks, int table_capacity, int record_stride, uint64_t comm_key,
+    def add_endpoint(self, int rank, int nranks, int table_capacity, uint64_t comm_key,
                      peer_tables, peer_arenas, uint64_t reg_table=0, uint64_t ll_offset=0,
                      uint32_t ll_max_bytes=0, uint64_t net_remote=0, uint64_t net_queues=0):
         """Registers one rank of a communicator with the daemon; returns its id.
@@ -58,7 +58,7 @@ cdef class DaemonEndpoints(DaemonBase):
         ep.rank = rank
         ep.nranks = nranks
         ep.table_capacity = table_capacity
-        ep.record_stride = record_stride
+        ep.record_stride = DFCCL_RECORD_BYTES
         ep.comm_key = comm_key
         ep.reg_table = reg_table
         ep.ll_offset = ll_offset
