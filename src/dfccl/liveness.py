@@ -1,4 +1,4 @@
-"""Peer liveness and the process status file: one monitor thread per process.
+"""Peer liveness and the process status file: two threads per process.
 
 Every `INTERVAL` seconds, for every open communicator of this process:
 - bumps this rank's heartbeat in its status page (status_page.py: host
@@ -15,17 +15,20 @@ Every `INTERVAL` seconds, for every open communicator of this process:
   (Daemon.device_fault): it is lost to its peers like a process that died,
   at once for those in this process, through `RANK_FAILED` in its status
   page for those in others;
-- every `STATUS_INTERVAL` seconds, writes what each communicator is doing to
-  the process status file (`python -m dfccl status` reads them).
+- every `STATUS_INTERVAL` seconds, on a thread of its own (a file system
+  that stalls a write, which happens, must not delay finding a lost peer),
+  writes what each communicator is doing to the process status file
+  (`python -m dfccl status` reads them).
 
 The status file goes at exit and on SIGTERM (termination.py).  Files and
 status pages that processes killed otherwise left are removed when the
-monitor starts writing and when it sees a peer's process exit (and by
-`dfccl status`); each records its writer's start time and pid namespace, so
-that a reused pid or a live process of another namespace keeps its file.
+status file is first written and when the monitor sees a peer's process
+exit (and by `dfccl status`); each records its writer's start time and pid
+namespace, so that a reused pid or a live process of another namespace
+keeps its file.
 
-Ranks in this process are never checked (they cannot die alone).  The
-monitor holds communicators weakly and stops when none is left; it touches
+Ranks in this process are never checked (they cannot die alone).  Both
+threads hold communicators weakly and stop when none is left; they touch
 a rank only through its RankState (rank_state.py) and its public status()."""
 
 from __future__ import annotations
@@ -196,8 +199,9 @@ class _Monitor:
         self._lock = threading.Lock()
         self._watches: list[_PeerWatch] = []
         self._ranks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # communicator -> RankState
-        self._thread: threading.Thread | None = None
-        self._next_status = 0.0
+        self._thread: threading.Thread | None = None          # liveness (_run)
+        self._status_thread: threading.Thread | None = None   # the status file (_run_status)
+        self._sweep_due = False  # a peer's process exited: the status thread sweeps what it left
         self._wrote_status = False
         self._stopping = False   # set at interpreter exit or SIGTERM: write nothing more
         self._identity: dict | None = None   # this process's, in its status file
@@ -212,15 +216,25 @@ class _Monitor:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dfccl-monitor", daemon=True)
                 self._thread.start()
+            if self._status_thread is None or not self._status_thread.is_alive():
+                self._status_thread = threading.Thread(target=self._run_status, name="dfccl-status", daemon=True)
+                self._status_thread.start()
+
+    def _open_ranks(self) -> list:
+        with self._lock:
+            return [(c, s) for c, s in list(self._ranks.items()) if not s.closed]
 
     def _run(self) -> None:
+        """Liveness: touches only memory (status pages, arenas, the net
+        link's mirrors), never a file, so that a slow file system cannot
+        hold up finding a lost peer (the status file has its own thread)."""
         block_async_signals()
         relax_thread_capture_mode()   # its CUDA calls (aborts) must not break a graph captured meanwhile
         while True:
             now = time.monotonic()
             with self._lock:
                 watches = list(self._watches)
-                ranks = [(c, s) for c, s in list(self._ranks.items()) if not s.closed]
+            ranks = self._open_ranks()
             alive = []
             for w in watches:
                 try:
@@ -233,18 +247,38 @@ class _Monitor:
             if any(w.saw_exit for w in watches):
                 for w in watches:
                     w.saw_exit = False
-                _sweep_quietly()
+                self._sweep_due = True
             try:
                 _report_faults([s for _, s in ranks])
             except Exception:
                 pass   # never let the monitor die; try again next time
-            if now >= self._next_status:
-                self._next_status = now + STATUS_INTERVAL
-                self._write_status(ranks)
             del ranks
             with self._lock:
                 if not self._watches and not any(not s.closed for s in self._ranks.values()):
                     self._thread = None
+                    return
+            time.sleep(INTERVAL)
+
+    def _run_status(self) -> None:
+        """The process status file, rewritten every STATUS_INTERVAL while a
+        rank of this process is open (removed once none is), and the sweep
+        of what exited peers left."""
+        block_async_signals()
+        relax_thread_capture_mode()
+        next_status = 0.0
+        while True:
+            now = time.monotonic()
+            if self._sweep_due:
+                self._sweep_due = False
+                _sweep_quietly()
+            if now >= next_status:
+                next_status = now + STATUS_INTERVAL
+                ranks = self._open_ranks()
+                self._write_status(ranks)
+                del ranks
+            with self._lock:
+                if not any(not s.closed for s in self._ranks.values()):
+                    self._status_thread = None
                     self._write_status([])
                     return
             time.sleep(INTERVAL)

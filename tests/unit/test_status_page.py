@@ -206,3 +206,73 @@ def test_an_empty_rewrite_of_an_exited_process_goes_at_once(page_dir, exited, ru
 def test_a_rewrite_is_named_after_its_writer():
     name = liveness._rewrite_name("/d/dfccl-status-0-7.json", {"start_time": 11, "pid_ns": 22})
     assert re.match(r"^/d/dfccl-status-0-7\.json\.11-22-\d+\.tmp$", name)
+
+
+class _FrozenPeerEndpoint:
+    """A rank 0 whose one peer, rank 1 on another host, stopped: its
+    heartbeat never moves."""
+    rank = 0
+
+    def __init__(self):
+        self.peers = [{"pid": os.getpid(), "host": "a", "host_id": "a"},
+                      {"pid": os.getpid() + 1, "host": "b", "host_id": "b"}]
+
+    def write_status(self, state=None):
+        pass
+
+    def peer_status(self, rank):
+        return 0, 7, self.peers[rank]["pid"]
+
+
+class _RankOfFrozenPeer:
+    """What the monitor reads of a rank (rank_state.RankState's fields)."""
+
+    def __init__(self):
+        import threading
+        self.endpoint = _FrozenPeerEndpoint()
+        self.peer_timeout = 0.5
+        self.lock = threading.RLock()
+        self.closed = self.aborted = self.fault_reported = False
+        self.lost_rank = None
+        self.daemon = type("Daemon", (), {"device_fault": 0, "closed": False})()
+        self.comm_key = 1
+        self.lost = threading.Event()
+
+    def peer_lost(self, peer, why):
+        self.lost_rank = peer
+        self.lost.set()
+
+
+def test_a_stalled_status_write_does_not_delay_finding_a_lost_peer(monkeypatch):
+    """The status file's write can stall (a rename on a disk file system was
+    seen to take over 30 s): a stopped peer is still found lost within
+    peer_timeout, because the liveness checks run on a thread of their own."""
+    import threading
+    release = threading.Event()
+    writing = threading.Event()
+
+    def stalled_write(self, ranks):
+        if ranks:
+            writing.set()
+            release.wait(30)
+
+    monitor = liveness._Monitor()
+    monkeypatch.setattr(liveness._Monitor, "_write_status", stalled_write)
+
+    class Comm:
+        pass
+
+    comm, state = Comm(), _RankOfFrozenPeer()
+    try:
+        monitor.register(comm, state)
+        assert writing.wait(5), "the status thread never wrote"
+        t0 = time.monotonic()
+        assert state.lost.wait(5), "the stopped peer was not found lost while the status write stalled"
+        assert state.lost_rank == 1
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        release.set()
+        state.closed = True
+        for t in (monitor._thread, monitor._status_thread):
+            if t is not None:
+                t.join(5)

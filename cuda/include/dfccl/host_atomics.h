@@ -29,6 +29,27 @@ static inline void dfccl_sleep_ns(uint64_t ns) {
   nanosleep(&ts, 0);
 }
 static inline void dfccl_yield(void) { sched_yield(); }
+
+/* A host wait for a completion word pauses between polls by how long it
+ * has waited: not at all for the first DFCCL_WAIT_SPIN_NS (a small
+ * collective completes in microseconds, and a timed sleep overshoots by
+ * tens of them), then a yield, and past DFCCL_WAIT_YIELD_NS a sleep of 1% of
+ * the time waited, at most 1 ms.  A long wait then leaves the CPU to the
+ * process's other threads (peer liveness, the network proxy, a simulated
+ * daemon) for about 1% of its length; a waiter that only yields keeps a
+ * core busy, and two of them starved those threads of a 2-core host for
+ * seconds. */
+#define DFCCL_WAIT_SPIN_NS 50000ull
+#define DFCCL_WAIT_YIELD_NS 10000000ull
+static inline void dfccl_wait_pause(uint64_t waited_ns) {
+  if (waited_ns < DFCCL_WAIT_SPIN_NS) return;
+  if (waited_ns < DFCCL_WAIT_YIELD_NS) {
+    sched_yield();
+    return;
+  }
+  const uint64_t ns = waited_ns / 100u;
+  dfccl_sleep_ns(ns < 1000000u ? ns : 1000000u);
+}
 static inline uint64_t dfccl_now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

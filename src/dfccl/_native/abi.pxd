@@ -188,6 +188,7 @@ cdef extern from "dfccl/host_atomics.h":
     void dfccl_cpu_relax() nogil
     void dfccl_sleep_ns(uint64_t ns) nogil
     void dfccl_yield() nogil
+    void dfccl_wait_pause(uint64_t waited_ns) nogil
     uint64_t dfccl_now_ns() nogil
 
 

@@ -27,12 +27,6 @@ from dfccl.errors import InvalidArgumentError
 
 __all__ = []   # C only (completion.pxd)
 
-cdef enum:
-    # How long a host wait spins before it yields the CPU between polls
-    # (never a sleep: a timed sleep overshoots by tens of microseconds).
-    SPIN_BEFORE_YIELD_NS = 50000
-
-
 # ---------------------------------------------------------------------------
 # retire
 # ---------------------------------------------------------------------------
@@ -235,9 +229,10 @@ cdef int handle_test(daemon_core *c, uint32_t s, uint32_t gen, uint32_t *status,
 
 cdef int handle_wait(daemon_core *c, uint32_t s, uint32_t gen, int64_t timeout_ns, uint32_t *status,
                      int32_t *detail) noexcept nogil:
-    """Spins on the completion word, then yields the CPU between polls; never
-    sleeps.  Gives up after ``timeout_ns`` (< 0: never), on a device fault,
-    or when the handle is failed on the host (abort, close)."""
+    """Polls the completion word, pausing between polls as every host wait
+    does (dfccl_wait_pause: spin, yield, then short sleeps).  Gives up after
+    ``timeout_ns`` (< 0: never), on a device fault, or when the handle is
+    failed on the host (abort, close)."""
     cdef slot_rec *r = &c.slots[s]
     cdef uint64_t start, now
     cdef uint32_t spins = 0
@@ -258,8 +253,7 @@ cdef int handle_wait(daemon_core *c, uint32_t s, uint32_t gen, int64_t timeout_n
         now = dfccl_now_ns()
         if timeout_ns >= 0 and now - start >= <uint64_t>timeout_ns:
             break
-        if now - start >= SPIN_BEFORE_YIELD_NS:
-            dfccl_yield()
+        dfccl_wait_pause(now - start)
     return handle_test(c, s, gen, status, detail)
 
 

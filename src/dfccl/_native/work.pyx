@@ -19,15 +19,13 @@ from dfccl.errors import (AbortedError, BackendError, CollectiveTimeoutError, Df
 cdef dict _STATS_ZERO = {"preemptions": 0, "resumes": 0, "queued_ns": 0, "running_ns": 0, "wall_ns": 0,
                          "max_wait_ns": 0, "host_ns": 0, "channels": 0}
 
-# How long Work.synchronize spins on the completion word before it starts to
-# yield the CPU between polls.  It never sleeps: a timed sleep overshoots by
-# tens of microseconds on virtualised hosts, far longer than a collective.
+# Work.synchronize pauses between polls of the completion word as every host
+# wait does (dfccl_wait_pause, host_atomics.h: spin, yield, then short sleeps).
 # SIGNAL_CHECK_NS: how often a long synchronize() takes the GIL to run signal
 # handlers, so that Ctrl-C (KeyboardInterrupt) stops a wait for a collective
 # that never completes.  Only the main thread runs them; elsewhere the check
 # is a no-op.
 cdef enum:
-    SPIN_BEFORE_YIELD_NS = 50000
     SIGNAL_CHECK_NS = 20000000
 
 
@@ -146,8 +144,7 @@ cdef class Work:
                             dfccl_cpu_relax()
                             continue
                         now = dfccl_now_ns()
-                        if now - start >= SPIN_BEFORE_YIELD_NS:
-                            dfccl_yield()
+                        dfccl_wait_pause(now - start)
                         if deadline != 0 and now >= deadline:
                             ok = _reached(word, gen)
                             break
