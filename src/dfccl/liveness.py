@@ -201,7 +201,6 @@ class _Monitor:
         self._ranks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # communicator -> RankState
         self._thread: threading.Thread | None = None          # liveness (_run)
         self._status_thread: threading.Thread | None = None   # the status file (_run_status)
-        self._sweep_due = False  # a peer's process exited: the status thread sweeps what it left
         self._wrote_status = False
         self._stopping = False   # set at interpreter exit or SIGTERM: write nothing more
         self._identity: dict | None = None   # this process's, in its status file
@@ -225,8 +224,8 @@ class _Monitor:
             return [(c, s) for c, s in list(self._ranks.items()) if not s.closed]
 
     def _run(self) -> None:
-        """Liveness: touches only memory (status pages, arenas, the net
-        link's mirrors), never a file, so that a slow file system cannot
+        """Liveness: touches memory (status pages, arenas, the net link's
+        mirrors), not the status file, so that a slow file system cannot
         hold up finding a lost peer (the status file has its own thread)."""
         block_async_signals()
         relax_thread_capture_mode()   # its CUDA calls (aborts) must not break a graph captured meanwhile
@@ -245,9 +244,12 @@ class _Monitor:
             with self._lock:
                 self._watches = [w for w in self._watches if w not in watches or w in alive]
             if any(w.saw_exit for w in watches):
+                # What the exited peer left goes at once, after its loss was
+                # reported (its survivors may close and exit right after):
+                # the one time this thread touches files.
                 for w in watches:
                     w.saw_exit = False
-                self._sweep_due = True
+                _sweep_quietly()
             try:
                 _report_faults([s for _, s in ranks])
             except Exception:
@@ -261,16 +263,12 @@ class _Monitor:
 
     def _run_status(self) -> None:
         """The process status file, rewritten every STATUS_INTERVAL while a
-        rank of this process is open (removed once none is), and the sweep
-        of what exited peers left."""
+        rank of this process is open, removed once none is."""
         block_async_signals()
         relax_thread_capture_mode()
         next_status = 0.0
         while True:
             now = time.monotonic()
-            if self._sweep_due:
-                self._sweep_due = False
-                _sweep_quietly()
             if now >= next_status:
                 next_status = now + STATUS_INTERVAL
                 ranks = self._open_ranks()
