@@ -225,9 +225,9 @@ DFCCL_DEV bool ll_poison_valid(uint64_t data) {
   return (x & 0xffffffffull) < DFCCL_MAX_RANKS && (x >> 32) != 0 && (x >> 32) < 16;
 }
 
-DFCCL_DEV void ll_poison(const TaskRun &run, uint32_t status, uint32_t origin) {
+DFCCL_DEV void ll_poison(const TaskRun &run, const LLNames &names, uint32_t status, uint32_t origin) {
   const dfccl_endpoint *ep = run.ep;
-  const uint32_t flag = ll_flag(run.d->tag_key, run.d->instance);
+  const uint32_t flag = names.flag;
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
     const uint64_t area = ll_area(ep, peer_at(ep->rank, ep->nranks, i), ep->rank, run.d->bucket, run.d->instance);
     // Either line alone says "aborted" (they land in no fixed order).
@@ -503,7 +503,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
             } else if (run.status == DFCCL_STATUS_MISMATCH) {
               status = DFCCL_STATUS_MISMATCH;
             }
-            ll_poison(run, (uint32_t)from_leader(status), (uint32_t)from_leader(origin));
+            ll_poison(run, names, (uint32_t)from_leader(status), (uint32_t)from_leader(origin));
           }
           if (w != WAIT_OK) return stop_run(w);
           run.pos[1] += 1;

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_BYTES, RECORD_HEADER_BYTES,
-                                  instance_token)
+from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_BYTES,
+                                  RECORD_HEADER_BYTES, instance_token)
 from dfccl.errors import ClosedError, MismatchError
 from dfccl.tags import home_bucket
 from dfccl.types import KIND_NAMES, DataType, ReduceOp
