@@ -1,0 +1,138 @@
+"""Which ring geometry streams best across "hosts": a broadcast from rank 0
+back to back (``--iters`` instances of one tag queued, then waited for),
+two ranks in separate processes with different ``DFCCL_HOST_ID``s, UCX over
+TCP on loopback, for each geometry named by ``--config`` (CommOptions
+fields), the geometries alternated in ``--rounds`` rounds within the same
+two processes (a fresh communicator each time), then ``ucx_perftest -t
+tag_bw`` at each size ``--perftest-runs`` times.  Prints one JSON line per
+measurement and a table of medians (min-max).
+
+    python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 1048576 \\
+        --config default --config max_slice_bytes=262144 --config bytes_per_channel=524288,max_slice_bytes=262144
+    python benchmarks/probes/net_geometry_probe.py --iters 4 --rounds 1 --perftest-runs 1   # checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_net  # noqa: E402  (benchmarks/, for UCX_ENV and run_perftest)
+
+
+def _config(text: str) -> dict:
+    if text == "default":
+        return {}
+    return dict(bench_net._option(part) for part in text.split(","))
+
+
+def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: list[int], iters: int,
+          warmup: int, rounds: int, results) -> None:
+    try:
+        os.environ.update(bench_net.UCX_ENV)
+        os.environ["DFCCL_HOST_ID"] = f"probe-host-{rank}"
+        import dfccl
+        from dfccl.bench import arrays
+
+        rng = np.random.default_rng(1234)
+        rows = []
+        k = 0
+        for rnd in range(rounds):
+            for ci, options in enumerate(configs):
+                comm = dfccl.Communicator(dfccl.UniqueId.from_string(uids[k]), rank, 2, backend=backend,
+                                          device=bench_net._devices(backend)[rank],
+                                          options=dfccl.CommOptions(**options), timeout=120)
+                k += 1
+                for size in sizes:
+                    data = rng.standard_normal((2, size // 4), dtype=np.float32)
+                    x = arrays.from_numpy(backend, comm.device, data[rank])
+                    tag = ("geometry", size)
+                    for _ in range(warmup):
+                        comm.broadcast(x, root=0, tag=tag).synchronize(timeout=120)
+                    times = []
+                    for _ in range(bench_net.BATCHES):
+                        t0 = time.perf_counter()
+                        works = [comm.broadcast(x, root=0, tag=tag) for _ in range(iters)]
+                        for w in works:
+                            w.synchronize(timeout=120)
+                        times.append((time.perf_counter() - t0) / iters)
+                    if not np.array_equal(arrays.to_numpy(x), data[0]):
+                        raise AssertionError(f"config {options}, {size} B: rank {rank} did not get rank 0's data")
+                    rows.append({"round": rnd, "config": ci, "size": size,
+                                 "broadcast_mib_s": size / statistics.median(times) / bench_net.MIB})
+                comm.close()
+        results.put((rank, "ok", rows))
+    except BaseException as exc:
+        import traceback
+
+        results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("sim", "cuda"), default="sim")
+    p.add_argument("--sizes", default="1048576")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
+                   help="a geometry (CommOptions fields), or 'default' (repeatable)")
+    p.add_argument("--iters", type=int, default=40, help="instances per timed batch")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--perftest-iters", type=int, default=200)
+    p.add_argument("--perftest-runs", type=int, default=3)
+    a = p.parse_args(argv)
+    texts = a.config or ["default"]
+    configs = [_config(t) for t in texts]
+    sizes = [int(s) for s in a.sizes.split(",")]
+    import dfccl
+
+    uids = [str(dfccl.UniqueId.create()) for _ in range(a.rounds * len(configs))]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(uids, r, a.backend, configs, sizes, a.iters, a.warmup, a.rounds,
+                                             results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, what, info = results.get(timeout=1800)
+            if what != "ok":
+                raise RuntimeError(f"rank {rank}: {info}")
+            got[rank] = info
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    rows = got[0]
+    for row in rows:
+        print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
+    perftest = {size: [] for size in sizes}
+    for _ in range(a.perftest_runs):
+        for size in sizes:
+            mib_s = bench_net.run_perftest(size, a.perftest_iters)
+            if mib_s is not None:
+                perftest[size].append(mib_s)
+                print(json.dumps({"size": size, "ucx_perftest_mib_s": mib_s}), flush=True)
+    print(f"\nbroadcast MiB/s, median (min-max) of {a.rounds} round(s); ratio to ucx_perftest's median")
+    for size in sizes:
+        ref = statistics.median(perftest[size]) if perftest[size] else None
+        if ref:
+            print(f"{size:>10} ucx_perftest {ref:.0f} ({min(perftest[size]):.0f}-{max(perftest[size]):.0f})")
+        for ci, text in enumerate(texts):
+            vals = [r["broadcast_mib_s"] for r in rows if r["config"] == ci and r["size"] == size]
+            med = statistics.median(vals)
+            ratio = f"{med / ref:.2f}" if ref else "-"
+            print(f"{size:>10} {text:<48} {med:7.0f} ({min(vals):.0f}-{max(vals):.0f})  {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
