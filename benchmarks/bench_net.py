@@ -96,14 +96,17 @@ def _devices(backend: str) -> list[int]:
     return [4300, 4301] if backend == "sim" else [0, 0]
 
 
-def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: dict, seed: int) -> list[dict]:
-    import dfccl
+def run_two_ranks(target, args_of) -> dict:
+    """Runs ``target(*args_of(rank), results)`` for ranks 0 and 1, each in a
+    spawned process that puts ``(rank, "ok", info)`` or ``(rank, "error",
+    text)`` on ``results``.
 
-    uid = dfccl.UniqueId.create()
+    Returns:
+        Each rank's ``info`` by rank; a rank's error is raised.
+    """
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=_rank, args=(str(uid), r, backend, sizes, iters, warmup, options, seed, results))
-             for r in range(2)]
+    procs = [mp_context.Process(target=target, args=(*args_of(r), results)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -116,6 +119,14 @@ def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: 
     finally:
         for p in procs:
             p.join(timeout=30)
+    return got
+
+
+def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: dict, seed: int) -> list[dict]:
+    import dfccl
+
+    uid = str(dfccl.UniqueId.create())
+    got = run_two_ranks(_rank, lambda r: (uid, r, backend, sizes, iters, warmup, options, seed))
     return got[0]["rows"]
 
 

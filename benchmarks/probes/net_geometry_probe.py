@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_net  # noqa: E402  (benchmarks/, for UCX_ENV and run_perftest)
+import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_two_ranks, run_perftest)
 
 
 def _config(text: str) -> dict:
@@ -95,22 +94,7 @@ def main(argv=None) -> int:
     import dfccl
 
     uids = [str(dfccl.UniqueId.create()) for _ in range(a.rounds * len(configs))]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(uids, r, a.backend, configs, sizes, a.iters, a.warmup, a.rounds,
-                                             results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, what, info = results.get(timeout=1800)
-            if what != "ok":
-                raise RuntimeError(f"rank {rank}: {info}")
-            got[rank] = info
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
+    got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, a.iters, a.warmup, a.rounds))
     rows = got[0]
     for row in rows:
         print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
