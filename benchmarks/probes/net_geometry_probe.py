@@ -1,5 +1,6 @@
-"""Which ring geometry streams best across "hosts": a broadcast from rank 0
-back to back (``--iters`` instances of one tag queued, then waited for),
+"""Which ring geometry streams best across "hosts", and how the queue's
+depth weighs: a broadcast from rank 0 back to back (``--iters`` instances
+of one tag queued, then waited for; a list of depths gives a row each),
 two ranks in separate processes with different ``DFCCL_HOST_ID``s, UCX over
 TCP on loopback, for each geometry named by ``--config`` (CommOptions
 fields), the geometries alternated in ``--rounds`` rounds within the same
@@ -9,6 +10,7 @@ measurement and a table of medians (min-max).
 
     python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 1048576 \\
         --config default --config max_slice_bytes=262144 --config bytes_per_channel=524288,max_slice_bytes=262144
+    python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 1048576 --iters 1,4,10,40
     python benchmarks/probes/net_geometry_probe.py --iters 4 --rounds 1 --perftest-runs 1   # checks the script
 """
 
@@ -34,7 +36,7 @@ def _config(text: str) -> dict:
     return dict(bench_net._option(part) for part in text.split(","))
 
 
-def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: list[int], iters: int,
+def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: list[int], depths: list[int],
           warmup: int, rounds: int, results) -> None:
     try:
         os.environ.update(bench_net.UCX_ENV)
@@ -57,17 +59,18 @@ def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: 
                     tag = ("geometry", size)
                     for _ in range(warmup):
                         comm.broadcast(x, root=0, tag=tag).synchronize(timeout=120)
-                    times = []
-                    for _ in range(bench_net.BATCHES):
-                        t0 = time.perf_counter()
-                        works = [comm.broadcast(x, root=0, tag=tag) for _ in range(iters)]
-                        for w in works:
-                            w.synchronize(timeout=120)
-                        times.append((time.perf_counter() - t0) / iters)
+                    for iters in depths:
+                        times = []
+                        for _ in range(bench_net.BATCHES):
+                            t0 = time.perf_counter()
+                            works = [comm.broadcast(x, root=0, tag=tag) for _ in range(iters)]
+                            for w in works:
+                                w.synchronize(timeout=120)
+                            times.append((time.perf_counter() - t0) / iters)
+                        rows.append({"round": rnd, "config": ci, "size": size, "iters": iters,
+                                     "broadcast_mib_s": size / statistics.median(times) / bench_net.MIB})
                     if not np.array_equal(arrays.to_numpy(x), data[0]):
                         raise AssertionError(f"config {options}, {size} B: rank {rank} did not get rank 0's data")
-                    rows.append({"round": rnd, "config": ci, "size": size,
-                                 "broadcast_mib_s": size / statistics.median(times) / bench_net.MIB})
                 comm.close()
         results.put((rank, "ok", rows))
     except BaseException as exc:
@@ -82,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1048576")
     p.add_argument("--config", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
                    help="a geometry (CommOptions fields), or 'default' (repeatable)")
-    p.add_argument("--iters", type=int, default=40, help="instances per timed batch")
+    p.add_argument("--iters", default="40",
+                   help="instances per timed batch; several (comma-separated) give a row each, from one start-up")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--perftest-iters", type=int, default=200)
@@ -91,10 +95,11 @@ def main(argv=None) -> int:
     texts = a.config or ["default"]
     configs = [_config(t) for t in texts]
     sizes = [int(s) for s in a.sizes.split(",")]
+    depths = [int(s) for s in a.iters.split(",")]
     import dfccl
 
     uids = [str(dfccl.UniqueId.create()) for _ in range(a.rounds * len(configs))]
-    got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, a.iters, a.warmup, a.rounds))
+    got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup, a.rounds))
     rows = got[0]
     for row in rows:
         print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
@@ -111,10 +116,12 @@ def main(argv=None) -> int:
         if ref:
             print(f"{size:>10} ucx_perftest {ref:.0f} ({min(perftest[size]):.0f}-{max(perftest[size]):.0f})")
         for ci, text in enumerate(texts):
-            vals = [r["broadcast_mib_s"] for r in rows if r["config"] == ci and r["size"] == size]
-            med = statistics.median(vals)
-            ratio = f"{med / ref:.2f}" if ref else "-"
-            print(f"{size:>10} {text:<48} {med:7.0f} ({min(vals):.0f}-{max(vals):.0f})  {ratio}")
+            for iters in depths:
+                vals = [r["broadcast_mib_s"] for r in rows
+                        if r["config"] == ci and r["size"] == size and r["iters"] == iters]
+                med = statistics.median(vals)
+                ratio = f"{med / ref:.2f}" if ref else "-"
+                print(f"{size:>10} {text:<48} {iters:>4} {med:7.0f} ({min(vals):.0f}-{max(vals):.0f})  {ratio}")
     return 0
 
 

@@ -82,6 +82,13 @@ DFCCL_DEV void step_mark(const BlockEnv &env, uint64_t dfccl_step_profile::*fiel
 // holds an identical copy: the algorithms are deterministic and every wait's
 // result is broadcast, so all lanes walk the same steps.  Fields marked
 // "leader" are meaningful in the leader only; it saves the run into the context.
+// The leader's copy of its block's net queue cursors (net.cuh): valid for
+// one run, which is the queue's only producer while it lasts.
+struct NetCursor {
+  uint64_t tail, head;
+  bool valid;
+};
+
 struct TaskRun {
   dfccl_task_ctx *ctx;
   const dfccl_task_desc *d;   // = &ctx->desc
@@ -99,6 +106,7 @@ struct TaskRun {
   int32_t detail;             // leader
   bool relayed;               // leader: the failure came from elsewhere; detail = its origin rank
   bool progressed;
+  NetCursor net;              // leader
 };
 
 // ---- tags, tokens, signatures -----------------------------------------------

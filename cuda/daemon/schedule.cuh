@@ -237,6 +237,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   run.detail = -1;
   run.relayed = false;
   run.progressed = false;
+  run.net.valid = false;
   run.window_ns = 0;
   run.deadline_ns = 0;
   run.max_wait_ns = 0;

@@ -217,16 +217,16 @@ DFCCL_DEV void mark_abort(uint64_t rec, uint32_t channel, uint64_t token, uint64
 // mark_abort into `rank`'s record `rec`; a remote rank's through the proxy
 // (a failure path: with no room in the queue the mark is dropped, and the
 // peer learns of the failure when it times out or sees this rank leave).
-DFCCL_DEV void net_mark_abort(const BlockEnv &env, const TaskRun &run, uint32_t rank, uint64_t rec, uint64_t info) {
+DFCCL_DEV void net_mark_abort(const BlockEnv &env, TaskRun &run, uint32_t rank, uint64_t rec, uint64_t info) {
   if (!net_peer(run.ep, rank)) {
     mark_abort(rec, run.chan, run.token, info);
     return;
   }
-  if (!net_room(env, run.ep, 2)) return;
+  if (!net_room(env, run, 2)) return;
   dfccl_chan_state *pc = record_chan(rec, run.chan);
-  net_store(env, run.ep, rank, &pc->abort_info, info);
+  net_store(env, run, rank, &pc->abort_info, info);
   fence_system();
-  net_store(env, run.ep, rank, &pc->abort_token, run.token);
+  net_store(env, run, rank, &pc->abort_token, run.token);
 }
 
 struct RingNeighbours {
@@ -250,7 +250,7 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   }
   const uint64_t info = ((uint64_t)status << 32) | origin;
   mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), run.chan, run.token, info);
-  if (net_room(env, run.ep, 1)) net_push_record(env, run);
+  if (net_room(env, run, 1)) net_push_record(env, run);
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
       uint32_t p = peer_at(run.ep->rank, run.ep->nranks, i);

@@ -142,7 +142,7 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
     if (sender ? i - count_for(load_acquire(&m->send_credit), inst) >= slots
                : count_for(load_acquire(&m->recv_posted), inst) < i + 1)
       return 0;
-    return net_room(env, run.ep, 1) ? 1 : 0;
+    return net_room(env, run, 1) ? 1 : 0;
   });
   if (w != WAIT_OK) return w;
   const uint64_t off = g.chan.off + i * g.slice;
@@ -165,9 +165,9 @@ DFCCL_DEV int p2p_slice(BlockEnv &env, TaskRun &run, const P2pGeometry &g) {
     // the slice, then the word (net.cuh).
     dfccl_chan_state *pc = record_chan(run.ctx->peer_rec[0], run.chan);
     if (sender)
-      net_store(env, run.ep, d->root, &pc->recv_posted, tagged_count(inst, i + 1), env.sm->dsts[0], len * g.esize);
+      net_store(env, run, d->root, &pc->recv_posted, tagged_count(inst, i + 1), env.sm->dsts[0], len * g.esize);
     else
-      net_store(env, run.ep, d->root, &pc->send_credit, tagged_count(inst, i + 1));
+      net_store(env, run, d->root, &pc->send_credit, tagged_count(inst, i + 1));
   }
   run.pos[1] += 1;
   run.progressed = true;
@@ -301,8 +301,8 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
             for (uint32_t p = 0; p < n; ++p) {
               if (!net_peer(run.ep, p)) continue;
               const Range part = split(a2a_word(g.table, n + p), g.nch, g.c, g.align);
-              net_share(env, run.ep, p, g.table, 4ull * n * 8);  // counts and offsets, not the done flags
-              net_share(env, run.ep, p, g.copy + (a2a_word(g.table, p) + part.off) * g.esize, part.len * g.esize);
+              net_share(env, run, p, g.table, 4ull * n * 8);  // counts and offsets, not the done flags
+              net_share(env, run, p, g.copy + (a2a_word(g.table, p) + part.off) * g.esize, part.len * g.esize);
             }
           }
           publish_instance(run, d->aux_offset, d->aux_offset + DFCCL_A2A_COPY_OFFSET(n, g.nch), d->recv_addr);
@@ -375,7 +375,7 @@ DFCCL_DEV int run_all_to_all(BlockEnv &env, TaskRun &run) {
           for (uint32_t p = 0; p < n; ++p) {
             if (p == g.r) continue;
             const uint64_t theirs = run.ep->peer_arena[p] + load_relaxed(&a2a_peer_chan(run, g, p)->fifo);
-            net_store(env, run.ep, p, ptr<uint64_t>(theirs) + 4 * (uint64_t)n + (uint64_t)g.c * n + g.r, run.token);
+            net_store(env, run, p, ptr<uint64_t>(theirs) + 4 * (uint64_t)n + (uint64_t)g.c * n + g.r, run.token);
           }
         }
         run.step = Q_WAIT;

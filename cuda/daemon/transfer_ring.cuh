@@ -195,7 +195,7 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
   int w = block_wait(env, run, (p.flags & P_RECV) ? g.prev : g.next, [&]() -> int {
     if ((p.flags & P_RECV) && count_for(load_acquire(&m->recv_posted), inst) < recvd + 1) return 0;
     if ((p.flags & P_SEND) && sent - count_for(load_acquire(&m->send_credit), inst) >= nbr_slots) return 0;
-    return net_room(env, run.ep, 2) ? 1 : 0;
+    return net_room(env, run, 2) ? 1 : 0;
   });
   if (w != WAIT_OK) return w;
 
@@ -217,9 +217,9 @@ DFCCL_DEV int ring_step(BlockEnv &env, TaskRun &run, const RingGeometry &g) {
     // A remote neighbour's record and FIFO are mirrors here: the proxy
     // carries the slice, then the word (net.cuh).
     if (p.flags & P_RECV)
-      net_store(env, run.ep, g.prev, &record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
+      net_store(env, run, g.prev, &record_chan(run.ctx->peer_rec[0], g.c)->send_credit, tagged_count(inst, recvd + 1));
     if (p.flags & P_SEND)
-      net_store(env, run.ep, g.next, &record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1),
+      net_store(env, run, g.next, &record_chan(run.ctx->peer_rec[1], g.c)->recv_posted, tagged_count(inst, sent + 1),
                 env.sm->dsts[ndsts - 1], p.len * g.esize);
   }
   run.pos[1] += 1;

@@ -159,6 +159,10 @@ DEFAULT_MAX_TAGS = 2 * 4096
 #: "Message size").
 NET_BYTES_PER_CHANNEL = 1 << 20
 NET_MAX_SLICE_BYTES = 512 << 10
+#: ... and a channel of up to this many bytes goes as one slice: each slice
+#: costs a message, a credit and a daemon step on both sides, which a
+#: pipeline of small slices does not win back over the network.
+NET_MIN_SLICE_BYTES = 64 << 10
 #: ... and the shared staging goes to this many tags' FIFOs at once (the
 #: GPU's default; the simulator's 128 would cut its slices to 48 KiB).
 NET_RING_TAGS = 8
@@ -187,6 +191,11 @@ class CommOptions:
     max_slice_bytes: largest FIFO slot (a multiple of 16).  None: 512 KiB
         on GPUs, 64 KiB on the simulator, 512 KiB on both where the
         communicator spans hosts.
+    min_slice_bytes: a channel is cut into ring_slots slices only where
+        they are at least this large (a multiple of 16, >= 256); a smaller
+        channel goes in fewer, down to one slice of the whole channel.  The
+        staging budget's cap (max_slice_bytes, ring_tags) still wins.
+        None: 256 B; 64 KiB where the communicator spans hosts.
     one_shot_bytes: direct all-reduces up to this size (out of place) read
         every peer's whole input in one phase instead of two.
     bytes_per_channel: a collective uses one channel per this many bytes
@@ -229,6 +238,7 @@ class CommOptions:
     staging_bytes: int | None = None
     ring_slots: int = 4
     max_slice_bytes: int | None = None
+    min_slice_bytes: int | None = None
     one_shot_bytes: int | None = None
     bytes_per_channel: int | None = None
     staged_max_bytes: int | None = None
@@ -244,7 +254,7 @@ class CommOptions:
         if self.path not in ("auto", "direct", "ring"):
             raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
         _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
-                           "one_shot_bytes", "bytes_per_channel", "ring_tags",
+                           "min_slice_bytes", "one_shot_bytes", "bytes_per_channel", "ring_tags",
                            "ll_max_bytes", "ll_memory_bytes"))
         if self.protocol not in ("auto", "ll", "simple"):
             raise InvalidArgumentError(f"CommOptions.protocol must be 'auto', 'll' or 'simple', not {self.protocol!r}")
@@ -257,9 +267,10 @@ class CommOptions:
         # next rank to free its slot first, and the next rank waits likewise.
         if not 2 <= self.ring_slots <= 64:
             raise InvalidArgumentError(f"CommOptions.ring_slots must be in 2..64, not {self.ring_slots}")
-        if self.max_slice_bytes is not None and (self.max_slice_bytes < 256 or self.max_slice_bytes % 16):
-            raise InvalidArgumentError("CommOptions.max_slice_bytes must be a multiple of 16 and >= 256, not "
-                                       f"{self.max_slice_bytes}")
+        for name in ("max_slice_bytes", "min_slice_bytes"):
+            value = getattr(self, name)
+            if value is not None and (value < 256 or value % 16):
+                raise InvalidArgumentError(f"CommOptions.{name} must be a multiple of 16 and >= 256, not {value}")
         if self.channels is not None and not 1 <= self.channels <= 32:
             raise InvalidArgumentError(f"CommOptions.channels must be in 1..32, not {self.channels}")
         if self.max_tags is not None and self.max_tags < 1:
@@ -289,6 +300,7 @@ class CommOptions:
             staging_bytes=self.staging_bytes if self.staging_bytes is not None else (256 << 20 if gpu else 64 << 20),
             ring_tags=self.ring_tags if self.ring_tags is not None else (8 if gpu else 128),
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else (512 << 10 if gpu else 64 << 10),
+            min_slice_bytes=self.min_slice_bytes if self.min_slice_bytes is not None else 256,
             one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
             staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
@@ -304,5 +316,6 @@ class CommOptions:
             resolved,
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else NET_BYTES_PER_CHANNEL,
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else NET_MAX_SLICE_BYTES,
+            min_slice_bytes=self.min_slice_bytes if self.min_slice_bytes is not None else NET_MIN_SLICE_BYTES,
             ring_tags=self.ring_tags if self.ring_tags is not None else NET_RING_TAGS,
         )

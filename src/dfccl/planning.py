@@ -31,7 +31,7 @@ from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_RED
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
-           "default_ll_max_bytes", "reserved_staging_bytes", "fifo_blocks"]
+           "default_ll_max_bytes", "reserved_staging_bytes", "fifo_blocks", "clamp_slice"]
 
 #: Collectives LL runs: the symmetric ones (every rank receives from every
 #: rank), whose instance order alone keeps two parities of areas safe.
@@ -178,7 +178,14 @@ def _ring_slice(kind: int, count: int, esize: int, nranks: int, nch: int, option
     chan_bytes = chan_elems * esize
     pieces = nranks if kind == KIND_ALL_REDUCE else (1 if kind in (KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
                                                     else options.ring_slots)
-    slice_bytes = _round_up(_ceil_div(chan_bytes, pieces), 16)
     # FIFO slots hold whole 16-byte packs: the daemon cuts chunks on pack
     # boundaries, so a slot must be a multiple of 16 bytes.
-    return max(256, min(ring_slice_cap(nch, options), slice_bytes))
+    return clamp_slice(_round_up(_ceil_div(chan_bytes, pieces), 16), chan_bytes, ring_slice_cap(nch, options), options)
+
+
+def clamp_slice(slice_bytes: int, chan_bytes: int, cap: int, options) -> int:
+    """A slice of ``slice_bytes`` (a multiple of 16) for a channel of
+    ``chan_bytes``: at least options.min_slice_bytes (at most the whole
+    channel), at most ``cap``, never under 256 bytes."""
+    floor = min(options.min_slice_bytes, _round_up(chan_bytes, 16))
+    return max(256, min(cap, max(floor, slice_bytes)))

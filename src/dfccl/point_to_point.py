@@ -23,7 +23,7 @@ import numpy as np
 
 from dfccl._native.layout import PATH_DIRECT, PATH_RING, STAGE_ALIGN, TASK_STAGED, a2a_copy_offset, a2a_words
 from dfccl.errors import InvalidArgumentError
-from dfccl.planning import Geometry, _ceil_div, _round_up
+from dfccl.planning import Geometry, _ceil_div, _round_up, clamp_slice
 from dfccl.tags import tag_key
 from dfccl.types import DataType
 
@@ -49,8 +49,8 @@ def plan_p2p(count: int, dtype: DataType, max_channels: int, direct: bool, optio
         return Geometry(PATH_DIRECT, nch)
     align = max(1, 16 // esize)
     chan_bytes = _round_up(_ceil_div(count, nch), align) * esize
-    slice_bytes = _round_up(_ceil_div(chan_bytes, options.ring_slots), 16)
-    slice_bytes = max(256, min(options.max_slice_bytes // 16 * 16, slice_bytes))
+    slice_bytes = clamp_slice(_round_up(_ceil_div(chan_bytes, options.ring_slots), 16), chan_bytes,
+                              options.max_slice_bytes // 16 * 16, options)
     return Geometry(PATH_RING, nch, slice_bytes, options.ring_slots)
 
 

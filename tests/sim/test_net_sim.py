@@ -279,13 +279,14 @@ def test_net_geometry_probe(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "probes", "net_geometry_probe.py"),
-                           "--sizes", "65536", "--iters", "2", "--warmup", "1", "--rounds", "1", "--perftest-iters", "20",
+                           "--sizes", "65536", "--iters", "1,2", "--warmup", "1", "--rounds", "1", "--perftest-iters", "20",
                            "--perftest-runs", "1", "--config", "default", "--config", "max_slice_bytes=16384"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    measured = {row["config"]: row["broadcast_mib_s"] for row in rows if "config" in row}
-    assert set(measured) == {"default", "max_slice_bytes=16384"} and min(measured.values()) > 0, rows
+    measured = {(row["config"], row["iters"]): row["broadcast_mib_s"] for row in rows if "config" in row}
+    assert set(measured) == {(c, n) for c in ("default", "max_slice_bytes=16384") for n in (1, 2)}, rows
+    assert min(measured.values()) > 0, rows
     assert any(row.get("ucx_perftest_mib_s", 0) > 0 for row in rows), rows
 
 def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:

@@ -397,21 +397,52 @@ def test_geometry_channels(kind, direct):
 
 
 def test_network_defaults_keep_what_the_user_set():
-    from dfccl.options import NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES
+    from dfccl.options import NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES
 
     for backend in ("sim", "cuda"):
+        assert CommOptions().resolved(backend).min_slice_bytes == 256
         net = CommOptions().resolved_for_network(CommOptions().resolved(backend))
-        assert (net.bytes_per_channel, net.max_slice_bytes) == (NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES)
+        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes) == (
+            NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES)
         assert net.staging_bytes == CommOptions().resolved(backend).staging_bytes
-        user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024)
+        user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024, min_slice_bytes=512)
         net = user.resolved_for_network(user.resolved(backend))
-        assert (net.bytes_per_channel, net.max_slice_bytes) == (4096, 1024)
+        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes) == (4096, 1024, 512)
+
+
+def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():
+    """Across hosts a channel under NET_MIN_SLICE_BYTES goes as one slice (one
+    message, one credit) instead of ring_slots small ones; larger channels
+    are cut as before, and min_slice_bytes=256 plans as on one host."""
+    from dfccl.point_to_point import plan_p2p
+
+    with pytest.raises(InvalidArgumentError):
+        CommOptions(min_slice_bytes=1000)
+    with pytest.raises(InvalidArgumentError):
+        CommOptions(min_slice_bytes=128)
+    for backend in ("sim", "cuda"):
+        net = CommOptions().resolved_for_network(CommOptions().resolved(backend))
+        old = CommOptions(min_slice_bytes=256).resolved_for_network(CommOptions(min_slice_bytes=256).resolved(backend))
+        f32 = DataType.FLOAT32
+        for kind in (KIND_BROADCAST, KIND_REDUCE):
+            assert plan_geometry(kind, 1024, f32, 2, 8, False, net).slice_bytes == 4096
+            assert plan_geometry(kind, 1024, f32, 2, 8, False, old).slice_bytes == 1024
+            assert plan_geometry(kind, 1 << 18, f32, 2, 8, False, net).slice_bytes == 256 << 10
+            assert plan_geometry(kind, 1 << 14, f32, 2, 8, False, net).slice_bytes == 64 << 10
+            # Never more than the channel holds, rounded to whole packs.
+            assert plan_geometry(kind, 3, f32, 2, 8, False, net).slice_bytes == 256
+        assert plan_p2p(1024, f32, 8, False, net).slice_bytes == 4096
+        assert plan_p2p(1024, f32, 8, False, old).slice_bytes == 1024
+        # The staging budget's cap still wins over the floor.
+        tight = CommOptions(max_slice_bytes=4096).resolved_for_network(CommOptions(max_slice_bytes=4096).resolved(backend))
+        assert plan_geometry(KIND_BROADCAST, 1 << 14, f32, 2, 8, False, tight).slice_bytes == 4096
 
 
 @pytest.mark.parametrize("opts", [OPTS, GPU_OPTS, CommOptions(max_slice_bytes=256).resolved("sim"),
+                                  CommOptions().resolved_for_network(CommOptions().resolved("cuda")),
                                   CommOptions(max_slice_bytes=4096, ring_slots=2).resolved("sim"),
                                   CommOptions(bytes_per_channel=1024, ring_slots=8).resolved("sim")],
-                         ids=["sim", "cuda-defaults", "slice256", "slice4k", "bpc1k"])
+                         ids=["sim", "cuda-defaults", "slice256", "network", "slice4k", "bpc1k"])
 def test_geometry_ring_slices(opts):
     for kind, n, count, dt in itertools.product(KIND_IDS.values(), (2, 3, 4, 8, 16),
                                                 (1, 3, 17, 1000, 4099, 65537, 1 << 20), ALL_TYPES):
