@@ -138,7 +138,7 @@ class Endpoint:
                 self._move_arena_to_host()
                 arena_host = self._host_arena.host_ptr
             self.net = NetLink.create(self.device, self.rank, self.nranks, arena_host, self.arena_size,
-                                      self.daemon.nblocks, remote)
+                                      self.daemon.nblocks, remote, comm_key)
             mine = {"address": self.net.address()}
             if self._host_arena is not None:
                 mine.update(arena=self._host_arena.describe(), arena_ptr=self.arena)

@@ -245,6 +245,43 @@ def test_a_spanning_communicator_plans_network_sized_messages(options, channels)
     assert all(info["channels"] == channels for info in got.values()), got
 
 
+def _traced_broadcasts(comm, ctx) -> dict:
+    """Broadcasts queued back to back on two tags: 6 of 4 KiB (one slice
+    each) and 3 of 1 MiB (four 256 KiB slices each)."""
+    for size, n in ((4096, 6), (1 << 20, 3)):
+        x = np.full(size // 4, ctx.rank + 1, np.float32)
+        works = [comm.broadcast(x, root=0, tag=("traced", size)) for _ in range(n)]
+        for w in works:
+            w.synchronize(timeout=TIMEOUT)
+        assert (x == 1).all()
+    return {}
+
+
+@needs_ucx
+def test_hop_trace(tmp_path, monkeypatch, capsys):
+    """With DFCCL_NET_TRACE each rank's proxy writes what it sent and applied
+    when the rank closes; dfccl.net.hops matches every slice with its hop
+    and its credit, and each instance with the one before it."""
+    from dfccl.net import hops
+    from dfccl.net.hop_trace import TRACE_ENV, load_traces
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    run_ranks(_traced_broadcasts, 2)
+    comms = load_traces(str(tmp_path))
+    assert len(comms) == 1, comms
+    traces = next(iter(comms.values()))
+    assert sorted(t["rank"] for t in traces) == [0, 1]
+    got = hops.summarize(traces)
+    slices = 6 + 3 * 4
+    assert got["hops"]["slice"]["n"] == slices, got
+    assert got["hops"]["word"]["n"] >= slices and got["hops"]["record"]["n"] > 0, got
+    assert got["slice_to_credit"]["n"] == slices, got
+    assert got["instance_period"]["n"] == 5 + 2 and got["last_credit_to_next_slice"]["n"] == 5 + 2, got
+    assert all(st["median_us"] > 0 for st in got["hops"].values()), got
+    assert hops.main([str(tmp_path)]) == 0
+    assert "slice applied -> its credit" in capsys.readouterr().out
+
+
 @needs_ucx
 def test_largest_sizes_bit_identical():
     """256 MiB broadcast and 64 MiB all_reduce across two hosts (the sweep

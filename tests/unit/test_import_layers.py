@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations: no dfccl imports but these", {
         "dfccl.errors", "dfccl._deprecated", "dfccl.processes", "dfccl.shared_files", "dfccl.termination",
         "dfccl.policy", "dfccl.kernel_image", "dfccl.launch", "dfccl.staging", "dfccl.store", "dfccl.streams",
-        "dfccl.net", "dfccl.net.host", "dfccl.net._build", "dfccl.net.link", "dfccl.net.__main__", "dfccl.host_arena"}),
+        "dfccl.net", "dfccl.net.host", "dfccl.net._build", "dfccl.net.link", "dfccl.net.hop_trace",
+        "dfccl.net.__main__", "dfccl.host_arena"}),
     ("native runtime (Cython)", {
         "dfccl._native", "dfccl._native.layout", "dfccl._native.array_view", "dfccl._native.device",
         "dfccl._native.work", "dfccl._native.tag_instances", "dfccl._native.tag_table", "dfccl._native.descriptor", "dfccl._native.launch",
@@ -37,7 +38,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the API", {"dfccl.communicator", "dfccl.plans", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
     ("the package", {"dfccl"}),
     ("tools and integrations", {
-        "dfccl.info", "dfccl.demo", "dfccl.scenarios", "dfccl.bench", "dfccl.bench.config", "dfccl.bench.harness",
+        "dfccl.info", "dfccl.net.hops", "dfccl.demo", "dfccl.scenarios", "dfccl.bench", "dfccl.bench.config",
+        "dfccl.bench.harness",
         "dfccl.bench.baselines", "dfccl.bench.report", "dfccl.bench.floor", "dfccl.bench.arrays",
         "dfccl.bench.runner", "dfccl.torch", "dfccl.torch._build", "dfccl.torch._common", "dfccl.torch._group",
         "dfccl.torch._hook", "dfccl.torch.__main__"}),

@@ -422,7 +422,8 @@ def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():
         CommOptions(min_slice_bytes=128)
     for backend in ("sim", "cuda"):
         net = CommOptions().resolved_for_network(CommOptions().resolved(backend))
-        old = CommOptions(min_slice_bytes=256).resolved_for_network(CommOptions(min_slice_bytes=256).resolved(backend))
+        as_before = CommOptions(min_slice_bytes=256)
+        old = as_before.resolved_for_network(as_before.resolved(backend))
         f32 = DataType.FLOAT32
         for kind in (KIND_BROADCAST, KIND_REDUCE):
             assert plan_geometry(kind, 1024, f32, 2, 8, False, net).slice_bytes == 4096
@@ -434,7 +435,8 @@ def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():
         assert plan_p2p(1024, f32, 8, False, net).slice_bytes == 4096
         assert plan_p2p(1024, f32, 8, False, old).slice_bytes == 1024
         # The staging budget's cap still wins over the floor.
-        tight = CommOptions(max_slice_bytes=4096).resolved_for_network(CommOptions(max_slice_bytes=4096).resolved(backend))
+        user = CommOptions(max_slice_bytes=4096)
+        tight = user.resolved_for_network(user.resolved(backend))
         assert plan_geometry(KIND_BROADCAST, 1 << 14, f32, 2, 8, False, tight).slice_bytes == 4096
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import ctypes
 import os
 
+import numpy as np
+
 from dfccl.errors import BackendError
 from dfccl.net._build import NetUnavailableError, load
+from dfccl.net.hop_trace import TRACE_ENV, parse_format, save_trace
 
 __all__ = ["NetLink"]
 
@@ -18,6 +21,8 @@ _ADDRESS_BYTES = 1 << 16
 #: Seconds a closing rank gives its proxy to send what is queued (its
 #: leaving above all) before the connections drop.
 CLOSE_LINGER = 1.0
+#: Messages the hop trace keeps per rank ($DFCCL_NET_TRACE): the first ones.
+TRACE_EVENTS = 1 << 18
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -32,6 +37,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dfccl_net_peer_lost.argtypes = [vp, u32, cp, sz]
     lib.dfccl_net_counters.argtypes = [vp, ctypes.POINTER(u64)]
     lib.dfccl_net_close.argtypes = [vp, u64]
+    lib.dfccl_net_trace_start.argtypes = [vp, u64]
+    lib.dfccl_net_trace_format.restype = cp
+    lib.dfccl_net_trace_read.restype = u64
+    lib.dfccl_net_trace_read.argtypes = [vp, vp, u64]
     return lib
 
 
@@ -46,7 +55,7 @@ class NetLink:
 
     @staticmethod
     def create(device, rank: int, nranks: int, arena: int, arena_bytes: int, nblocks: int,
-               remote: list[int]) -> "NetLink":
+               remote: list[int], comm_key: int = 0) -> "NetLink":
         """Mirrors for the ``remote`` ranks (arenas of ``arena_bytes``) and
         a proxy for this rank's ``arena`` with ``nblocks`` queues.
 
@@ -55,6 +64,7 @@ class NetLink:
                 daemon maps (the simulator's device memory; on a GPU, a
                 HostArena), which the proxy reads and writes with plain
                 host loads and stores.
+            comm_key: the communicator's key, which names its hop trace.
 
         Raises:
             NetUnavailableError: UCX or a C++ compiler is missing.
@@ -67,6 +77,9 @@ class NetLink:
         self.remote = list(remote)
         self.remote_mask = sum(1 << p for p in remote)
         self._mirrors: dict[int, tuple[int, int]] = {}   # rank -> (host, device) address
+        self._nranks = nranks
+        self._comm_key = comm_key
+        self._trace_dir = None
         self._queues_host, self.queues = device.alloc_mapped(nblocks * lib.dfccl_net_queue_bytes())
         for p in remote:
             self._mirrors[p] = device.alloc_mapped(arena_bytes)
@@ -77,6 +90,10 @@ class NetLink:
             self.free()
             raise NetUnavailableError(f"dfccl: rank {rank}: cannot start UCX: {err.value.decode()}")
         self._started = False
+        self._trace_dir = os.environ.get(TRACE_ENV) or None
+        if self._trace_dir is not None:
+            self._trace_format = lib.dfccl_net_trace_format().decode()
+            lib.dfccl_net_trace_start(self._handle, TRACE_EVENTS)
         return self
 
     def mirror(self, rank: int) -> int:
@@ -131,9 +148,23 @@ class NetLink:
             self._lib.dfccl_net_counters(self._handle, out)
         return {"bytes_sent": out[0], "bytes_received": out[1], "messages": out[2]}
 
+    def trace(self) -> np.ndarray:
+        """The hop trace so far ($DFCCL_NET_TRACE; empty without it): one
+        record per message sent or applied, laid out as the proxy says
+        (dfccl.net.hop_trace.parse_format)."""
+        if not self._handle or self._trace_dir is None:
+            return np.zeros(0, np.uint8)
+        dtype, _ = parse_format(self._trace_format)
+        out = np.zeros(TRACE_EVENTS, dtype)
+        n = self._lib.dfccl_net_trace_read(self._handle, out.ctypes.data, TRACE_EVENTS)
+        return out[:n].copy()
+
     def close(self) -> None:
         """Sends what is queued (this rank's last status above all), then
-        stops the proxy and drops the connections."""
+        stops the proxy and drops the connections; with $DFCCL_NET_TRACE,
+        writes the hop trace there first."""
+        if self._handle and self._trace_dir is not None:
+            save_trace(self._trace_dir, self._comm_key, self.rank, self._nranks, self.trace(), self._trace_format)
         handle, self._handle = self._handle, None
         if handle:
             self._lib.dfccl_net_close(handle, int(CLOSE_LINGER * 1e9))

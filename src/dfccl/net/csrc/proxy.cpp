@@ -12,6 +12,7 @@
 // or a share with bytes, the bytes as a second message under the same
 // sequence number, received straight into the arena (a put) or the mirror
 // of the sender's arena (a share).
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -46,6 +47,18 @@ struct Msg {
   uint32_t kind, pad;
   uint64_t offset, len, word_offset, word;
   uint64_t data[1 + kChanWords];  // RECORD: the header's key, then the channel; STATUS: its words
+};
+
+// One message as the hop trace keeps it (DFCCL_NET_TRACE, dfccl/net/hops.py):
+// when this proxy sent it to `peer` or applied it from `peer`.  The Python
+// side takes the layout and the codes from dfccl_net_trace_format().
+enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2 };
+struct TraceEvent {
+  uint64_t t_ns;   // CLOCK_MONOTONIC
+  uint64_t seq;    // the message's sequence number from its sender
+  uint64_t word;   // a put's word (a ring's posted or credit count)
+  uint64_t len;    // a put's or share's bytes
+  uint32_t what, kind, peer, pad;
 };
 
 uint64_t make_tag(uint32_t sender, uint64_t seq, bool payload) {
@@ -133,6 +146,25 @@ struct Proxy {
   std::atomic<uint64_t> status[kStatusWords];
   uint64_t pushed_status[kStatusWords] = {~0ull, ~0ull, ~0ull};
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, messages{0};
+  // The hop trace: written by the proxy thread only, up to its capacity
+  // (then no more: no wrap, so a reader never sees an event half written).
+  std::vector<TraceEvent> trace;
+  std::atomic<uint64_t> traced{0};
+
+  void note(uint32_t what, uint32_t p, uint64_t seq, const Msg &m) {
+    const uint64_t n = traced.load(std::memory_order_relaxed);
+    if (n >= trace.size()) return;
+    TraceEvent &e = trace[n];
+    e.t_ns = now_ns();
+    e.seq = seq;
+    e.word = m.word;
+    e.len = m.len;
+    e.what = what;
+    e.kind = m.kind;
+    e.peer = p;
+    e.pad = 0;
+    traced.store(n + 1, std::memory_order_release);
+  }
 
   void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
     Peer &peer = peers[p];
@@ -166,6 +198,7 @@ struct Proxy {
     Peer &peer = peers[p];
     if (peer.lost.load()) return;
     const uint64_t seq = peer.send_seq++;
+    note(TRACE_SENT, p, seq, out->msg);
     send_part(p, &out->msg, sizeof(Msg), make_tag(rank, seq, false), &out->header);
     if (out->has_payload) {
       send_part(p, payload, out->msg.len, make_tag(rank, seq, true), &out->payload);
@@ -366,6 +399,7 @@ struct Proxy {
         break;
       if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
         apply(p, in->msg);
+        note(TRACE_APPLIED, p, in->seq, in->msg);
         if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE)
           bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
       } else {
@@ -561,6 +595,41 @@ void dfccl_net_counters(void *h, uint64_t *out) {
   out[0] = px->bytes_sent.load();
   out[1] = px->bytes_received.load();
   out[2] = px->messages.load();
+}
+
+// Keeps the first `capacity` messages sent and applied (before
+// dfccl_net_start only).  0: the trace is on; -1: too late.
+int dfccl_net_trace_start(void *h, uint64_t capacity) {
+  Proxy *px = static_cast<Proxy *>(h);
+  if (px->thread.joinable()) return -1;
+  px->trace.assign(capacity, TraceEvent{});
+  px->traced.store(0);
+  return 0;
+}
+
+// The trace's layout for the Python side: "bytes;name:offset:size ...;code=value ...".
+const char *dfccl_net_trace_format(void) {
+  static char text[512];
+  if (text[0] == 0) {
+    snprintf(text, sizeof(text),
+             "%zu;t_ns:%zu:8 seq:%zu:8 word:%zu:8 len:%zu:8 what:%zu:4 kind:%zu:4 peer:%zu:4;"
+             "sent=%u applied=%u put=%u record=%u status=%u share=%u",
+             sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
+             offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
+             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)MSG_PUT,
+             (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE);
+  }
+  return text;
+}
+
+// Copies up to `cap` events into `out` (while the proxy runs, too: the
+// events counted are complete); returns how many.
+uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
+  Proxy *px = static_cast<Proxy *>(h);
+  uint64_t n = px->traced.load(std::memory_order_acquire);
+  if (n > cap) n = cap;
+  if (n != 0) memcpy(out, px->trace.data(), n * sizeof(TraceEvent));
+  return n;
 }
 
 // Stops the thread after up to `linger_ns` spent sending what is queued
