@@ -36,6 +36,7 @@ from dfccl.net.hop_trace import TRACE_ENV, load_traces
 
 __all__ = ["summarize", "main"]
 
+
 def _what(codes: dict, kind: int, length: int) -> str:
     if kind == codes["put"]:
         return "slice" if length else "word"
@@ -113,7 +114,7 @@ def _line(name: str, s: dict) -> str:
     return f"  {name:<28} {s['median_us']:9.1f} {s['p10_us']:9.1f} {s['p90_us']:9.1f} {s['n']:>7}"
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dfccl.net.hops", description=__doc__.split("\n\n")[0])
     p.add_argument("directory", help=f"where the ranks wrote their traces (${TRACE_ENV})")
     a = p.parse_args(argv)
