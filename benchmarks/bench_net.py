@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import statistics
 import subprocess
@@ -96,13 +97,21 @@ def _devices(backend: str) -> list[int]:
     return [4300, 4301] if backend == "sim" else [0, 0]
 
 
-def run_two_ranks(target, args_of) -> dict:
+def run_two_ranks(target, args_of, timeout: float = 1800.0) -> dict:
     """Runs ``target(*args_of(rank), results)`` for ranks 0 and 1, each in a
     spawned process that puts ``(rank, "ok", info)`` or ``(rank, "error",
     text)`` on ``results``.
 
+    Args:
+        timeout: seconds both ranks get to report; after them, or after
+            an error, the ranks still running are killed.
+
     Returns:
-        Each rank's ``info`` by rank; a rank's error is raised.
+        Each rank's ``info`` by rank.
+
+    Raises:
+        RuntimeError: a rank's error, or the ranks that did not report in
+            time.
     """
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
@@ -110,15 +119,25 @@ def run_two_ranks(target, args_of) -> dict:
     for p in procs:
         p.start()
     got = {}
+    deadline = time.monotonic() + timeout
     try:
         for _ in procs:
-            rank, what, info = results.get(timeout=1800)
+            try:
+                rank, what, info = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(2)) - set(got))
+                raise RuntimeError(f"rank(s) {missing} did not report within {timeout:g} s (killed)") from None
             if what != "ok":
                 raise RuntimeError(f"rank {rank}: {info}")
             got[rank] = info
     finally:
+        # A rank that stalls must not hold up this process's exit (spawned
+        # children are joined at exit).
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if len(got) == len(procs) else 5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
     return got
 
 

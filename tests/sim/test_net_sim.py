@@ -290,6 +290,26 @@ def test_largest_sizes_bit_identical():
     assert all(info["checked"] == 2 for info in got.values()), got
 
 
+def _stalls(rank: int, results) -> None:
+    """Rank 1 never reports (a rank stuck in a collective, say)."""
+    if rank == 1:
+        time.sleep(3600)
+    results.put((rank, "ok", {}))
+
+
+def test_two_rank_launcher_kills_a_rank_that_stalls():
+    """bench_net.run_two_ranks names the rank that did not report in time
+    and kills it, instead of waiting for it at exit."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "benchmarks"))
+    import bench_net
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not report within 5 s"):
+        bench_net.run_two_ranks(_stalls, lambda r: (r,), timeout=5)
+    assert time.monotonic() - t0 < 60
+
+
 @needs_ucx
 def test_bench_net_script(tmp_path):
     """benchmarks/bench_net.py runs both sides and writes its record."""
