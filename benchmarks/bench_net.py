@@ -70,16 +70,7 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
                     else (lambda: comm.all_reduce(x, tag=("bw", kind, size)))
                 for _ in range(warmup):
                     run().synchronize(timeout=120)
-                # Back to back, as ucx_perftest streams its messages: a batch
-                # of `iters` instances queued, then waited for; three batches.
-                times = []
-                for _ in range(BATCHES):
-                    t0 = time.perf_counter()
-                    works = [run() for _ in range(iters)]
-                    for w in works:
-                        w.synchronize(timeout=120)
-                    times.append((time.perf_counter() - t0) / iters)
-                row[f"{kind}_s"] = statistics.median(times)
+                row[f"{kind}_s"] = batch_seconds(run, iters)
                 if kind == "broadcast" and not np.array_equal(arrays.to_numpy(x), data[0]):
                     raise AssertionError(f"broadcast of {size} B: rank {rank} did not receive rank 0's data")
             row["broadcast_mib_s"] = size / row["broadcast_s"] / MIB
@@ -91,6 +82,20 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
         import traceback
 
         results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
+
+
+def batch_seconds(submit, iters: int) -> float:
+    """Seconds per collective back to back, as ucx_perftest streams its
+    messages: ``iters`` of ``submit()`` queued, then waited for; the median
+    of BATCHES such batches."""
+    times = []
+    for _ in range(BATCHES):
+        t0 = time.perf_counter()
+        works = [submit() for _ in range(iters)]
+        for w in works:
+            w.synchronize(timeout=120)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
 
 
 def _devices(backend: str) -> list[int]:

@@ -21,13 +21,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_two_ranks, run_perftest)
+import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_two_ranks, batch_seconds, run_perftest)
 
 
 def _config(text: str) -> dict:
@@ -60,15 +59,9 @@ def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: 
                     for _ in range(warmup):
                         comm.broadcast(x, root=0, tag=tag).synchronize(timeout=120)
                     for iters in depths:
-                        times = []
-                        for _ in range(bench_net.BATCHES):
-                            t0 = time.perf_counter()
-                            works = [comm.broadcast(x, root=0, tag=tag) for _ in range(iters)]
-                            for w in works:
-                                w.synchronize(timeout=120)
-                            times.append((time.perf_counter() - t0) / iters)
+                        seconds = bench_net.batch_seconds(lambda: comm.broadcast(x, root=0, tag=tag), iters)
                         rows.append({"round": rnd, "config": ci, "size": size, "iters": iters,
-                                     "broadcast_mib_s": size / statistics.median(times) / bench_net.MIB})
+                                     "broadcast_mib_s": size / seconds / bench_net.MIB})
                     if not np.array_equal(arrays.to_numpy(x), data[0]):
                         raise AssertionError(f"config {options}, {size} B: rank {rank} did not get rank 0's data")
                 comm.close()

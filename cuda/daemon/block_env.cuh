@@ -78,10 +78,6 @@ DFCCL_DEV void step_mark(const BlockEnv &env, uint64_t dfccl_step_profile::*fiel
   }
 }
 
-// State of one run of one task on one block.  Every lane of the control warp
-// holds an identical copy: the algorithms are deterministic and every wait's
-// result is broadcast, so all lanes walk the same steps.  Fields marked
-// "leader" are meaningful in the leader only; it saves the run into the context.
 // The leader's copy of its block's net queue cursors (net.cuh): valid for
 // one run, which is the queue's only producer while it lasts.
 struct NetCursor {
@@ -89,6 +85,10 @@ struct NetCursor {
   bool valid;
 };
 
+// State of one run of one task on one block.  Every lane of the control warp
+// holds an identical copy: the algorithms are deterministic and every wait's
+// result is broadcast, so all lanes walk the same steps.  Fields marked
+// "leader" are meaningful in the leader only; it saves the run into the context.
 struct TaskRun {
   dfccl_task_ctx *ctx;
   const dfccl_task_desc *d;   // = &ctx->desc

@@ -89,14 +89,14 @@ def summarize(traces: list[dict]) -> dict:
             peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
             if e["what"] == c["applied"]:
                 # A slice applied -> the credit with the same word, to the same peer.
-                later = [c for c in credits_sent.get((peer, word), ()) if c >= when]
+                later = [t_ns for t_ns in credits_sent.get((peer, word), ()) if t_ns >= when]
                 if later:
                     receive.append((later[0] - when) / 1e3)
             elif word & 0xFFFFFFFF == 1:
                 # An instance's first slice out -> back to the last credit
                 # of the instance before it, from the same peer.
                 inst = word >> 32
-                before = [c for c in credits_got.get((peer, inst - 1), ()) if c <= when]
+                before = [t_ns for t_ns in credits_got.get((peer, inst - 1), ()) if t_ns <= when]
                 if before:
                     boundary.append((when - before[-1]) / 1e3)
                 prev = last_first.get(peer)
