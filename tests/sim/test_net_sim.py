@@ -290,24 +290,30 @@ def test_largest_sizes_bit_identical():
     assert all(info["checked"] == 2 for info in got.values()), got
 
 
-def _stalls(rank: int, results) -> None:
-    """Rank 1 never reports (a rank stuck in a collective, say)."""
+def _stalls(pid_file: str, rank: int, results) -> None:
+    """Rank 1 writes its pid, then never reports (a rank stuck in a
+    collective, say)."""
     if rank == 1:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
         time.sleep(3600)
     results.put((rank, "ok", {}))
 
 
-def test_two_rank_launcher_kills_a_rank_that_stalls():
+def test_two_rank_launcher_kills_a_rank_that_stalls(tmp_path):
     """bench_net.run_two_ranks names the rank that did not report in time
     and kills it, instead of waiting for it at exit."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "benchmarks"))
     import bench_net
 
-    t0 = time.monotonic()
+    pid_file = str(tmp_path / "stalled.pid")
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not report within 5 s"):
-        bench_net.run_two_ranks(_stalls, lambda r: (r,), timeout=5)
-    assert time.monotonic() - t0 < 60
+        bench_net.run_two_ranks(_stalls, lambda r: (pid_file, r), timeout=5)
+    with open(pid_file) as f:
+        pid = int(f.read())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)     # killed and reaped
 
 
 @needs_ucx
