@@ -37,6 +37,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dfccl_net_peer_lost.argtypes = [vp, u32, cp, sz]
     lib.dfccl_net_counters.argtypes = [vp, ctypes.POINTER(u64)]
     lib.dfccl_net_close.argtypes = [vp, u64]
+    lib.dfccl_net_destroy.argtypes = [vp]
     lib.dfccl_net_trace_start.argtypes = [vp, u64]
     lib.dfccl_net_trace_format.restype = cp
     lib.dfccl_net_trace_read.restype = u64
@@ -148,26 +149,25 @@ class NetLink:
             self._lib.dfccl_net_counters(self._handle, out)
         return {"bytes_sent": out[0], "bytes_received": out[1], "messages": out[2]}
 
-    def trace(self) -> np.ndarray:
-        """The hop trace so far ($DFCCL_NET_TRACE; empty without it): one
-        record per message sent or applied, laid out as the proxy says
-        (dfccl.net.hop_trace.parse_format)."""
-        if not self._handle or self._trace_dir is None:
-            return np.zeros(0, np.uint8)
+    def _trace(self, handle) -> np.ndarray:
+        """The hop trace ($DFCCL_NET_TRACE): one record per message sent or
+        applied, laid out as the proxy says (hop_trace.parse_format)."""
         dtype, _ = parse_format(self._trace_format)
         out = np.zeros(TRACE_EVENTS, dtype)
-        n = self._lib.dfccl_net_trace_read(self._handle, out.ctypes.data, TRACE_EVENTS)
+        n = self._lib.dfccl_net_trace_read(handle, out.ctypes.data, TRACE_EVENTS)
         return out[:n].copy()
 
     def close(self) -> None:
         """Sends what is queued (this rank's last status above all), then
         stops the proxy and drops the connections; with $DFCCL_NET_TRACE,
-        writes the hop trace there first."""
-        if self._handle and self._trace_dir is not None:
-            save_trace(self._trace_dir, self._comm_key, self.rank, self._nranks, self.trace(), self._trace_format)
+        then writes the hop trace there (complete once the proxy stopped)."""
         handle, self._handle = self._handle, None
         if handle:
             self._lib.dfccl_net_close(handle, int(CLOSE_LINGER * 1e9))
+            if self._trace_dir is not None:
+                save_trace(self._trace_dir, self._comm_key, self.rank, self._nranks, self._trace(handle),
+                           self._trace_format)
+            self._lib.dfccl_net_destroy(handle)
 
     def free(self) -> None:
         """Gives the mirrors and queues back (after close, once the daemon

@@ -622,8 +622,9 @@ const char *dfccl_net_trace_format(void) {
   return text;
 }
 
-// Copies up to `cap` events into `out` (while the proxy runs, too: the
-// events counted are complete); returns how many.
+// Copies up to `cap` events into `out` (while the proxy runs, the events
+// counted are complete; after dfccl_net_close, they are all there);
+// returns how many.
 uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
   Proxy *px = static_cast<Proxy *>(h);
   uint64_t n = px->traced.load(std::memory_order_acquire);
@@ -634,7 +635,9 @@ uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
 
 // Stops the thread after up to `linger_ns` spent sending what is queued
 // (the last status above all, so that peers see this rank leave before its
-// connection drops), then closes the connections and the worker.
+// connection drops), then closes the connections and the worker.  The
+// handle stays readable (the hop trace, now complete) until
+// dfccl_net_destroy.
 void dfccl_net_close(void *h, uint64_t linger_ns) {
   Proxy *px = static_cast<Proxy *>(h);
   if (px->thread.joinable()) {
@@ -675,7 +678,9 @@ void dfccl_net_close(void *h, uint64_t linger_ns) {
   px->outgoing.clear();
   ucp_worker_destroy(px->worker);
   ucp_cleanup(px->context);
-  delete px;
 }
+
+// Frees a closed handle.
+void dfccl_net_destroy(void *h) { delete static_cast<Proxy *>(h); }
 
 }  // extern "C"
