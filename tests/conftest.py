@@ -3,7 +3,9 @@
 ranks in separate processes to run side by side: two GPUs, or one GPU shared
 by its processes through MPS (``DFCCL_TEST_MPS=1`` says an MPS server runs;
 without it the GPU time-slices between the processes, milliseconds per
-collective).
+collective).  A test marked ``no_mps`` provokes a GPU fault: under MPS the
+fault reaches every client of the GPU (the test process's own
+communicators too), so it is skipped there.
 
 Every process the tests start keeps its status files and status pages in
 one directory of the session ($DFCCL_STATUS_DIR); at the end, none may be
@@ -41,6 +43,7 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
     skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA GPUs ({n} visible)")
     skip_processes = pytest.mark.skip(reason=f"needs 2 CUDA GPUs or one under MPS (DFCCL_TEST_MPS=1); {n} visible")
+    skip_under_mps = pytest.mark.skip(reason="provokes a GPU fault, which MPS delivers to every client (DFCCL_TEST_MPS=1)")
     for item in items:
         if "gpu" in item.keywords and n == 0:
             item.add_marker(skip_gpu)
@@ -48,6 +51,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif "gpu_processes" in item.keywords and n < 2 and not _mps():
             item.add_marker(skip_processes)
+        elif "no_mps" in item.keywords and _mps():
+            item.add_marker(skip_under_mps)
 
 
 @pytest.fixture(scope="session", autouse=True)

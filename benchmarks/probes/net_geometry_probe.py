@@ -12,6 +12,11 @@ measurement and a table of medians (min-max).
         --config default --config max_slice_bytes=262144 --config bytes_per_channel=524288,max_slice_bytes=262144
     python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 1048576 --iters 1,4,10,40
     python benchmarks/probes/net_geometry_probe.py --iters 4 --rounds 1 --perftest-runs 1   # checks the script
+
+On a GPU each row also carries both ranks' daemon profile over the batch,
+per instance (``dfccl_support.profile``): scheduler passes, runs (more than
+one per channel means the collective was preempted while it waited for the
+other host) and the microseconds in each part of the scheduler's loop.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_two_ranks, batch_seconds, run_perftest)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from dfccl_support.profile import profile_delta  # noqa: E402
+
+# The daemon profile's fields a row keeps (per instance).
+_PROFILE_KEYS = ("passes", "runs", "pull_us", "pick_us", "restore_us", "run_us", "save_us", "idle_us")
 
 
 def _config(text: str) -> dict:
@@ -59,9 +70,16 @@ def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: 
                     for _ in range(warmup):
                         comm.broadcast(x, root=0, tag=tag).synchronize(timeout=120)
                     for iters in depths:
+                        before = comm._daemon.daemon_profile() if backend == "cuda" else None
                         seconds = bench_net.batch_seconds(lambda: comm.broadcast(x, root=0, tag=tag), iters)
-                        rows.append({"round": rnd, "config": ci, "size": size, "iters": iters,
-                                     "broadcast_mib_s": size / seconds / bench_net.MIB})
+                        row = {"round": rnd, "config": ci, "size": size, "iters": iters,
+                               "broadcast_mib_s": size / seconds / bench_net.MIB}
+                        if before is not None:
+                            busy = profile_delta(before, comm._daemon.daemon_profile(),
+                                                 per=iters * bench_net.BATCHES)
+                            row["daemon"] = {k: round(busy[k], 2) for k in _PROFILE_KEYS}
+                            row["daemon"]["blocks"] = len(busy["blocks"])
+                        rows.append(row)
                     if not np.array_equal(arrays.to_numpy(x), data[0]):
                         raise AssertionError(f"config {options}, {size} B: rank {rank} did not get rank 0's data")
                 comm.close()
@@ -94,7 +112,9 @@ def main(argv=None) -> int:
     uids = [str(dfccl.UniqueId.create()) for _ in range(a.rounds * len(configs))]
     got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup, a.rounds))
     rows = got[0]
-    for row in rows:
+    for row, other in zip(rows, got[1]):  # the ranks ran the same rows in the same order
+        if "daemon" in other:
+            row["daemon_rank1"] = other["daemon"]
         print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
     perftest = {size: [] for size in sizes}
     for _ in range(a.perftest_runs):
@@ -115,6 +135,16 @@ def main(argv=None) -> int:
                 med = statistics.median(vals)
                 ratio = f"{med / ref:.2f}" if ref else "-"
                 print(f"{size:>10} {text:<48} {iters:>4} {med:7.0f} ({min(vals):.0f}-{max(vals):.0f})  {ratio}")
+    if any("daemon" in r for r in rows):
+        print("\ndaemon profile per instance, median of the rounds: rank 0 (sends) / rank 1 (receives)")
+        print(f"{'size':>10} {'config':<24} {'iters':>5} " + " ".join(f"{k:>15}" for k in _PROFILE_KEYS))
+        for size in sizes:
+            for ci, text in enumerate(texts):
+                for iters in depths:
+                    mine = [r for r in rows if r["config"] == ci and r["size"] == size and r["iters"] == iters]
+                    cells = [f"{statistics.median(r['daemon'][k] for r in mine):7.1f}/"
+                             f"{statistics.median(r['daemon_rank1'][k] for r in mine):<7.1f}" for k in _PROFILE_KEYS]
+                    print(f"{size:>10} {text[:24]:<24} {iters:>5} " + " ".join(cells))
     return 0
 
 

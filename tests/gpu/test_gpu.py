@@ -715,6 +715,7 @@ def test_forked_child_on_gpu():
         sc.settle(comms)
 
 
+@pytest.mark.no_mps
 def test_device_fault_fails_pending_collectives():
     """Another kernel of the process faults (an illegal address): the CUDA
     daemon fails and the daemon with it, so the collective a synchronize()

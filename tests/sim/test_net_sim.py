@@ -278,6 +278,12 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     assert got["slice_to_credit"]["n"] == slices, got
     assert got["instance_period"]["n"] == 5 + 2 and got["last_credit_to_next_slice"]["n"] == 5 + 2, got
     assert all(st["median_us"] > 0 for st in got["hops"].values()), got
+    # The sender's turnaround split by the records it sent and met: each
+    # instance after a tag's first, and the receiver's side of each.
+    assert got["last_credit_to_own_record"]["n"] == 5 + 2, got
+    assert got["peer_record_to_next_slice"]["n"] == 6 + 3, got
+    assert got["credit_out_to_own_record"]["n"] == 5 + 2, got
+    assert got["slice_spacing"]["n"] == 3 * 3, got     # slices 2-4 of each 1 MiB broadcast
     assert hops.main([str(tmp_path)]) == 0
     assert "slice applied -> its credit" in capsys.readouterr().out
 

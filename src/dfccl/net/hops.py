@@ -18,7 +18,15 @@ bytes and a put's word) and writes them to ``DIR`` when it closes.
   credit applied to the next instance's first slice sent (the sending
   daemon completed one instance, published the next, met its peers and
   moved the first slice);
-* each sender's period: from one instance's first slice to the next's.
+* each sender's period: from one instance's first slice to the next's,
+  and within an instance, from one slice sent to the next (what spaces
+  them: the daemon's moves, the FIFO's credits);
+* the sender's turnaround split by the records (a record names the
+  instance it publishes): from the last credit applied to its own record of
+  the next instance sent (complete, pick the next, publish), and from the
+  peer's record of that instance applied to its first slice sent (meet the
+  peer, move the slice); and on the receiver, from an instance's last
+  credit sent to its own record of the next one sent.
 
 A ring's words are ``(instance << 32) | count`` (the daemon's
 ``tagged_count``), which is how a credit is matched to its slice.
@@ -27,6 +35,7 @@ A ring's words are ``(instance << 32) | count`` (the daemon's
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 
@@ -52,6 +61,12 @@ def _stats(values: list[float]) -> dict:
             "p90_us": v[min(len(v) - 1, (9 * len(v)) // 10)]}
 
 
+def _first_at_or_after(times, t: int) -> int | None:
+    """The first of the ascending ``times`` at or after ``t``."""
+    i = bisect.bisect_left(times, t)
+    return times[i] if i < len(times) else None
+
+
 def summarize(traces: list[dict]) -> dict:
     """Of one communicator's traces: hops between ranks of one machine, each
     rank's turnarounds and periods (microseconds; median, p10, p90 and how
@@ -72,18 +87,41 @@ def summarize(traces: list[dict]) -> dict:
                 continue
             hops.setdefault(_what(c, int(e["kind"]), int(e["len"])), []).append((got - int(e["t_ns"])) / 1e3)
     receive, boundary, period = [], [], []
+    to_own_record, record_to_slice, credit_out_to_record, spacing = [], [], [], []
     for t in traces:
         ev, c = t["events"], t["codes"]
         ev = ev[np.argsort(ev["t_ns"], kind="stable")]
         puts = ev[ev["kind"] == c["put"]]
         credits_sent: dict[tuple[int, int], list[int]] = {}     # (peer, word) -> times
         credits_got: dict[tuple[int, int], list[int]] = {}      # (peer, instance) -> times
+        last_credit_out: list[tuple[int, int]] = []            # (instance, time): the last before another's
+        out_to: dict[int, tuple[int, int]] = {}                  # peer -> (instance, time) of the latest credit
         for e in puts[puts["len"] == 0]:
             peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
             if e["what"] == c["sent"]:
                 credits_sent.setdefault((peer, word), []).append(when)
+                if peer in out_to and out_to[peer][0] != word >> 32:
+                    last_credit_out.append(out_to[peer])
+                out_to[peer] = (word >> 32, when)
             else:
                 credits_got.setdefault((peer, word >> 32), []).append(when)
+        # Records by the instance they publish, in time order: this rank's
+        # own (sent), and each peer's (applied).  Several tags may share an
+        # instance number, so a record is matched as the first at or after
+        # the event it follows.
+        own_record: dict[int, list[int]] = {}
+        peer_record: dict[tuple[int, int], list[int]] = {}
+        for e in ev[ev["kind"] == c["record"]]:
+            inst, when = int(e["word"]), int(e["t_ns"])
+            if e["what"] == c["sent"]:
+                own_record.setdefault(inst, []).append(when)
+            else:
+                peer_record.setdefault((int(e["peer"]), inst), []).append(when)
+        for inst, when in last_credit_out + list(out_to.values()):
+            rec = _first_at_or_after(own_record.get(inst + 1, ()), when)
+            if rec is not None:
+                credit_out_to_record.append((rec - when) / 1e3)
+        last_sent: dict[int, tuple[int, int]] = {}   # peer -> (word, time) of the last slice sent
         last_first: dict[int, tuple[int, int]] = {}  # peer -> (instance, time) of the last first slice
         for e in puts[puts["len"] > 0]:
             peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
@@ -92,6 +130,10 @@ def summarize(traces: list[dict]) -> dict:
                 later = [t_ns for t_ns in credits_sent.get((peer, word), ()) if t_ns >= when]
                 if later:
                     receive.append((later[0] - when) / 1e3)
+            elif word & 0xFFFFFFFF > 1:
+                # A later slice of an instance out -> the one before it.
+                if last_sent.get(peer, (-1, 0))[0] == word - 1:
+                    spacing.append((when - last_sent[peer][1]) / 1e3)
             elif word & 0xFFFFFFFF == 1:
                 # An instance's first slice out -> back to the last credit
                 # of the instance before it, from the same peer.
@@ -99,19 +141,29 @@ def summarize(traces: list[dict]) -> dict:
                 before = [t_ns for t_ns in credits_got.get((peer, inst - 1), ()) if t_ns <= when]
                 if before:
                     boundary.append((when - before[-1]) / 1e3)
+                    rec = _first_at_or_after(own_record.get(inst, ()), before[-1])
+                    if rec is not None and rec <= when:
+                        to_own_record.append((rec - before[-1]) / 1e3)
                 prev = last_first.get(peer)
+                met = _first_at_or_after(peer_record.get((peer, inst), ()), prev[1] if prev else 0)
+                if met is not None and met <= when:
+                    record_to_slice.append((when - met) / 1e3)
                 if prev is not None and prev[0] == inst - 1:
                     period.append((when - prev[1]) / 1e3)
                 last_first[peer] = (inst, when)
+            if e["what"] == c["sent"]:
+                last_sent[peer] = (word, when)
     return {"hops": {k: _stats(v) for k, v in sorted(hops.items())},
             "slice_to_credit": _stats(receive), "last_credit_to_next_slice": _stats(boundary),
-            "instance_period": _stats(period), "ranks": sorted(by_rank)}
+            "instance_period": _stats(period), "slice_spacing": _stats(spacing),
+            "last_credit_to_own_record": _stats(to_own_record), "peer_record_to_next_slice": _stats(record_to_slice),
+            "credit_out_to_own_record": _stats(credit_out_to_record), "ranks": sorted(by_rank)}
 
 
 def _line(name: str, s: dict) -> str:
     if not s["n"]:
-        return f"  {name:<28} -"
-    return f"  {name:<28} {s['median_us']:9.1f} {s['p10_us']:9.1f} {s['p90_us']:9.1f} {s['n']:>7}"
+        return f"  {name:<34} -"
+    return f"  {name:<34} {s['median_us']:9.1f} {s['p10_us']:9.1f} {s['p90_us']:9.1f} {s['n']:>7}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_line("slice applied -> its credit", s["slice_to_credit"]))
         print(_line("last credit -> next slice", s["last_credit_to_next_slice"]))
         print(_line("instance period (sender)", s["instance_period"]))
+        print(_line("slice -> next slice (sender)", s["slice_spacing"]))
+        print("the turnarounds split by the records")
+        print(_line("sender: last credit -> own record", s["last_credit_to_own_record"]))
+        print(_line("sender: peer's record -> slice", s["peer_record_to_next_slice"]))
+        print(_line("receiver: last credit -> record", s["credit_out_to_own_record"]))
     return 0
 
 

@@ -56,7 +56,7 @@ enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2 };
 struct TraceEvent {
   uint64_t t_ns;   // CLOCK_MONOTONIC
   uint64_t seq;    // the message's sequence number from its sender
-  uint64_t word;   // a put's word (a ring's posted or credit count)
+  uint64_t word;   // a put's word (a ring's posted or credit count); a record's instance
   uint64_t len;    // a put's or share's bytes
   uint32_t what, kind, peer, pad;
 };
@@ -251,6 +251,9 @@ struct Proxy {
       m.data[1] = load_acq(chan);  // ready first: the fields read after it are at least as new
       for (uint32_t i = 1; i < kChanWords; ++i) m.data[1 + i] = load_rlx(chan + 8 * i);
       m.data[0] = load_rlx(arena + e.word_offset);
+      // Unused by the receiver (the channel carries it); in the hop trace
+      // it names the instance this record publishes.
+      m.word = m.data[1 + offsetof(dfccl_chan_state, instance) / 8];
       for (uint32_t p = 0; p < nranks; ++p) {
         if (!peers[p].remote) continue;
         std::unique_ptr<Outgoing> out(new Outgoing());
