@@ -13,6 +13,17 @@ measurement and a table of medians (min-max).
     python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 1048576 --iters 1,4,10,40
     python benchmarks/probes/net_geometry_probe.py --iters 4 --rounds 1 --perftest-runs 1   # checks the script
 
+``--image`` alternates daemon images (``DFCCL_DAEMON_IMAGE``; ``installed``
+names the installed one, ``docs/profiling.md`` section 2): each round runs
+each image in a pair of processes of its own.  ``--trace DIR`` keeps the
+proxies' hop trace of every run (``DFCCL_NET_TRACE``, one size at a time)
+and prints the hop split per image: the median over the runs of each
+figure's median (``python -m dfccl.net.hops``).  Together they are the
+A/B of a daemon change across hosts:
+
+    python benchmarks/probes/net_geometry_probe.py --backend cuda --sizes 4096 --iters 20 \
+        --image installed --image /tmp/daemon-before.fatbin --trace /tmp/hops
+
 On a GPU each row also carries both ranks' daemon profile over the batch,
 per instance (``dfccl_support.profile``): scheduler passes, runs (more than
 one per channel means the collective was preempted while it waited for the
@@ -22,6 +33,7 @@ other host) and the microseconds in each part of the scheduler's loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -90,6 +102,62 @@ def _rank(uids: list[str], rank: int, backend: str, configs: list[dict], sizes: 
         results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
 
 
+@contextlib.contextmanager
+def _environment(**values):
+    """These variables set (None: unset) while the ranks are spawned."""
+    def put(settings: dict) -> None:
+        for k, v in settings.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    before = {k: os.environ.get(k) for k in values}
+    try:
+        put(values)
+        yield
+    finally:
+        put(before)
+
+
+# The hop split's figures (dfccl.net.hops.summarize), as the table names them.
+_HOP_ROWS = (("slice hop", ("hops", "slice")), ("credit hop", ("hops", "word")), ("record hop", ("hops", "record")),
+             ("receiver: slice -> credit", ("slice_to_credit",)),
+             ("receiver: last credit -> record", ("credit_out_to_own_record",)),
+             ("sender: last credit -> slice", ("last_credit_to_next_slice",)),
+             ("sender: last credit -> record", ("last_credit_to_own_record",)),
+             ("sender: peer's record -> slice", ("peer_record_to_next_slice",)),
+             ("sender: slice -> next slice", ("slice_spacing",)),
+             ("instance period", ("instance_period",)))
+
+
+def _hop_table(trace_dirs: list[str], names: list[str]) -> None:
+    """Per image, the median over its runs (communicators) of each hop
+    figure's median, us."""
+    from dfccl.net import hops
+    from dfccl.net.hop_trace import load_traces
+
+    columns = []
+    for directory in trace_dirs:
+        summaries = [hops.summarize(traces) for traces in load_traces(directory).values()]
+        column = {}
+        for label, path in _HOP_ROWS:
+            vals = []
+            for sm in summaries:
+                st = sm
+                for key in path:
+                    st = st.get(key, {"n": 0})
+                if st["n"]:
+                    vals.append(st["median_us"])
+            column[label] = (statistics.median(vals), len(vals)) if vals else None
+        columns.append(column)
+    print("\nhop split per image: median over the runs of each median, us (runs)")
+    print(f"{'':<34}" + "".join(f"{n[-24:]:>26}" for n in names))
+    for label, _ in _HOP_ROWS:
+        cells = [f"{c[label][0]:>20.1f} ({c[label][1]:>2})" if c[label] else f"{'-':>26}" for c in columns]
+        print(f"{label:<34}" + "".join(cells))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("sim", "cuda"), default="sim")
@@ -102,20 +170,49 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--perftest-iters", type=int, default=200)
     p.add_argument("--perftest-runs", type=int, default=3)
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="a daemon image (DFCCL_DAEMON_IMAGE), or 'installed' (repeatable: alternated)")
+    p.add_argument("--trace", metavar="DIR", help="keep the hop trace under DIR and print the split per image")
     a = p.parse_args(argv)
-    texts = a.config or ["default"]
-    configs = [_config(t) for t in texts]
+    configs = [_config(t) for t in a.config or ["default"]]
     sizes = [int(s) for s in a.sizes.split(",")]
     depths = [int(s) for s in a.iters.split(",")]
+    if a.trace and len(sizes) > 1:
+        p.error("--trace takes one size at a time (the hop split matches slices and credits within one tag)")
+    images = a.image or ["installed"]
+    for image in images:
+        if image != "installed" and not os.path.isfile(image):
+            p.error(f"--image {image}: no such file")
+    # A variant is an image and a geometry; its label names the image only
+    # where there are several.
+    variants = [(ii, ci) for ii in range(len(images)) for ci in range(len(configs))]
+    texts = [(f"{os.path.basename(images[ii])} " if len(images) > 1 else "") + (a.config or ["default"])[ci]
+             for ii, ci in variants]
+    trace_dirs = [os.path.join(a.trace, f"image{ii}") for ii in range(len(images))] if a.trace else []
     import dfccl
 
-    uids = [str(dfccl.UniqueId.create()) for _ in range(a.rounds * len(configs))]
-    got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup, a.rounds))
-    rows = got[0]
-    for row, other in zip(rows, got[1]):  # the ranks ran the same rows in the same order
-        if "daemon" in other:
-            row["daemon_rank1"] = other["daemon"]
-        print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
+    # One image: every round in the same two processes.  Several: each
+    # round runs each image in a pair of its own (an image is loaded once
+    # per process).
+    pairs = [(None, 0)] if len(images) == 1 else [(rnd, ii) for rnd in range(a.rounds) for ii in range(len(images))]
+    rows = []
+    for rnd, ii in pairs:
+        rounds = a.rounds if rnd is None else 1
+        uids = [str(dfccl.UniqueId.create()) for _ in range(rounds * len(configs))]
+        env = {"DFCCL_DAEMON_IMAGE": None if images[ii] == "installed" else os.path.abspath(images[ii])}
+        if a.trace:
+            env["DFCCL_NET_TRACE"] = trace_dirs[ii]
+        with _environment(**env):
+            got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup,
+                                                            rounds))
+        for row, other in zip(got[0], got[1]):  # the ranks ran the same rows in the same order
+            if "daemon" in other:
+                row["daemon_rank1"] = other["daemon"]
+            if rnd is not None:
+                row["round"] = rnd
+            row["config"] = variants.index((ii, row["config"]))
+            rows.append(row)
+            print(json.dumps(dict(row, config=texts[row["config"]])), flush=True)
     perftest = {size: [] for size in sizes}
     for _ in range(a.perftest_runs):
         for size in sizes:
@@ -145,6 +242,8 @@ def main(argv=None) -> int:
                     cells = [f"{statistics.median(r['daemon'][k] for r in mine):7.1f}/"
                              f"{statistics.median(r['daemon_rank1'][k] for r in mine):<7.1f}" for k in _PROFILE_KEYS]
                     print(f"{size:>10} {text[:24]:<24} {iters:>5} " + " ".join(cells))
+    if trace_dirs:
+        _hop_table(trace_dirs, [os.path.basename(i) for i in images])
     return 0
 
 

@@ -358,6 +358,34 @@ def test_net_geometry_probe(tmp_path):
     assert min(measured.values()) > 0, rows
     assert any(row.get("ucx_perftest_mib_s", 0) > 0 for row in rows), rows
 
+
+@needs_ucx
+def test_net_geometry_probe_alternates_images_with_the_hop_split(tmp_path):
+    """--image runs each round of each image in a pair of processes of its
+    own (the installed image twice here: the simulator loads no image),
+    --trace keeps every run's hop trace and prints the split per image; a
+    missing image and a trace over several sizes are refused."""
+    import json
+
+    probe = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         "benchmarks", "probes", "net_geometry_probe.py")
+    common = [sys.executable, probe, "--iters", "4", "--warmup", "1", "--rounds", "2", "--perftest-iters", "20",
+              "--perftest-runs", "1"]
+    done = subprocess.run(common + ["--sizes", "4096", "--image", "installed", "--image", "installed",
+                                    "--trace", str(tmp_path / "hops")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{") and '"config"' in line]
+    assert sorted((r["config"], r["round"]) for r in rows) == [("installed default", 0), ("installed default", 0),
+                                                               ("installed default", 1), ("installed default", 1)]
+    assert len(os.listdir(tmp_path / "hops" / "image0")) == 2 * 2     # two runs of two ranks
+    [slice_row] = [line for line in done.stdout.splitlines() if line.startswith("slice hop")]
+    assert slice_row.count("( 2)") == 2, done.stdout                  # both images, both runs matched
+    for bad in (["--sizes", "4096", "--image", str(tmp_path / "none.fatbin")],
+                ["--sizes", "4096,8192", "--trace", str(tmp_path / "x")]):
+        refused = subprocess.run(common + bad, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and ("no such file" in refused.stderr or "one size" in refused.stderr), \
+            refused.stderr
+
 def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:
     try:
         os.environ.update(UCX_ENV)
