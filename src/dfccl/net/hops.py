@@ -67,10 +67,14 @@ def _first_at_or_after(times, t: int) -> int | None:
     return times[i] if i < len(times) else None
 
 
-def summarize(traces: list[dict]) -> dict:
-    """Of one communicator's traces: hops between ranks of one machine, each
-    rank's turnarounds and periods (microseconds; median, p10, p90 and how
-    many)."""
+# What summarize() reports besides the hops, in the order main() prints them.
+_TURNAROUNDS = ("slice_to_credit", "last_credit_to_next_slice", "instance_period", "slice_spacing",
+               "last_credit_to_own_record", "peer_record_to_next_slice", "credit_out_to_own_record")
+
+
+def _hops(traces: list[dict]) -> dict[str, list[float]]:
+    """Per kind, from one proxy's send to the peer's apply (ranks of one
+    machine only), us."""
     by_rank = {t["rank"]: t for t in traces}
     applied = {}  # (receiver, sender, seq) -> t_ns
     for t in traces:
@@ -86,78 +90,100 @@ def summarize(traces: list[dict]) -> dict:
             if other is None or other["machine"] != t["machine"] or got is None:
                 continue
             hops.setdefault(_what(c, int(e["kind"]), int(e["len"])), []).append((got - int(e["t_ns"])) / 1e3)
-    receive, boundary, period = [], [], []
-    to_own_record, record_to_slice, credit_out_to_record, spacing = [], [], [], []
+    return hops
+
+
+def _credits(puts: np.ndarray, c: dict):
+    """A rank's credits (words alone), in time order: those it sent by (peer,
+    word), those it got by (peer, instance), and the (instance, time) of
+    each instance's last credit sent."""
+    sent: dict[tuple[int, int], list[int]] = {}
+    got: dict[tuple[int, int], list[int]] = {}
+    last_out: list[tuple[int, int]] = []
+    latest: dict[int, tuple[int, int]] = {}  # peer -> (instance, time) of the latest credit sent
+    for e in puts[puts["len"] == 0]:
+        peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
+        if e["what"] == c["sent"]:
+            sent.setdefault((peer, word), []).append(when)
+            if peer in latest and latest[peer][0] != word >> 32:
+                last_out.append(latest[peer])
+            latest[peer] = (word >> 32, when)
+        else:
+            got.setdefault((peer, word >> 32), []).append(when)
+    return sent, got, last_out + list(latest.values())
+
+
+def _records(ev: np.ndarray, c: dict):
+    """A rank's records by the instance they publish, in time order: its own
+    (sent) and each peer's (applied, by (peer, instance)).  Several tags may
+    share an instance number, so a record is matched as the first at or
+    after the event it follows."""
+    own: dict[int, list[int]] = {}
+    peers: dict[tuple[int, int], list[int]] = {}
+    for e in ev[ev["kind"] == c["record"]]:
+        inst, when = int(e["word"]), int(e["t_ns"])
+        if e["what"] == c["sent"]:
+            own.setdefault(inst, []).append(when)
+        else:
+            peers.setdefault((int(e["peer"]), inst), []).append(when)
+    return own, peers
+
+
+def _turnarounds(t: dict, out: dict[str, list[float]]) -> None:
+    """One rank's turnarounds, on its own clock, appended to ``out`` (us)."""
+    c = t["codes"]
+    ev = t["events"][np.argsort(t["events"]["t_ns"], kind="stable")]
+    puts = ev[ev["kind"] == c["put"]]
+    credits_sent, credits_got, last_credits_out = _credits(puts, c)
+    own_record, peer_record = _records(ev, c)
+    for inst, when in last_credits_out:
+        rec = _first_at_or_after(own_record.get(inst + 1, ()), when)
+        if rec is not None:
+            out["credit_out_to_own_record"].append((rec - when) / 1e3)
+    last_sent: dict[int, tuple[int, int]] = {}   # peer -> (word, time) of the last slice sent
+    last_first: dict[int, tuple[int, int]] = {}  # peer -> (instance, time) of the last first slice
+    for e in puts[puts["len"] > 0]:
+        peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
+        if e["what"] == c["applied"]:
+            # A slice applied -> the credit with the same word, to the same peer.
+            later = [t_ns for t_ns in credits_sent.get((peer, word), ()) if t_ns >= when]
+            if later:
+                out["slice_to_credit"].append((later[0] - when) / 1e3)
+            continue
+        if word & 0xFFFFFFFF > 1:
+            # A later slice of an instance out -> the one before it.
+            if last_sent.get(peer, (-1, 0))[0] == word - 1:
+                out["slice_spacing"].append((when - last_sent[peer][1]) / 1e3)
+        elif word & 0xFFFFFFFF == 1:
+            # An instance's first slice out -> back to the last credit of the
+            # instance before it from the same peer, to this rank's record of
+            # this one, and to the peer's.
+            inst = word >> 32
+            before = [t_ns for t_ns in credits_got.get((peer, inst - 1), ()) if t_ns <= when]
+            if before:
+                out["last_credit_to_next_slice"].append((when - before[-1]) / 1e3)
+                rec = _first_at_or_after(own_record.get(inst, ()), before[-1])
+                if rec is not None and rec <= when:
+                    out["last_credit_to_own_record"].append((rec - before[-1]) / 1e3)
+            prev = last_first.get(peer)
+            met = _first_at_or_after(peer_record.get((peer, inst), ()), prev[1] if prev else 0)
+            if met is not None and met <= when:
+                out["peer_record_to_next_slice"].append((when - met) / 1e3)
+            if prev is not None and prev[0] == inst - 1:
+                out["instance_period"].append((when - prev[1]) / 1e3)
+            last_first[peer] = (inst, when)
+        last_sent[peer] = (word, when)
+
+
+def summarize(traces: list[dict]) -> dict:
+    """Of one communicator's traces: hops between ranks of one machine, each
+    rank's turnarounds and periods (microseconds; median, p10, p90 and how
+    many)."""
+    out: dict[str, list[float]] = {k: [] for k in _TURNAROUNDS}
     for t in traces:
-        ev, c = t["events"], t["codes"]
-        ev = ev[np.argsort(ev["t_ns"], kind="stable")]
-        puts = ev[ev["kind"] == c["put"]]
-        credits_sent: dict[tuple[int, int], list[int]] = {}     # (peer, word) -> times
-        credits_got: dict[tuple[int, int], list[int]] = {}      # (peer, instance) -> times
-        last_credit_out: list[tuple[int, int]] = []            # (instance, time): the last before another's
-        out_to: dict[int, tuple[int, int]] = {}                  # peer -> (instance, time) of the latest credit
-        for e in puts[puts["len"] == 0]:
-            peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
-            if e["what"] == c["sent"]:
-                credits_sent.setdefault((peer, word), []).append(when)
-                if peer in out_to and out_to[peer][0] != word >> 32:
-                    last_credit_out.append(out_to[peer])
-                out_to[peer] = (word >> 32, when)
-            else:
-                credits_got.setdefault((peer, word >> 32), []).append(when)
-        # Records by the instance they publish, in time order: this rank's
-        # own (sent), and each peer's (applied).  Several tags may share an
-        # instance number, so a record is matched as the first at or after
-        # the event it follows.
-        own_record: dict[int, list[int]] = {}
-        peer_record: dict[tuple[int, int], list[int]] = {}
-        for e in ev[ev["kind"] == c["record"]]:
-            inst, when = int(e["word"]), int(e["t_ns"])
-            if e["what"] == c["sent"]:
-                own_record.setdefault(inst, []).append(when)
-            else:
-                peer_record.setdefault((int(e["peer"]), inst), []).append(when)
-        for inst, when in last_credit_out + list(out_to.values()):
-            rec = _first_at_or_after(own_record.get(inst + 1, ()), when)
-            if rec is not None:
-                credit_out_to_record.append((rec - when) / 1e3)
-        last_sent: dict[int, tuple[int, int]] = {}   # peer -> (word, time) of the last slice sent
-        last_first: dict[int, tuple[int, int]] = {}  # peer -> (instance, time) of the last first slice
-        for e in puts[puts["len"] > 0]:
-            peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
-            if e["what"] == c["applied"]:
-                # A slice applied -> the credit with the same word, to the same peer.
-                later = [t_ns for t_ns in credits_sent.get((peer, word), ()) if t_ns >= when]
-                if later:
-                    receive.append((later[0] - when) / 1e3)
-            elif word & 0xFFFFFFFF > 1:
-                # A later slice of an instance out -> the one before it.
-                if last_sent.get(peer, (-1, 0))[0] == word - 1:
-                    spacing.append((when - last_sent[peer][1]) / 1e3)
-            elif word & 0xFFFFFFFF == 1:
-                # An instance's first slice out -> back to the last credit
-                # of the instance before it, from the same peer.
-                inst = word >> 32
-                before = [t_ns for t_ns in credits_got.get((peer, inst - 1), ()) if t_ns <= when]
-                if before:
-                    boundary.append((when - before[-1]) / 1e3)
-                    rec = _first_at_or_after(own_record.get(inst, ()), before[-1])
-                    if rec is not None and rec <= when:
-                        to_own_record.append((rec - before[-1]) / 1e3)
-                prev = last_first.get(peer)
-                met = _first_at_or_after(peer_record.get((peer, inst), ()), prev[1] if prev else 0)
-                if met is not None and met <= when:
-                    record_to_slice.append((when - met) / 1e3)
-                if prev is not None and prev[0] == inst - 1:
-                    period.append((when - prev[1]) / 1e3)
-                last_first[peer] = (inst, when)
-            if e["what"] == c["sent"]:
-                last_sent[peer] = (word, when)
-    return {"hops": {k: _stats(v) for k, v in sorted(hops.items())},
-            "slice_to_credit": _stats(receive), "last_credit_to_next_slice": _stats(boundary),
-            "instance_period": _stats(period), "slice_spacing": _stats(spacing),
-            "last_credit_to_own_record": _stats(to_own_record), "peer_record_to_next_slice": _stats(record_to_slice),
-            "credit_out_to_own_record": _stats(credit_out_to_record), "ranks": sorted(by_rank)}
+        _turnarounds(t, out)
+    return {"hops": {k: _stats(v) for k, v in sorted(_hops(traces).items())},
+            **{k: _stats(v) for k, v in out.items()}, "ranks": sorted(t["rank"] for t in traces)}
 
 
 def _line(name: str, s: dict) -> str:
