@@ -120,15 +120,8 @@ def _environment(**values):
         put(before)
 
 
-# The hop split's figures (dfccl.net.hops.summarize), as the table names them.
-_HOP_ROWS = (("slice hop", ("hops", "slice")), ("credit hop", ("hops", "word")), ("record hop", ("hops", "record")),
-             ("receiver: slice -> credit", ("slice_to_credit",)),
-             ("receiver: last credit -> record", ("credit_out_to_own_record",)),
-             ("sender: last credit -> slice", ("last_credit_to_next_slice",)),
-             ("sender: last credit -> record", ("last_credit_to_own_record",)),
-             ("sender: peer's record -> slice", ("peer_record_to_next_slice",)),
-             ("sender: slice -> next slice", ("slice_spacing",)),
-             ("instance period", ("instance_period",)))
+# The hop kinds the table shows (dfccl.net.hops: a credit is a word alone).
+_HOP_KINDS = ("slice", "word", "record")
 
 
 def _hop_table(trace_dirs: list[str], names: list[str]) -> None:
@@ -137,23 +130,19 @@ def _hop_table(trace_dirs: list[str], names: list[str]) -> None:
     from dfccl.net import hops
     from dfccl.net.hop_trace import load_traces
 
+    rows = [(f"{kind} hop", lambda sm, k=kind: sm["hops"].get(k, {"n": 0})) for kind in _HOP_KINDS]
+    rows += [(label, lambda sm, k=key: sm[k]) for key, label in hops.TURNAROUNDS + hops.RECORD_SPLIT]
     columns = []
     for directory in trace_dirs:
         summaries = [hops.summarize(traces) for traces in load_traces(directory).values()]
         column = {}
-        for label, path in _HOP_ROWS:
-            vals = []
-            for sm in summaries:
-                st = sm
-                for key in path:
-                    st = st.get(key, {"n": 0})
-                if st["n"]:
-                    vals.append(st["median_us"])
+        for label, figure in rows:
+            vals = [figure(sm)["median_us"] for sm in summaries if figure(sm)["n"]]
             column[label] = (statistics.median(vals), len(vals)) if vals else None
         columns.append(column)
     print("\nhop split per image: median over the runs of each median, us (runs)")
     print(f"{'':<34}" + "".join(f"{n[-24:]:>26}" for n in names))
-    for label, _ in _HOP_ROWS:
+    for label, _ in rows:
         cells = [f"{c[label][0]:>20.1f} ({c[label][1]:>2})" if c[label] else f"{'-':>26}" for c in columns]
         print(f"{label:<34}" + "".join(cells))
 
@@ -174,7 +163,8 @@ def main(argv=None) -> int:
                    help="a daemon image (DFCCL_DAEMON_IMAGE), or 'installed' (repeatable: alternated)")
     p.add_argument("--trace", metavar="DIR", help="keep the hop trace under DIR and print the split per image")
     a = p.parse_args(argv)
-    configs = [_config(t) for t in a.config or ["default"]]
+    config_texts = a.config or ["default"]
+    configs = [_config(t) for t in config_texts]
     sizes = [int(s) for s in a.sizes.split(",")]
     depths = [int(s) for s in a.iters.split(",")]
     if a.trace and len(sizes) > 1:
@@ -186,7 +176,7 @@ def main(argv=None) -> int:
     # A variant is an image and a geometry; its label names the image only
     # where there are several.
     variants = [(ii, ci) for ii in range(len(images)) for ci in range(len(configs))]
-    texts = [(f"{os.path.basename(images[ii])} " if len(images) > 1 else "") + (a.config or ["default"])[ci]
+    texts = [(f"{os.path.basename(images[ii])} " if len(images) > 1 else "") + config_texts[ci]
              for ii, ci in variants]
     trace_dirs = [os.path.join(a.trace, f"image{ii}") for ii in range(len(images))] if a.trace else []
     import dfccl

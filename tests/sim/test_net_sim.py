@@ -386,6 +386,7 @@ def test_net_geometry_probe_alternates_images_with_the_hop_split(tmp_path):
         assert refused.returncode == 2 and ("no such file" in refused.stderr or "one size" in refused.stderr), \
             refused.stderr
 
+
 def _torch_worker(rank: int, nranks: int, store_path: str, results) -> None:
     try:
         os.environ.update(UCX_ENV)

@@ -43,7 +43,7 @@ import numpy as np
 
 from dfccl.net.hop_trace import TRACE_ENV, load_traces
 
-__all__ = ["summarize", "main"]
+__all__ = ["TURNAROUNDS", "RECORD_SPLIT", "summarize", "main"]
 
 
 def _what(codes: dict, kind: int, length: int) -> str:
@@ -67,9 +67,22 @@ def _first_at_or_after(times, t: int) -> int | None:
     return times[i] if i < len(times) else None
 
 
-# What summarize() reports besides the hops, in the order main() prints them.
-_TURNAROUNDS = ("slice_to_credit", "last_credit_to_next_slice", "instance_period", "slice_spacing",
-               "last_credit_to_own_record", "peer_record_to_next_slice", "credit_out_to_own_record")
+def _last_at_or_before(times, t: int) -> int | None:
+    """The last of the ascending ``times`` at or before ``t``."""
+    i = bisect.bisect_right(times, t)
+    return times[i - 1] if i else None
+
+
+#: What summarize() reports besides the hops (its keys) and how main()
+#: names them, in the order it prints them: the turnarounds, then the
+#: sender's and the receiver's split by the records.
+TURNAROUNDS = (("slice_to_credit", "slice applied -> its credit"),
+               ("last_credit_to_next_slice", "last credit -> next slice"),
+               ("instance_period", "instance period (sender)"),
+               ("slice_spacing", "slice -> next slice (sender)"))
+RECORD_SPLIT = (("last_credit_to_own_record", "sender: last credit -> own record"),
+                ("peer_record_to_next_slice", "sender: peer's record -> slice"),
+                ("credit_out_to_own_record", "receiver: last credit -> record"))
 
 
 def _hops(traces: list[dict]) -> dict[str, list[float]]:
@@ -146,9 +159,9 @@ def _turnarounds(t: dict, out: dict[str, list[float]]) -> None:
         peer, word, when = int(e["peer"]), int(e["word"]), int(e["t_ns"])
         if e["what"] == c["applied"]:
             # A slice applied -> the credit with the same word, to the same peer.
-            later = [t_ns for t_ns in credits_sent.get((peer, word), ()) if t_ns >= when]
-            if later:
-                out["slice_to_credit"].append((later[0] - when) / 1e3)
+            credit = _first_at_or_after(credits_sent.get((peer, word), ()), when)
+            if credit is not None:
+                out["slice_to_credit"].append((credit - when) / 1e3)
             continue
         if word & 0xFFFFFFFF > 1:
             # A later slice of an instance out -> the one before it.
@@ -159,12 +172,12 @@ def _turnarounds(t: dict, out: dict[str, list[float]]) -> None:
             # instance before it from the same peer, to this rank's record of
             # this one, and to the peer's.
             inst = word >> 32
-            before = [t_ns for t_ns in credits_got.get((peer, inst - 1), ()) if t_ns <= when]
-            if before:
-                out["last_credit_to_next_slice"].append((when - before[-1]) / 1e3)
-                rec = _first_at_or_after(own_record.get(inst, ()), before[-1])
+            credit = _last_at_or_before(credits_got.get((peer, inst - 1), ()), when)
+            if credit is not None:
+                out["last_credit_to_next_slice"].append((when - credit) / 1e3)
+                rec = _first_at_or_after(own_record.get(inst, ()), credit)
                 if rec is not None and rec <= when:
-                    out["last_credit_to_own_record"].append((rec - before[-1]) / 1e3)
+                    out["last_credit_to_own_record"].append((rec - credit) / 1e3)
             prev = last_first.get(peer)
             met = _first_at_or_after(peer_record.get((peer, inst), ()), prev[1] if prev else 0)
             if met is not None and met <= when:
@@ -179,7 +192,7 @@ def summarize(traces: list[dict]) -> dict:
     """Of one communicator's traces: hops between ranks of one machine, each
     rank's turnarounds and periods (microseconds; median, p10, p90 and how
     many)."""
-    out: dict[str, list[float]] = {k: [] for k in _TURNAROUNDS}
+    out: dict[str, list[float]] = {k: [] for k, _ in TURNAROUNDS + RECORD_SPLIT}
     for t in traces:
         _turnarounds(t, out)
     return {"hops": {k: _stats(v) for k, v in sorted(_hops(traces).items())},
@@ -207,14 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, st in s["hops"].items():
             print(_line(name, st))
         print("turnarounds (each rank's own clock)")
-        print(_line("slice applied -> its credit", s["slice_to_credit"]))
-        print(_line("last credit -> next slice", s["last_credit_to_next_slice"]))
-        print(_line("instance period (sender)", s["instance_period"]))
-        print(_line("slice -> next slice (sender)", s["slice_spacing"]))
+        for key, label in TURNAROUNDS:
+            print(_line(label, s[key]))
         print("the turnarounds split by the records")
-        print(_line("sender: last credit -> own record", s["last_credit_to_own_record"]))
-        print(_line("sender: peer's record -> slice", s["peer_record_to_next_slice"]))
-        print(_line("receiver: last credit -> record", s["credit_out_to_own_record"]))
+        for key, label in RECORD_SPLIT:
+            print(_line(label, s[key]))
     return 0
 
 
