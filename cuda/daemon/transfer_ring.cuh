@@ -251,7 +251,8 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run, uint32_t base) {
   // stands in (nothing before R_PRIMS uses it).
   const uint32_t step = run.step - base;
   RingGeometry g = ring_geometry(run, step >= R_PRIMS && step < R_DONE ? run.pos[0] : d->slice_bytes);
-  // With two ranks the previous and the next are one peer, met twice.
+  // With two ranks the previous and the next are one peer: its cache entry
+  // fills both places (prev at 0, next at 1), met once.
   const uint64_t meets = g.n == 2 ? 2 : g.n - 1;
   for (;;) {
     switch (run.step - base) {
@@ -270,13 +271,25 @@ DFCCL_DEV int run_ring(BlockEnv &env, TaskRun &run, uint32_t base) {
         // pos[0]: peers met so far (ring_peer order); pos[3]: the smallest
         // slot size seen, ours included; pos[2]: the next rank's word.
         while (run.pos[0] < meets) {
+          if (g.n == 2 && run.pos[0] == 1) {
+            // Met as the previous rank already (its word is in pos[2]):
+            // where a peer's record lies in host memory (another host),
+            // a meeting is several PCIe round trips.
+            if (is_leader()) {
+              run.ctx->peer_rec[1] = run.ctx->peer_rec[0];
+              run.ctx->peer_send[1] = run.ctx->peer_send[0];
+              run.ctx->peer_recv[1] = run.ctx->peer_recv[0];
+            }
+            run.pos[0] = 2;
+            break;
+          }
           uint64_t word = 0;
           int w = meet_peer(env, run, ring_peer(g, run.pos[0]), (uint32_t)run.pos[0], &word);
           if (w != WAIT_OK) return stop_run(w);
           word = from_leader(word);
           const uint64_t slot_bytes = fifo_shape(d, word).slot_bytes;
           if (slot_bytes < run.pos[3]) run.pos[3] = slot_bytes;
-          if (run.pos[0] == 1) run.pos[2] = word;
+          if (run.pos[0] == 1 || g.n == 2) run.pos[2] = word;
           run.pos[0] += 1;
           run.progressed = true;
         }
