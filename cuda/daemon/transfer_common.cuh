@@ -132,8 +132,12 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
   const uint32_t c = run.chan;
   dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
   // The header caches by peer rank (ranks >= DFCCL_PEER_CACHE are probed).
-  if (is_leader() && peer < DFCCL_PEER_CACHE && load_own(&own->cache_key) == run.d->tag_key)
-    rec = load_own(&own->peer_rec[peer]);
+  // Its key is read once: while this instance is pending the bucket keeps
+  // this tag, so a key that names the tag goes on naming it (the tag's
+  // other channels store the same values).
+  const bool cached = is_leader() && peer < DFCCL_PEER_CACHE && load_own(&own->cache_key) == run.d->tag_key;
+  if (cached) rec = load_own(&own->peer_rec[peer]);
+  const uint64_t cached_rec = rec;
   int r = block_wait(env, run, peer, [&]() -> int {
     ++polls;
     if (rec == 0 || (polls & 63u) == 0) {
@@ -194,11 +198,15 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     // Every channel of the tag writes the same values: plain stores suffice.
     // The key goes last: a reader that sees it finds this tag's records (a
     // bucket changes tags only when nothing of the old tag is pending).
-    if (load_own(&own->cache_key) != run.d->tag_key) {
-      for (uint32_t i = 0; i < DFCCL_PEER_CACHE; ++i) own->peer_rec[i] = 0;
+    if (!cached) {
+      if (load_own(&own->cache_key) != run.d->tag_key) {
+        for (uint32_t i = 0; i < DFCCL_PEER_CACHE; ++i) own->peer_rec[i] = 0;
+      }
+      own->peer_rec[peer] = met;
+      own->cache_key = run.d->tag_key;
+    } else if (met != cached_rec) {
+      own->peer_rec[peer] = met;
     }
-    own->peer_rec[peer] = met;
-    own->cache_key = run.d->tag_key;
   }
   return r;
 }
