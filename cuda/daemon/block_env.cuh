@@ -51,12 +51,23 @@ struct BlockShared {
 enum WaitResult { WAIT_OK = 0, WAIT_EXPIRED = 1, WAIT_ABORT = 2 };
 enum RunResult { RUN_DONE = 0, RUN_PREEMPTED = 1, RUN_FAILED = 2 };
 
+// The leader's copy of its block's net queue cursors (net.cuh).  The block
+// is the queue's only producer, so the copy outlives a run: the next run of
+// the block takes it over (BlockEnv::net) where it names the same queue
+// (the endpoint's queues and its communicator).
+struct NetCursor {
+  uint64_t queues, comm_key;
+  uint64_t tail, head;
+  bool valid;
+};
+
 struct BlockEnv {
   const dfccl_daemon_args *args;
   BlockShared *sm;
   dfccl_step_profile *steps;  // leader: this block's step profile (kStepProfile builds)
   uint32_t block;    // this block's index; it runs channel channel_of(d, block) of a task
   uint32_t wparity;  // which wait_result slot the next wait uses
+  NetCursor net;     // leader: the net queue cursors the block's last run left
 };
 
 // The step profile (dfccl_step_profile): compiled in only with
@@ -78,12 +89,6 @@ DFCCL_DEV void step_mark(const BlockEnv &env, uint64_t dfccl_step_profile::*fiel
   }
 }
 
-// The leader's copy of its block's net queue cursors (net.cuh): valid for
-// one run, which is the queue's only producer while it lasts.
-struct NetCursor {
-  uint64_t tail, head;
-  bool valid;
-};
 
 // State of one run of one task on one block.  Every lane of the control warp
 // holds an identical copy: the algorithms are deterministic and every wait's

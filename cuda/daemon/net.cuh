@@ -23,14 +23,18 @@ DFCCL_DEV dfccl_net_queue *net_queue(const BlockEnv &env, const dfccl_endpoint *
 
 // Leader: this block's queue, its cursors copied into the run.  The queue
 // lives in host memory, so each read of it is a PCIe round trip on a GPU:
-// the run keeps the tail it writes and the head it last saw (TaskRun::net)
+// the run keeps the tail it writes and the head it last saw (TaskRun::net,
+// taken over from the block's last run where that was on the same queue)
 // and reads the head again only when that copy says the queue is too full.
 DFCCL_DEV dfccl_net_queue *net_cursor(const BlockEnv &env, TaskRun &run) {
   dfccl_net_queue *q = net_queue(env, run.ep);
-  if (!run.net.valid) {
-    run.net.tail = load_own(&q->tail);
-    run.net.head = load_acquire(&q->head);
-    run.net.valid = true;
+  NetCursor &c = run.net;
+  if (!c.valid || c.queues != run.ep->net_queues || c.comm_key != run.ep->comm_key) {
+    c.queues = run.ep->net_queues;
+    c.comm_key = run.ep->comm_key;
+    c.tail = load_own(&q->tail);
+    c.head = load_acquire(&q->head);
+    c.valid = true;
   }
   return q;
 }

@@ -237,7 +237,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
   run.detail = -1;
   run.relayed = false;
   run.progressed = false;
-  run.net.valid = false;
+  run.net = env.net;
   run.window_ns = 0;
   run.deadline_ns = 0;
   run.max_wait_ns = 0;
@@ -258,6 +258,7 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
 
   if (is_leader()) {
     const uint64_t end = now_ns();
+    env.net = run.net;
     ctx->step = run.step;
     for (int i = 0; i < 4; ++i) ctx->pos[i] = run.pos[i];
     ctx->running_ns += end - start;
@@ -355,6 +356,7 @@ DFCCL_NOINLINE void daemon_block(const dfccl_daemon_args *args, BlockShared *sm,
   env.sm = sm;
   env.block = block;
   env.wparity = 0;
+  env.net.valid = false;
   dfccl_daemon_state *st = args->state;
   dfccl_control *ctrl = args->control;
   uint32_t *active = args->active + (uint64_t)block * args->nslots;
@@ -457,6 +459,7 @@ DFCCL_NOINLINE void link_block(const dfccl_daemon_args *args, BlockShared *sm) {
   env.sm = sm;
   env.block = args->nblocks;
   env.wparity = 0;
+  env.net.valid = false;
   env.steps = nullptr;
   host_link_block(env);
   if (is_leader()) {
