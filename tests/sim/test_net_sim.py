@@ -284,8 +284,20 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     assert got["peer_record_to_next_slice"]["n"] == 6 + 3, got
     assert got["credit_out_to_own_record"]["n"] == 5 + 2, got
     assert got["slice_spacing"]["n"] == 3 * 3, got     # slices 2-4 of each 1 MiB broadcast
+    # The proxies' long worker passes: each over the threshold, a share of
+    # each rank's time, and the slices rank 0 sent checked against them.
+    passes = {r["rank"]: r for r in got["passes"]}
+    assert sorted(passes) == [0, 1] and all(0 <= r["share"] < 1 for r in passes.values()), got
+    assert passes[0]["slices"] == slices and passes[1]["slices"] == 0, got
+    assert 0 <= passes[0]["held"] <= slices, got
+    long_passes = [e for t in traces for e in t["events"][t["events"]["what"] == t["codes"]["progress"]]]
+    assert len(long_passes) == got["long_pass"]["n"] and all(e["len"] > 20000 for e in long_passes), got
+    # A trace from a proxy that does not record its passes still reads.
+    older = [dict(t, codes={k: v for k, v in t["codes"].items() if k != "progress"}) for t in traces]
+    assert all(r["share"] is None for r in hops.summarize(older)["passes"])
     assert hops.main([str(tmp_path)]) == 0
-    assert "slice applied -> its credit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "slice applied -> its credit" in out and "rank 0: " in out and f"of {slices} slices sent" in out
 
 
 @needs_ucx
@@ -380,6 +392,8 @@ def test_net_geometry_probe_alternates_images_with_the_hop_split(tmp_path):
     assert len(os.listdir(tmp_path / "hops" / "image0")) == 2 * 2     # two runs of two ranks
     [slice_row] = [line for line in done.stdout.splitlines() if line.startswith("slice hop")]
     assert slice_row.count("( 2)") == 2, done.stdout                  # both images, both runs matched
+    [held_row] = [line for line in done.stdout.splitlines() if line.startswith("slices held by a pass")]
+    assert held_row.count("( 2)") == 2, done.stdout
     for bad in (["--sizes", "4096", "--image", str(tmp_path / "none.fatbin")],
                 ["--sizes", "4096,8192", "--trace", str(tmp_path / "x")]):
         refused = subprocess.run(common + bad, capture_output=True, text=True, timeout=120)

@@ -50,9 +50,13 @@ struct Msg {
 };
 
 // One message as the hop trace keeps it (DFCCL_NET_TRACE, dfccl/net/hops.py):
-// when this proxy sent it to `peer` or applied it from `peer`.  The Python
-// side takes the layout and the codes from dfccl_net_trace_format().
-enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2 };
+// when this proxy sent it to `peer` or applied it from `peer`; or one call
+// of ucp_worker_progress that took longer than kLongProgressNs (nothing is
+// taken off the daemon's queues or applied while it runs): its start and,
+// in `len`, its nanoseconds.  The Python side takes the layout and the
+// codes from dfccl_net_trace_format().
+enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2, TRACE_PROGRESS = 3 };
+constexpr uint64_t kLongProgressNs = 20000;
 struct TraceEvent {
   uint64_t t_ns;   // CLOCK_MONOTONIC
   uint64_t seq;    // the message's sequence number from its sender
@@ -151,19 +155,36 @@ struct Proxy {
   std::vector<TraceEvent> trace;
   std::atomic<uint64_t> traced{0};
 
-  void note(uint32_t what, uint32_t p, uint64_t seq, const Msg &m) {
+  bool tracing() const { return traced.load(std::memory_order_relaxed) < trace.size(); }
+
+  void note_event(uint64_t t_ns, uint32_t what, uint32_t kind, uint32_t p, uint64_t seq, uint64_t word,
+                  uint64_t len) {
     const uint64_t n = traced.load(std::memory_order_relaxed);
     if (n >= trace.size()) return;
     TraceEvent &e = trace[n];
-    e.t_ns = now_ns();
+    e.t_ns = t_ns;
     e.seq = seq;
-    e.word = m.word;
-    e.len = m.len;
+    e.word = word;
+    e.len = len;
     e.what = what;
-    e.kind = m.kind;
+    e.kind = kind;
     e.peer = p;
     e.pad = 0;
     traced.store(n + 1, std::memory_order_release);
+  }
+
+  void note(uint32_t what, uint32_t p, uint64_t seq, const Msg &m) {
+    note_event(now_ns(), what, m.kind, p, seq, m.word, m.len);
+  }
+
+  // One pass of the worker; a long one goes into the trace.
+  bool progress() {
+    if (!tracing()) return ucp_worker_progress(worker) != 0;
+    const uint64_t start = now_ns();
+    const bool any = ucp_worker_progress(worker) != 0;
+    const uint64_t took = now_ns() - start;
+    if (took > kLongProgressNs) note_event(start, TRACE_PROGRESS, 0, nranks, 0, 0, took);
+    return any;
   }
 
   void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
@@ -438,7 +459,7 @@ struct Proxy {
   void run() {
     uint64_t last_beat = now_ns(), last_busy = last_beat;
     while (!stop.load(std::memory_order_acquire)) {
-      bool any = ucp_worker_progress(worker) != 0;
+      bool any = progress();
       any |= drain_queues();
       for (uint32_t p = 0; p < nranks; ++p)
         if (peers[p].remote && !peers[p].lost.load()) any |= receive(p);
@@ -616,10 +637,10 @@ const char *dfccl_net_trace_format(void) {
   if (text[0] == 0) {
     snprintf(text, sizeof(text),
              "%zu;t_ns:%zu:8 seq:%zu:8 word:%zu:8 len:%zu:8 what:%zu:4 kind:%zu:4 peer:%zu:4;"
-             "sent=%u applied=%u put=%u record=%u status=%u share=%u",
+             "sent=%u applied=%u progress=%u put=%u record=%u status=%u share=%u",
              sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
              offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
-             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)MSG_PUT,
+             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_PROGRESS, (unsigned)MSG_PUT,
              (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE);
   }
   return text;
