@@ -10,6 +10,11 @@ three such batches), as tag_bw streams its messages.
 The all-reduce's bus bandwidth (2 (n-1)/n x bytes / time) is recorded
 beside it.  Both in MiB/s (ucx_perftest's MB/s are MiB/s).
 
+ucx_perftest runs twice per size: with UCX's defaults (the reference a
+user's own tools see) and with the settings dfccl's proxy gives UCX
+(`dfccl.net.link.ucx_settings`: larger TCP segments, rendezvous for
+slices), which show what UCX itself reaches with them.
+
     python benchmarks/bench_net.py [--sizes 65536,1048576,4194304] [--iters 20]
     python benchmarks/bench_net.py --iters 3 --warmup 1 --sizes 65536 --perftest-iters 20   # checks the script
 
@@ -154,14 +159,18 @@ def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: 
     return got[0]["rows"]
 
 
-def run_perftest(size: int, iters: int) -> float | None:
+def run_perftest(size: int, iters: int, proxy_settings: bool = False) -> float | None:
     """ucx_perftest tag_bw between two processes of this machine: MiB/s
-    (None when it cannot run)."""
+    (None when it cannot run); with ``proxy_settings``, under the UCX
+    settings dfccl's proxy uses."""
     from dfccl.net._build import ucx_root
+    from dfccl.net.link import ucx_settings
 
     root = ucx_root()
     tool = root / "bin" / "ucx_perftest"
     env = dict(os.environ, **UCX_ENV)
+    if proxy_settings:
+        env.update({f"UCX_{name}": value for name, value, _ in ucx_settings()})
     libs = [str(root / "lib")] + [str(p) for p in root.parent.glob("libucx_*.libs")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
     port = str(13337 + os.getpid() % 1000)
@@ -195,11 +204,13 @@ def _summarize(size: int, rows: list[dict]) -> dict:
     """Median, min and max of each figure over the repeats of one size,
     and the broadcast's median over ucx_perftest's."""
     out = {"size": size}
-    for key in ("broadcast_mib_s", "all_reduce_busbw_mib_s", "ucx_perftest_mib_s"):
-        values = [r[key] for r in rows if r[key]]
+    for key in ("broadcast_mib_s", "all_reduce_busbw_mib_s", "ucx_perftest_mib_s", "ucx_perftest_same_mib_s"):
+        values = [r[key] for r in rows if r.get(key)]
         out[key] = [statistics.median(values), min(values), max(values)] if values else None
-    ref = out["ucx_perftest_mib_s"]
-    out["broadcast_vs_perftest"] = out["broadcast_mib_s"][0] / ref[0] if ref else None
+    for ratio, key in (("broadcast_vs_perftest", "ucx_perftest_mib_s"),
+                       ("broadcast_vs_perftest_same", "ucx_perftest_same_mib_s")):
+        ref = out[key]
+        out[ratio] = out["broadcast_mib_s"][0] / ref[0] if ref else None
     return out
 
 
@@ -226,15 +237,19 @@ def main(argv=None) -> int:
         rows = run_dfccl(args.backend, sizes, args.iters, args.warmup, options, seed)
         for row in rows:
             row["ucx_perftest_mib_s"] = run_perftest(row["size"], args.perftest_iters)
+            row["ucx_perftest_same_mib_s"] = run_perftest(row["size"], args.perftest_iters, proxy_settings=True)
             print(json.dumps(dict(row, repeat=rep)), flush=True)
         runs.append(rows)
     summary = [_summarize(size, [rows[i] for rows in runs]) for i, size in enumerate(sizes)]
-    print(f"\nmedian (min-max) of {args.repeats} run(s), MiB/s")
-    print(f"{'size':>10} {'broadcast':>20} {'all-reduce busbw':>20} {'ucx_perftest':>20} {'bcast/perftest':>15}")
+    print(f"\nmedian (min-max) of {args.repeats} run(s), MiB/s; ucx_perftest with UCX's defaults, then with "
+          "the proxy's UCX settings")
+    print(f"{'size':>10} {'broadcast':>20} {'all-reduce busbw':>20} {'ucx_perftest':>20} {'bcast/perftest':>15} "
+          f"{'perftest, same':>20} {'bcast/same':>11}")
+    ratio = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
     for r in summary:
-        ratio = f"{r['broadcast_vs_perftest']:.2f}" if r["broadcast_vs_perftest"] else "-"
         print(f"{r['size']:>10} {_spread(r['broadcast_mib_s']):>20} {_spread(r['all_reduce_busbw_mib_s']):>20} "
-              f"{_spread(r['ucx_perftest_mib_s']):>20} {ratio:>15}")
+              f"{_spread(r['ucx_perftest_mib_s']):>20} {ratio(r['broadcast_vs_perftest']):>15} "
+              f"{_spread(r['ucx_perftest_same_mib_s']):>20} {ratio(r['broadcast_vs_perftest_same']):>11}")
     rec = suite.record("net", args, args.backend, _devices(args.backend), {"runs": runs, "summary": summary,
                                                                                  "transport": "UCX tcp on lo"})
     print(f"record: {suite.write(args.out, rec)}")

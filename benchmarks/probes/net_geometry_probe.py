@@ -129,23 +129,24 @@ def _median_of(st: dict) -> float | None:
 
 
 def _held_percent(sm: dict) -> float | None:
-    """Of the slices sent, the share that went out right after a long worker
-    pass of the sending proxy (dfccl.net.hops), %."""
-    slices = sum(r["slices"] for r in sm["passes"] if r["share"] is not None)
-    return 100.0 * sum(r["held"] for r in sm["passes"] if r["share"] is not None) / slices if slices else None
+    """Of the slices sent, the share that went out right after a long call
+    of the sending proxy into UCX (dfccl.net.hops), %."""
+    calls = [r for r in sm["calls"] if r["share"] is not None]
+    slices = sum(r["slices"] for r in calls)
+    return 100.0 * sum(r["held"] for r in calls) / slices if slices else None
 
 
 def _hop_table(trace_dirs: list[str], names: list[str]) -> None:
     """Per image, the median over its runs (communicators) of each hop
-    figure's median (us), and of the share of slices a long worker pass
+    figure's median (us), and of the share of slices a long call into UCX
     held back (%)."""
     from dfccl.net import hops
     from dfccl.net.hop_trace import load_traces
 
     rows = [(f"{kind} hop", lambda sm, k=kind: _median_of(sm["hops"].get(k, {"n": 0}))) for kind in _HOP_KINDS]
     rows += [(label, lambda sm, k=key: _median_of(sm[k]))
-             for key, label in hops.TURNAROUNDS + hops.RECORD_SPLIT + hops.PROXY_PASSES]
-    rows += [("slices held by a pass, %", _held_percent)]
+             for key, label in hops.TURNAROUNDS + hops.RECORD_SPLIT + hops.PROXY_CALLS]
+    rows += [("slices held by a long call, %", _held_percent)]
     columns = []
     for directory in trace_dirs:
         summaries = [hops.summarize(traces) for traces in load_traces(directory).values()]

@@ -176,12 +176,16 @@ def _network() -> dict:
 
     info = {"host_id": net.host_id(), "host_id_from": net.HOST_ID_ENV if os.environ.get(net.HOST_ID_ENV)
             else "hostname and boot id", "ucx": None, "proxy": None,
-            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice")}
+            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice"), "ucx_settings": None}
     try:
         root = _build.ucx_root()
         info["ucx"] = f"{(root / 'UCX_WHEEL_VERSION.txt').read_text().strip()} ({root})"
         path = _build.library_path()
         info["proxy"] = str(path) if path.is_file() else "not built yet (python -m dfccl.net builds it)"
+        if path.is_file():
+            from dfccl.net.link import ucx_settings
+
+            info["ucx_settings"] = [{"name": n, "value": v, "from": f} for n, v, f in ucx_settings()]
     except net.NetUnavailableError as exc:
         info["ucx"] = f"not available: {exc}"
     return info
@@ -250,6 +254,9 @@ def print_info(out: TextIO = sys.stdout) -> dict:
     p(f"  UCX: {n['ucx']}; transports {n['ucx_tls']}")
     if n["proxy"]:
         p(f"  proxy: {n['proxy']}")
+    if n["ucx_settings"]:
+        p("  UCX settings of the proxy: " + ", ".join(f"{u['name']}={u['value']} ({u['from']})"
+                                                      for u in n["ucx_settings"]))
     for backend, d in info["defaults"].items():
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")

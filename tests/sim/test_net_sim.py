@@ -284,17 +284,19 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     assert got["peer_record_to_next_slice"]["n"] == 6 + 3, got
     assert got["credit_out_to_own_record"]["n"] == 5 + 2, got
     assert got["slice_spacing"]["n"] == 3 * 3, got     # slices 2-4 of each 1 MiB broadcast
-    # The proxies' long worker passes: each over the threshold, a share of
-    # each rank's time, and the slices rank 0 sent checked against them.
-    passes = {r["rank"]: r for r in got["passes"]}
-    assert sorted(passes) == [0, 1] and all(0 <= r["share"] < 1 for r in passes.values()), got
-    assert passes[0]["slices"] == slices and passes[1]["slices"] == 0, got
-    assert 0 <= passes[0]["held"] <= slices, got
-    long_passes = [e for t in traces for e in t["events"][t["events"]["what"] == t["codes"]["progress"]]]
-    assert len(long_passes) == got["long_pass"]["n"] and all(e["len"] > 20000 for e in long_passes), got
-    # A trace from a proxy that does not record its passes still reads.
-    older = [dict(t, codes={k: v for k, v in t["codes"].items() if k != "progress"}) for t in traces]
-    assert all(r["share"] is None for r in hops.summarize(older)["passes"])
+    # The proxies' long calls into UCX: each over the threshold and of a
+    # known call, a share of each rank's time, and the slices rank 0 sent
+    # checked against them.
+    calls = {r["rank"]: r for r in got["calls"]}
+    assert sorted(calls) == [0, 1] and all(0 <= r["share"] < 1 for r in calls.values()), got
+    assert calls[0]["slices"] == slices and calls[1]["slices"] == 0, got
+    assert 0 <= calls[0]["held"] <= slices, got
+    busy = [e for t in traces for e in t["events"][t["events"]["what"] == t["codes"]["busy"]]]
+    assert all(e["len"] > 20000 for e in busy), busy
+    assert len(busy) == sum(got[key]["n"] for key, _ in hops.PROXY_CALLS), got
+    # A trace from a proxy that does not record its calls still reads.
+    older = [dict(t, codes={k: v for k, v in t["codes"].items() if k != "busy"}) for t in traces]
+    assert all(r["share"] is None for r in hops.summarize(older)["calls"])
     assert hops.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "slice applied -> its credit" in out and "rank 0: " in out and f"of {slices} slices sent" in out
@@ -349,7 +351,7 @@ def test_bench_net_script(tmp_path):
     assert len(rec["results"]["runs"]) == 2
     row = rec["results"]["summary"][0]
     assert row["size"] == 65536 and row["broadcast_mib_s"][0] > 0 and row["ucx_perftest_mib_s"][0] > 0, row
-    assert row["broadcast_vs_perftest"] > 0, row
+    assert row["broadcast_vs_perftest"] > 0 and row["broadcast_vs_perftest_same"] > 0, row
 
 
 @needs_ucx
@@ -392,7 +394,7 @@ def test_net_geometry_probe_alternates_images_with_the_hop_split(tmp_path):
     assert len(os.listdir(tmp_path / "hops" / "image0")) == 2 * 2     # two runs of two ranks
     [slice_row] = [line for line in done.stdout.splitlines() if line.startswith("slice hop")]
     assert slice_row.count("( 2)") == 2, done.stdout                  # both images, both runs matched
-    [held_row] = [line for line in done.stdout.splitlines() if line.startswith("slices held by a pass")]
+    [held_row] = [line for line in done.stdout.splitlines() if line.startswith("slices held by a long call")]
     assert held_row.count("( 2)") == 2, done.stdout
     for bad in (["--sizes", "4096", "--image", str(tmp_path / "none.fatbin")],
                 ["--sizes", "4096,8192", "--trace", str(tmp_path / "x")]):
@@ -479,3 +481,27 @@ def test_exchange_scenario_of_the_gpu_tests():
     runs in device memory, here on the simulator."""
     got = run_ranks(exchange, 2)
     assert all(info["checked"] == 20 for info in got.values()), got
+
+
+@needs_ucx
+def test_proxy_ucx_settings(monkeypatch):
+    """The proxy's own UCX settings (large TCP segments, rendezvous for
+    slices) apply where UCX_<name> is unset, and the environment's value
+    wins where it is set; `dfccl info` shows which is which."""
+    import io
+
+    from dfccl.info import print_info
+    from dfccl.net.link import ucx_settings
+
+    for name, _, _ in ucx_settings():
+        monkeypatch.delenv(f"UCX_{name}", raising=False)
+    mine = ucx_settings()
+    assert {n for n, _, _ in mine} >= {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE", "RNDV_THRESH"}, mine
+    assert all(source == "dfccl" for _, _, source in mine), mine
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    got = {n: (v, s) for n, v, s in ucx_settings()}
+    assert got["TCP_TX_SEG_SIZE"] == ("8k", "environment") and got["RNDV_THRESH"][1] == "dfccl", got
+    out = io.StringIO()
+    print_info(out)
+    text = out.getvalue()
+    assert "TCP_TX_SEG_SIZE=8k (environment)" in text and "RNDV_THRESH=16k (dfccl)" in text, text

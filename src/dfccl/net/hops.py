@@ -27,10 +27,10 @@ bytes and a put's word) and writes them to ``DIR`` when it closes.
   peer's record of that instance applied to its first slice sent (meet the
   peer, move the slice); and on the receiver, from an instance's last
   credit sent to its own record of the next one sent;
-* the proxy's own passes of the UCX worker that took longer than 20 us
-  (while one runs, the proxy takes nothing off its daemon's queues and
-  applies nothing): how long, what share of the time, and how many slices
-  went out within 5 us of one's end (a pass that held them back).
+* the proxy's own calls into UCX that took longer than 20 us, passes of
+  the worker and sends (while one runs, the proxy takes nothing off its
+  daemon's queues and applies nothing): how long, what share of the time,
+  and how many slices went out within 5 us of one's end (held back by it).
 
 A ring's words are ``(instance << 32) | count`` (the daemon's
 ``tagged_count``), which is how a credit is matched to its slice.
@@ -47,7 +47,7 @@ import numpy as np
 
 from dfccl.net.hop_trace import TRACE_ENV, load_traces
 
-__all__ = ["TURNAROUNDS", "RECORD_SPLIT", "PROXY_PASSES", "summarize", "main"]
+__all__ = ["TURNAROUNDS", "RECORD_SPLIT", "PROXY_CALLS", "summarize", "main"]
 
 
 def _what(codes: dict, kind: int, length: int) -> str:
@@ -89,11 +89,13 @@ RECORD_SPLIT = (("last_credit_to_own_record", "sender: last credit -> own record
                 ("credit_out_to_own_record", "receiver: last credit -> record"))
 
 
-#: The proxy's long passes of the worker (traces that record them).
-PROXY_PASSES = (("long_pass", "proxy: worker pass over 20 us"),)
+#: The proxy's long calls into UCX by the trace's code for the call: the
+#: key summarize() gives them and how main() names them.
+PROXY_CALLS = (("worker_pass", "proxy: worker pass over 20 us"),
+               ("send_call", "proxy: send call over 20 us"))
 
-#: A slice sent this soon after a long pass ended was held back by it.
-HELD_BY_PASS_NS = 5000
+#: A slice sent this soon after a long call ended was held back by it.
+HELD_BY_CALL_NS = 5000
 
 
 def _hops(traces: list[dict]) -> dict[str, list[float]]:
@@ -199,37 +201,38 @@ def _turnarounds(t: dict, out: dict[str, list[float]]) -> None:
         last_sent[peer] = (word, when)
 
 
-def _passes(t: dict, out: dict[str, list[float]]) -> dict:
-    """One rank's long worker passes, appended to ``out`` (us); returns its
-    share of the trace's span in them and how many of the slices it sent
-    followed one's end within HELD_BY_PASS_NS."""
+def _calls(t: dict, out: dict[str, list[float]]) -> dict:
+    """One rank's long calls into UCX, appended to ``out`` by call (us);
+    returns its share of the trace's span in them and how many of the
+    slices it sent followed one's end within HELD_BY_CALL_NS."""
     c, ev = t["codes"], t["events"]
-    if "progress" not in c or not len(ev):
+    if "busy" not in c or not len(ev):
         return {"rank": t["rank"], "share": None, "slices": 0, "held": 0}
-    passes = ev[ev["what"] == c["progress"]]
-    out["long_pass"].extend((passes["len"] / 1e3).tolist())
-    ends = np.sort((passes["t_ns"] + passes["len"]).astype(np.int64))
+    busy = ev[ev["what"] == c["busy"]]
+    for key, _ in PROXY_CALLS:
+        out[key].extend((busy[busy["kind"] == c[key]]["len"] / 1e3).tolist())
+    ends = np.sort((busy["t_ns"] + busy["len"]).astype(np.int64))
     slices = ev[(ev["what"] == c["sent"]) & (ev["kind"] == c["put"]) & (ev["len"] > 0)]
     held = 0
     for when in slices["t_ns"].astype(np.int64):
         end = _last_at_or_before(ends, int(when))
-        held += end is not None and when - end <= HELD_BY_PASS_NS
+        held += end is not None and when - end <= HELD_BY_CALL_NS
     span = int(ev["t_ns"].max()) - int(ev["t_ns"].min())
-    return {"rank": t["rank"], "share": float(passes["len"].sum()) / span if span else None,
+    return {"rank": t["rank"], "share": float(busy["len"].sum()) / span if span else None,
             "slices": len(slices), "held": held}
 
 
 def summarize(traces: list[dict]) -> dict:
     """Of one communicator's traces: hops between ranks of one machine, each
-    rank's turnarounds and periods, and the proxies' long worker passes
+    rank's turnarounds and periods, and the proxies' long calls into UCX
     (microseconds; median, p10, p90 and how many)."""
-    out: dict[str, list[float]] = {k: [] for k, _ in TURNAROUNDS + RECORD_SPLIT + PROXY_PASSES}
+    out: dict[str, list[float]] = {k: [] for k, _ in TURNAROUNDS + RECORD_SPLIT + PROXY_CALLS}
     ranks = []
     for t in sorted(traces, key=lambda t: t["rank"]):
         _turnarounds(t, out)
-        ranks.append(_passes(t, out))
+        ranks.append(_calls(t, out))
     return {"hops": {k: _stats(v) for k, v in sorted(_hops(traces).items())},
-            **{k: _stats(v) for k, v in out.items()}, "ranks": [r["rank"] for r in ranks], "passes": ranks}
+            **{k: _stats(v) for k, v in out.items()}, "ranks": [r["rank"] for r in ranks], "calls": ranks}
 
 
 def _line(name: str, s: dict) -> str:
@@ -259,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         for key, label in RECORD_SPLIT:
             print(_line(label, s[key]))
         print("the proxies' own time")
-        for key, label in PROXY_PASSES:
+        for key, label in PROXY_CALLS:
             print(_line(label, s[key]))
-        for r in s["passes"]:
+        for r in s["calls"]:
             if r["share"] is None:
-                print(f"  rank {r['rank']}: no worker passes in its trace (a proxy that does not record them)")
+                print(f"  rank {r['rank']}: no calls into UCX in its trace (a proxy that does not record them)")
             else:
-                print(f"  rank {r['rank']}: {100 * r['share']:.0f}% of the time in long passes; "
-                      f"{r['held']} of {r['slices']} slices sent within {HELD_BY_PASS_NS // 1000} us of one's end")
+                print(f"  rank {r['rank']}: {100 * r['share']:.0f}% of the time in long calls; "
+                      f"{r['held']} of {r['slices']} slices sent within {HELD_BY_CALL_NS // 1000} us of one's end")
     return 0
 
 

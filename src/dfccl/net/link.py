@@ -14,7 +14,7 @@ from dfccl.errors import BackendError
 from dfccl.net._build import NetUnavailableError, load
 from dfccl.net.hop_trace import TRACE_ENV, parse_format, save_trace
 
-__all__ = ["NetLink"]
+__all__ = ["NetLink", "ucx_settings"]
 
 _ERR_BYTES = 512
 _ADDRESS_BYTES = 1 << 16
@@ -28,6 +28,7 @@ TRACE_EVENTS = 1 << 18
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     u32, u64, vp, cp, sz = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
     lib.dfccl_net_queue_bytes.restype = sz
+    lib.dfccl_net_ucx_defaults.restype = cp
     lib.dfccl_net_create.restype = vp
     lib.dfccl_net_create.argtypes = [u32, u32, u64, u64, u64, u32, cp, sz]
     lib.dfccl_net_address.argtypes = [vp, cp, sz, ctypes.POINTER(sz)]
@@ -43,6 +44,27 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dfccl_net_trace_read.restype = u64
     lib.dfccl_net_trace_read.argtypes = [vp, vp, u64]
     return lib
+
+
+def ucx_settings() -> list[tuple[str, str, str]]:
+    """The UCX settings a proxy applies where the environment does not set
+    them, and what each one's value is here.
+
+    Returns:
+        ``(name, value, source)`` per setting: the proxy's value, source
+        ``"dfccl"``; or, where ``UCX_<name>`` is set, that value, source
+        ``"environment"``.
+
+    Raises:
+        NetUnavailableError: UCX or a C++ compiler is missing.
+    """
+    text = _declare(load()).dfccl_net_ucx_defaults().decode()
+    out = []
+    for item in text.split():
+        name, value = item.split("=", 1)
+        env = os.environ.get(f"UCX_{name}")
+        out.append((name, value, "dfccl") if env is None else (name, env, "environment"))
+    return out
 
 
 class NetLink:

@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #include <sched.h>
@@ -51,12 +52,13 @@ struct Msg {
 
 // One message as the hop trace keeps it (DFCCL_NET_TRACE, dfccl/net/hops.py):
 // when this proxy sent it to `peer` or applied it from `peer`; or one call
-// of ucp_worker_progress that took longer than kLongProgressNs (nothing is
-// taken off the daemon's queues or applied while it runs): its start and,
-// in `len`, its nanoseconds.  The Python side takes the layout and the
-// codes from dfccl_net_trace_format().
-enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2, TRACE_PROGRESS = 3 };
-constexpr uint64_t kLongProgressNs = 20000;
+// into UCX that took longer than kLongCallNs (nothing is taken off the
+// daemon's queues or applied while it runs): its start, which call (`kind`)
+// and, in `len`, its nanoseconds.  The Python side takes the layout and
+// the codes from dfccl_net_trace_format().
+enum TraceWhat : uint32_t { TRACE_SENT = 1, TRACE_APPLIED = 2, TRACE_BUSY = 3 };
+enum TraceCall : uint32_t { CALL_WORKER_PASS = 1, CALL_SEND = 2 };
+constexpr uint64_t kLongCallNs = 20000;
 struct TraceEvent {
   uint64_t t_ns;   // CLOCK_MONOTONIC
   uint64_t seq;    // the message's sequence number from its sender
@@ -177,14 +179,19 @@ struct Proxy {
     note_event(now_ns(), what, m.kind, p, seq, m.word, m.len);
   }
 
-  // One pass of the worker; a long one goes into the trace.
-  bool progress() {
-    if (!tracing()) return ucp_worker_progress(worker) != 0;
+  // f(), a call into UCX; a long one goes into the trace.
+  template <class F>
+  auto timed(uint32_t call, F &&f) {
+    if (!tracing()) return f();
     const uint64_t start = now_ns();
-    const bool any = ucp_worker_progress(worker) != 0;
+    auto r = f();
     const uint64_t took = now_ns() - start;
-    if (took > kLongProgressNs) note_event(start, TRACE_PROGRESS, 0, nranks, 0, 0, took);
-    return any;
+    if (took > kLongCallNs) note_event(start, TRACE_BUSY, call, nranks, 0, 0, took);
+    return r;
+  }
+
+  bool progress() {
+    return timed(CALL_WORKER_PASS, [&] { return ucp_worker_progress(worker) != 0; });
   }
 
   void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
@@ -201,7 +208,7 @@ struct Proxy {
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     prm.cb.send = on_op;
     prm.user_data = op;
-    ucs_status_ptr_t r = ucp_tag_send_nbx(peers[p].ep, buf, len, tag, &prm);
+    ucs_status_ptr_t r = timed(CALL_SEND, [&] { return ucp_tag_send_nbx(peers[p].ep, buf, len, tag, &prm); });
     if (r == nullptr) {
       op->done.store(1);
       return true;
@@ -500,11 +507,43 @@ void set_error(char *err, size_t len, const std::string &what) {
   if (err != nullptr && len > 0) snprintf(err, len, "%s", what.c_str());
 }
 
+// UCX settings the proxy's traffic wants where the environment does not
+// set them (UCX_<name> there wins).  A slice is one message of 4 KiB to
+// 1 MiB sent by one thread, which TCP's default segments (8 KiB out, 64 KiB
+// in) cut into many small copies and sends: the send of a 256 KiB slice
+// over loopback held the proxy ~200 us; with these, rendezvous hands the
+// bytes over in the worker's passes, in large segments
+// (docs/performance-log.md, section 45).
+struct UcxDefault {
+  const char *name, *value;
+};
+constexpr UcxDefault kUcxDefaults[] = {
+    {"TCP_TX_SEG_SIZE", "64k"},
+    {"TCP_RX_SEG_SIZE", "256k"},
+    {"RNDV_THRESH", "16k"},
+};
+
+bool ucx_env_sets(const char *name) {
+  const std::string var = std::string("UCX_") + name;
+  return getenv(var.c_str()) != nullptr;
+}
+
 }  // namespace
 
 extern "C" {
 
 size_t dfccl_net_queue_bytes(void) { return sizeof(dfccl_net_queue); }
+
+// The UCX settings a proxy applies where UCX_<name> is not set, as
+// "NAME=VALUE NAME=VALUE ...".
+const char *dfccl_net_ucx_defaults(void) {
+  static const std::string text = [] {
+    std::string t;
+    for (const auto &d : kUcxDefaults) t += (t.empty() ? "" : " ") + std::string(d.name) + "=" + d.value;
+    return t;
+  }();
+  return text.c_str();
+}
 
 void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t arena_bytes, uint64_t queues,
                        uint32_t nqueues, char *err, size_t errlen) {
@@ -526,6 +565,16 @@ void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t 
   if (st != UCS_OK) {
     set_error(err, errlen, std::string("ucp_config_read: ") + ucs_status_string(st));
     return nullptr;
+  }
+  for (const auto &d : kUcxDefaults) {
+    if (ucx_env_sets(d.name)) continue;
+    st = ucp_config_modify(config, d.name, d.value);
+    // A UCX built without that transport has no such setting.
+    if (st != UCS_OK && st != UCS_ERR_NO_ELEM) {
+      ucp_config_release(config);
+      set_error(err, errlen, std::string("ucp_config_modify(") + d.name + "=" + d.value + "): " + ucs_status_string(st));
+      return nullptr;
+    }
   }
   st = ucp_init(&params, config, &px->context);
   ucp_config_release(config);
@@ -637,10 +686,11 @@ const char *dfccl_net_trace_format(void) {
   if (text[0] == 0) {
     snprintf(text, sizeof(text),
              "%zu;t_ns:%zu:8 seq:%zu:8 word:%zu:8 len:%zu:8 what:%zu:4 kind:%zu:4 peer:%zu:4;"
-             "sent=%u applied=%u progress=%u put=%u record=%u status=%u share=%u",
+             "sent=%u applied=%u busy=%u worker_pass=%u send_call=%u put=%u record=%u status=%u share=%u",
              sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
              offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
-             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_PROGRESS, (unsigned)MSG_PUT,
+             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY, (unsigned)CALL_WORKER_PASS,
+             (unsigned)CALL_SEND, (unsigned)MSG_PUT,
              (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE);
   }
   return text;
