@@ -12,8 +12,8 @@ beside it.  Both in MiB/s (ucx_perftest's MB/s are MiB/s).
 
 ucx_perftest runs twice per size: with UCX's defaults (the reference a
 user's own tools see) and with the settings dfccl's proxy gives UCX
-(`dfccl.net.link.ucx_settings`: larger TCP segments, rendezvous for
-slices), which show what UCX itself reaches with them.
+(`dfccl.net.link.ucx_settings`: larger TCP segments), which show what
+UCX itself reaches with them.
 
     python benchmarks/bench_net.py [--sizes 65536,1048576,4194304] [--iters 20]
     python benchmarks/bench_net.py --iters 3 --warmup 1 --sizes 65536 --perftest-iters 20   # checks the script

@@ -485,9 +485,9 @@ def test_exchange_scenario_of_the_gpu_tests():
 
 @needs_ucx
 def test_proxy_ucx_settings(monkeypatch):
-    """The proxy's own UCX settings (large TCP segments, rendezvous for
-    slices) apply where UCX_<name> is unset, and the environment's value
-    wins where it is set; `dfccl info` shows which is which."""
+    """The proxy's own UCX settings (large TCP segments) apply where
+    UCX_<name> is unset, and the environment's value wins where it is set;
+    `dfccl info` shows which is which."""
     import io
 
     from dfccl.info import print_info
@@ -496,12 +496,12 @@ def test_proxy_ucx_settings(monkeypatch):
     for name, _, _ in ucx_settings():
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     mine = ucx_settings()
-    assert {n for n, _, _ in mine} >= {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE", "RNDV_THRESH"}, mine
+    assert {n for n, _, _ in mine} >= {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"}, mine
     assert all(source == "dfccl" for _, _, source in mine), mine
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
     got = {n: (v, s) for n, v, s in ucx_settings()}
-    assert got["TCP_TX_SEG_SIZE"] == ("8k", "environment") and got["RNDV_THRESH"][1] == "dfccl", got
+    assert got["TCP_TX_SEG_SIZE"] == ("8k", "environment") and got["TCP_RX_SEG_SIZE"] == ("256k", "dfccl"), got
     out = io.StringIO()
     print_info(out)
     text = out.getvalue()
-    assert "TCP_TX_SEG_SIZE=8k (environment)" in text and "RNDV_THRESH=16k (dfccl)" in text, text
+    assert "TCP_TX_SEG_SIZE=8k (environment)" in text and "TCP_RX_SEG_SIZE=256k (dfccl)" in text, text

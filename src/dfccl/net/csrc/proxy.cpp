@@ -510,9 +510,10 @@ void set_error(char *err, size_t len, const std::string &what) {
 // UCX settings the proxy's traffic wants where the environment does not
 // set them (UCX_<name> there wins).  A slice is one message of 4 KiB to
 // 1 MiB sent by one thread, which TCP's default segments (8 KiB out, 64 KiB
-// in) cut into many small copies and sends: the send of a 256 KiB slice
-// over loopback held the proxy ~200 us; with these, rendezvous hands the
-// bytes over in the worker's passes, in large segments
+// in) cut into many small copies and sends: a 256 KiB slice's send held
+// the proxy ~200 us and moved ~1,000 MiB/s; with these, ~80 us and twice
+// the bandwidth.  Rendezvous for slices (the send returns at once) moved
+// 5-10% less on a GPU host, so UCX keeps choosing the protocol
 // (docs/performance-log.md, section 45).
 struct UcxDefault {
   const char *name, *value;
@@ -520,7 +521,6 @@ struct UcxDefault {
 constexpr UcxDefault kUcxDefaults[] = {
     {"TCP_TX_SEG_SIZE", "64k"},
     {"TCP_RX_SEG_SIZE", "256k"},
-    {"RNDV_THRESH", "16k"},
 };
 
 bool ucx_env_sets(const char *name) {
