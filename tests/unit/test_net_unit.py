@@ -38,7 +38,6 @@ def test_missing_ucx_names_the_extra(monkeypatch):
     assert EXTRA == "dfccl[net]"
 
 
-
 def _trace(rank: int, rows: list[tuple], fmt: str) -> dict:
     from dfccl.net.hop_trace import parse_format
 

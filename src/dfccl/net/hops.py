@@ -27,7 +27,8 @@ bytes and a put's word) and writes them to ``DIR`` when it closes.
   peer's record of that instance applied to its first slice sent (meet the
   peer, move the slice); and on the receiver, from an instance's last
   credit sent to its own record of the next one sent;
-* the proxy's own calls into UCX that took longer than 20 us, passes of
+* the proxy's own calls into UCX that took longer than its threshold (20
+  us; the trace names it), passes of
   the worker and sends (while one runs, the proxy takes nothing off its
   daemon's queues and applies nothing): how long, what share of the time,
   and how many slices went out within 5 us of one's end (held back by it).
@@ -89,10 +90,11 @@ RECORD_SPLIT = (("last_credit_to_own_record", "sender: last credit -> own record
                 ("credit_out_to_own_record", "receiver: last credit -> record"))
 
 
-#: The proxy's long calls into UCX by the trace's code for the call: the
-#: key summarize() gives them and how main() names them.
-PROXY_CALLS = (("worker_pass", "proxy: worker pass over 20 us"),
-               ("send_call", "proxy: send call over 20 us"))
+#: The proxy's long calls into UCX (over the trace's ``long_call_ns``) by
+#: the trace's code for the call: the key summarize() gives them and how
+#: main() names them.
+PROXY_CALLS = (("worker_pass", "proxy: long worker pass"),
+               ("send_call", "proxy: long send call"))
 
 #: A slice sent this soon after a long call ended was held back by it.
 HELD_BY_CALL_NS = 5000
@@ -261,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the turnarounds split by the records")
         for key, label in RECORD_SPLIT:
             print(_line(label, s[key]))
-        print("the proxies' own time")
+        threshold = {t["codes"].get("long_call_ns") for t in traces} - {None}
+        print("the proxies' own time" + "".join(f" (calls into UCX over {ns / 1e3:g} us)" for ns in threshold))
         for key, label in PROXY_CALLS:
             print(_line(label, s[key]))
         for r in s["calls"]:

@@ -686,12 +686,14 @@ const char *dfccl_net_trace_format(void) {
   if (text[0] == 0) {
     snprintf(text, sizeof(text),
              "%zu;t_ns:%zu:8 seq:%zu:8 word:%zu:8 len:%zu:8 what:%zu:4 kind:%zu:4 peer:%zu:4;"
-             "sent=%u applied=%u busy=%u worker_pass=%u send_call=%u put=%u record=%u status=%u share=%u",
+             "sent=%u applied=%u busy=%u worker_pass=%u send_call=%u put=%u record=%u status=%u share=%u "
+             "long_call_ns=%llu",
              sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
              offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
              offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY, (unsigned)CALL_WORKER_PASS,
              (unsigned)CALL_SEND, (unsigned)MSG_PUT,
-             (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE);
+             (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE,
+             (unsigned long long)kLongCallNs);
   }
   return text;
 }
