@@ -7,8 +7,10 @@ dfccl's number is a broadcast from rank 0 (each byte crosses the network
 once, one way, as in tag_bw): bytes / time per collective, back to back
 (`--iters` instances of one tag queued, then waited for: the median of
 three such batches), as tag_bw streams its messages.
-The all-reduce's bus bandwidth (2 (n-1)/n x bytes / time) is recorded
-beside it.  Both in MiB/s (ucx_perftest's MB/s are MiB/s).
+Its time per call, and the all-reduce's bus bandwidth (2 (n-1)/n x bytes
+/ time) and time per call (its result checked once on fresh inputs), are
+recorded beside it.  Both in
+MiB/s (ucx_perftest's MB/s are MiB/s).
 
 ucx_perftest runs twice per size: with UCX's defaults (the reference a
 user's own tools see) and with the settings dfccl's proxy gives UCX
@@ -70,6 +72,12 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
             data = rng.standard_normal((2, count), dtype=np.float32)
             x = arrays.from_numpy(backend, comm.device, data[rank])
             row = {"size": size}
+            # The all-reduce's result, checked once on fresh inputs (two
+            # ranks: one addition, the same bits in either order).
+            y = arrays.from_numpy(backend, comm.device, data[rank])
+            comm.all_reduce(y, tag=("check", size)).synchronize(timeout=120)
+            if not np.array_equal(arrays.to_numpy(y), data[0] + data[1]):
+                raise AssertionError(f"all_reduce of {size} B: rank {rank} got a wrong sum")
             for kind in ("broadcast", "all_reduce"):
                 run = (lambda: comm.broadcast(x, root=0, tag=("bw", kind, size))) if kind == "broadcast" \
                     else (lambda: comm.all_reduce(x, tag=("bw", kind, size)))
@@ -79,7 +87,9 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
                 if kind == "broadcast" and not np.array_equal(arrays.to_numpy(x), data[0]):
                     raise AssertionError(f"broadcast of {size} B: rank {rank} did not receive rank 0's data")
             row["broadcast_mib_s"] = size / row["broadcast_s"] / MIB
+            row["broadcast_us"] = row["broadcast_s"] * 1e6
             row["all_reduce_busbw_mib_s"] = size / row["all_reduce_s"] / MIB   # 2 (n-1)/n = 1 for two ranks
+            row["all_reduce_us"] = row["all_reduce_s"] * 1e6
             rows.append(row)
         comm.close()
         results.put((rank, "ok", {"rows": rows}))
@@ -192,19 +202,22 @@ def run_perftest(size: int, iters: int, proxy_settings: bool = False) -> float |
     return float(fields[6])    # overall bandwidth, MB/s (2^20 bytes)
 
 
-def _option(text: str) -> tuple[str, int]:
-    name, _, value = text.partition("=")
+def _option(text: str) -> tuple[str, int | str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise SystemExit(f"--option wants NAME=VALUE (a CommOptions field), not {text!r}")
     try:
         return name.strip(), int(value, 0)
     except ValueError:
-        raise SystemExit(f"--option wants NAME=INT (a CommOptions field), not {text!r}") from None
+        return name.strip(), value.strip()
 
 
 def _summarize(size: int, rows: list[dict]) -> dict:
     """Median, min and max of each figure over the repeats of one size,
     and the broadcast's median over ucx_perftest's."""
     out = {"size": size}
-    for key in ("broadcast_mib_s", "all_reduce_busbw_mib_s", "ucx_perftest_mib_s", "ucx_perftest_same_mib_s"):
+    for key in ("broadcast_mib_s", "broadcast_us", "all_reduce_busbw_mib_s", "all_reduce_us", "ucx_perftest_mib_s",
+                "ucx_perftest_same_mib_s"):
         values = [r[key] for r in rows if r.get(key)]
         out[key] = [statistics.median(values), min(values), max(values)] if values else None
     for ratio, key in (("broadcast_vs_perftest", "ucx_perftest_mib_s"),
@@ -224,8 +237,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=("sim", "cuda"), default="sim", help="where the ranks run (cuda: GPU 0)")
     p.add_argument("--perftest-iters", type=int, default=200, help="ucx_perftest iterations per size")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating (default 3)")
-    p.add_argument("--option", action="append", default=[], metavar="NAME=INT",
-                   help="a CommOptions field for both ranks, e.g. channels=1 or max_slice_bytes=1048576 (repeatable)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a CommOptions field for both ranks, e.g. channels=1, max_slice_bytes=1048576 or "
+                        "protocol=simple (repeatable)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     options = dict(_option(text) for text in args.option)
@@ -243,13 +257,15 @@ def main(argv=None) -> int:
     summary = [_summarize(size, [rows[i] for rows in runs]) for i, size in enumerate(sizes)]
     print(f"\nmedian (min-max) of {args.repeats} run(s), MiB/s; ucx_perftest with UCX's defaults, then with "
           "the proxy's UCX settings")
-    print(f"{'size':>10} {'broadcast':>20} {'all-reduce busbw':>20} {'ucx_perftest':>20} {'bcast/perftest':>15} "
-          f"{'perftest, same':>20} {'bcast/same':>11}")
+    print(f"{'size':>10} {'broadcast':>20} {'broadcast us':>20} {'all-reduce busbw':>20} {'all-reduce us':>20} "
+          f"{'ucx_perftest':>20} {'bcast/perftest':>15} {'perftest, same':>20} {'bcast/same':>11}")
     ratio = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
     for r in summary:
-        print(f"{r['size']:>10} {_spread(r['broadcast_mib_s']):>20} {_spread(r['all_reduce_busbw_mib_s']):>20} "
-              f"{_spread(r['ucx_perftest_mib_s']):>20} {ratio(r['broadcast_vs_perftest']):>15} "
-              f"{_spread(r['ucx_perftest_same_mib_s']):>20} {ratio(r['broadcast_vs_perftest_same']):>11}")
+        print(f"{r['size']:>10} {_spread(r['broadcast_mib_s']):>20} {_spread(r['broadcast_us']):>20} "
+              f"{_spread(r['all_reduce_busbw_mib_s']):>20} "
+              f"{_spread(r['all_reduce_us']):>20} {_spread(r['ucx_perftest_mib_s']):>20} "
+              f"{ratio(r['broadcast_vs_perftest']):>15} {_spread(r['ucx_perftest_same_mib_s']):>20} "
+              f"{ratio(r['broadcast_vs_perftest_same']):>11}")
     rec = suite.record("net", args, args.backend, _devices(args.backend), {"runs": runs, "summary": summary,
                                                                                  "transport": "UCX tcp on lo"})
     print(f"record: {suite.write(args.out, rec)}")

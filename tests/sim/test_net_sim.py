@@ -338,13 +338,14 @@ def test_two_rank_launcher_kills_a_rank_that_stalls(tmp_path):
 
 @needs_ucx
 def test_bench_net_script(tmp_path):
-    """benchmarks/bench_net.py runs both sides and writes its record."""
+    """benchmarks/bench_net.py runs both sides (the all-reduce checked) and
+    writes its record; --option takes a CommOptions field of any type."""
     import json
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_net.py"), "--iters", "2",
                            "--warmup", "1", "--sizes", "65536", "--perftest-iters", "20", "--repeats", "2",
-                           "--out", str(tmp_path)],
+                           "--option", "protocol=simple", "--option", "channels=1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rec = json.loads((tmp_path / "net.jsonl").read_text().splitlines()[-1])
@@ -352,6 +353,8 @@ def test_bench_net_script(tmp_path):
     row = rec["results"]["summary"][0]
     assert row["size"] == 65536 and row["broadcast_mib_s"][0] > 0 and row["ucx_perftest_mib_s"][0] > 0, row
     assert row["broadcast_vs_perftest"] > 0 and row["broadcast_vs_perftest_same"] > 0, row
+    assert row["broadcast_us"][0] > 0 and row["all_reduce_us"][0] > 0, row
+    assert rec["args"]["option"] == ["protocol=simple", "channels=1"], rec["args"]
 
 
 @needs_ucx
