@@ -28,10 +28,10 @@ bytes and a put's word) and writes them to ``DIR`` when it closes.
   peer, move the slice); and on the receiver, from an instance's last
   credit sent to its own record of the next one sent;
 * the proxy's own calls into UCX that took longer than its threshold (20
-  us; the trace names it), passes of
-  the worker and sends (while one runs, the proxy takes nothing off its
-  daemon's queues and applies nothing): how long, what share of the time,
-  and how many slices went out within 5 us of one's end (held back by it).
+  us; the trace names it), passes of the worker and sends (while one runs,
+  the proxy takes nothing off its daemon's queues and applies nothing): how
+  long, what share of the time, and how many slices went out within 5 us of
+  one's end (held back by it).
 
 A ring's words are ``(instance << 32) | count`` (the daemon's
 ``tagged_count``), which is how a credit is matched to its slice.

@@ -572,7 +572,8 @@ void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t 
     // A UCX built without that transport has no such setting.
     if (st != UCS_OK && st != UCS_ERR_NO_ELEM) {
       ucp_config_release(config);
-      set_error(err, errlen, std::string("ucp_config_modify(") + d.name + "=" + d.value + "): " + ucs_status_string(st));
+      set_error(err, errlen,
+                std::string("ucp_config_modify(") + d.name + "=" + d.value + "): " + ucs_status_string(st));
       return nullptr;
     }
   }
@@ -690,10 +691,9 @@ const char *dfccl_net_trace_format(void) {
              "long_call_ns=%llu",
              sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
              offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
-             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY, (unsigned)CALL_WORKER_PASS,
-             (unsigned)CALL_SEND, (unsigned)MSG_PUT,
-             (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE,
-             (unsigned long long)kLongCallNs);
+             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY,
+             (unsigned)CALL_WORKER_PASS, (unsigned)CALL_SEND, (unsigned)MSG_PUT, (unsigned)MSG_RECORD,
+             (unsigned)MSG_STATUS, (unsigned)MSG_SHARE, (unsigned long long)kLongCallNs);
   }
   return text;
 }
