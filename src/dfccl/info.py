@@ -176,16 +176,22 @@ def _network() -> dict:
 
     info = {"host_id": net.host_id(), "host_id_from": net.HOST_ID_ENV if os.environ.get(net.HOST_ID_ENV)
             else "hostname and boot id", "ucx": None, "proxy": None,
-            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice"), "ucx_settings": None}
+            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice"), "ucx_settings": None, "inline_bytes": None}
     try:
         root = _build.ucx_root()
         info["ucx"] = f"{(root / 'UCX_WHEEL_VERSION.txt').read_text().strip()} ({root})"
         path = _build.library_path()
         info["proxy"] = str(path) if path.is_file() else "not built yet (python -m dfccl.net builds it)"
         if path.is_file():
-            from dfccl.net.link import ucx_settings
+            from dfccl.errors import InvalidArgumentError
+            from dfccl.net.link import inline_bytes, ucx_settings
 
             info["ucx_settings"] = [{"name": n, "value": v, "from": f} for n, v, f in ucx_settings()]
+            try:
+                value, source = inline_bytes()
+                info["inline_bytes"] = {"value": value, "from": source}
+            except InvalidArgumentError as exc:
+                info["inline_bytes"] = {"value": None, "from": str(exc)}
     except net.NetUnavailableError as exc:
         info["ucx"] = f"not available: {exc}"
     return info
@@ -257,6 +263,10 @@ def print_info(out: TextIO = sys.stdout) -> dict:
     if n["ucx_settings"]:
         p("  UCX settings of the proxy: " + ", ".join(f"{u['name']}={u['value']} ({u['from']})"
                                                       for u in n["ucx_settings"]))
+    if n["inline_bytes"]:
+        i = n["inline_bytes"]
+        p(f"  bytes a message carries in its header: {i['value']} ({i['from']})" if i["value"] is not None
+          else f"  bytes a message carries in its header: {i['from']}")
     for backend, d in info["defaults"].items():
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")

@@ -166,6 +166,22 @@ def _large(comm, ctx) -> dict:
     return {"checked": 2}
 
 
+def _inline_sizes(comm, ctx) -> dict:
+    """Ring collectives whose slices fit a header's message (up to 8 KiB)
+    and larger ones, in opposite orders on the two ranks."""
+    from dfccl_support import scenarios as sc
+
+    specs = [sc.Spec(("ring", kind, n), kind, n, "int32", "max", root=n % ctx.nranks)
+             for kind in ("broadcast", "all_reduce", "all_gather") for n in (1, 255, 1024, 2048, 2049, 40000, 300000)]
+    insts = [sc.RankInstance(s, comm, 40 + i) for i, s in enumerate(specs)]
+    works = [i.submit() for i in (insts if ctx.rank % 2 == 0 else insts[::-1])]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for i in insts:
+        i.verify()
+    return {"checked": len(insts)}
+
+
 @needs_ucx
 def test_every_ring_collective_bit_identical_to_one_host():
     got = run_ranks(sweep, 3)
@@ -173,6 +189,47 @@ def test_every_ring_collective_bit_identical_to_one_host():
         assert info["path"] == "ring"
         assert info["transports"] == tuple("self" if p == r else "ucx" for p in range(3))
         assert info["checked"] == len(sweep_specs())
+
+
+@needs_ucx
+@pytest.mark.parametrize("inline", [None, "0"])
+def test_messages_with_and_without_bytes_inline(inline, monkeypatch):
+    """Ring slices small enough to travel inside their header's message and
+    larger ones, in opposite orders: with the proxy's inline limit, and with
+    every message's bytes sent apart from its header
+    ($DFCCL_NET_INLINE_BYTES=0)."""
+    if inline is None:
+        monkeypatch.delenv("DFCCL_NET_INLINE_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("DFCCL_NET_INLINE_BYTES", inline)
+    got = run_ranks(_inline_sizes, 2)
+    assert all(info["checked"] == 21 for info in got.values()), got
+
+
+def test_inline_bytes_setting(monkeypatch):
+    """$DFCCL_NET_INLINE_BYTES within 0..the proxy's capacity is taken;
+    anything else is refused by name, and `dfccl info` says which."""
+    import io
+
+    from dfccl.info import print_info
+    from dfccl.net import NetUnavailableError
+    from dfccl.net.link import INLINE_BYTES_ENV, inline_bytes
+
+    monkeypatch.delenv(INLINE_BYTES_ENV, raising=False)
+    try:
+        capacity, source = inline_bytes()
+    except NetUnavailableError as exc:
+        pytest.skip(f"no network proxy here: {exc}")
+    assert source == "dfccl" and capacity >= 4096
+    monkeypatch.setenv(INLINE_BYTES_ENV, "1024")
+    assert inline_bytes() == (1024, "environment")
+    out = io.StringIO()
+    print_info(out)
+    assert "bytes a message carries in its header: 1024 (environment)" in out.getvalue(), out.getvalue()
+    for bad in ("-1", "lots", str(capacity + 1)):
+        monkeypatch.setenv(INLINE_BYTES_ENV, bad)
+        with pytest.raises(dfccl.InvalidArgumentError, match=INLINE_BYTES_ENV):
+            inline_bytes()
 
 
 @needs_ucx

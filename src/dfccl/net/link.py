@@ -10,11 +10,11 @@ import os
 
 import numpy as np
 
-from dfccl.errors import BackendError
+from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.net._build import NetUnavailableError, load
 from dfccl.net.hop_trace import TRACE_ENV, parse_format, save_trace
 
-__all__ = ["NetLink", "ucx_settings"]
+__all__ = ["NetLink", "ucx_settings", "inline_bytes", "INLINE_BYTES_ENV"]
 
 _ERR_BYTES = 512
 _ADDRESS_BYTES = 1 << 16
@@ -23,6 +23,9 @@ _ADDRESS_BYTES = 1 << 16
 CLOSE_LINGER = 1.0
 #: Messages the hop trace keeps per rank ($DFCCL_NET_TRACE): the first ones.
 TRACE_EVENTS = 1 << 18
+#: Overrides the bytes a message carries inside its header's UCX message
+#: (0..the proxy's capacity; 0: never).
+INLINE_BYTES_ENV = "DFCCL_NET_INLINE_BYTES"
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -43,7 +46,35 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dfccl_net_trace_format.restype = cp
     lib.dfccl_net_trace_read.restype = u64
     lib.dfccl_net_trace_read.argtypes = [vp, vp, u64]
+    lib.dfccl_net_inline_capacity.restype = u64
+    lib.dfccl_net_set_inline_bytes.argtypes = [vp, u64]
     return lib
+
+
+def inline_bytes() -> tuple[int, str]:
+    """The most bytes (a ring slice's, say) a proxy sends inside its
+    header's message instead of as a second message.
+
+    Returns:
+        ``(bytes, source)``: the proxy's capacity, source ``"dfccl"``; or
+        $DFCCL_NET_INLINE_BYTES, source ``"environment"``.
+
+    Raises:
+        InvalidArgumentError: $DFCCL_NET_INLINE_BYTES is not an integer in
+            0..the capacity.
+        NetUnavailableError: UCX or a C++ compiler is missing.
+    """
+    capacity = int(_declare(load()).dfccl_net_inline_capacity())
+    text = os.environ.get(INLINE_BYTES_ENV)
+    if text is None:
+        return capacity, "dfccl"
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= capacity:
+        raise InvalidArgumentError(f"${INLINE_BYTES_ENV} must be an integer in 0..{capacity}, not {text!r}")
+    return value, "environment"
 
 
 def ucx_settings() -> list[tuple[str, str, str]]:
@@ -91,8 +122,10 @@ class NetLink:
 
         Raises:
             NetUnavailableError: UCX or a C++ compiler is missing.
+            InvalidArgumentError: $DFCCL_NET_INLINE_BYTES is out of range.
         """
         lib = _declare(load())
+        inline, _ = inline_bytes()
         self = NetLink.__new__(NetLink)
         self._lib = lib
         self._device = device
@@ -112,6 +145,10 @@ class NetLink:
         if not self._handle:
             self.free()
             raise NetUnavailableError(f"dfccl: rank {rank}: cannot start UCX: {err.value.decode()}")
+        if lib.dfccl_net_set_inline_bytes(self._handle, inline) != 0:
+            self.close()
+            self.free()
+            raise BackendError(f"dfccl: rank {rank}: the proxy refused {inline} inline bytes")
         self._started = False
         self._trace_dir = os.environ.get(TRACE_ENV) or None
         if self._trace_dir is not None:

@@ -9,9 +9,11 @@
 // the sender's sequence number in its tag, receives are posted for exact
 // sequence numbers, and a completed message is applied only after all
 // earlier ones were.  A message is a fixed-size header, then, for a put
-// or a share with bytes, the bytes as a second message under the same
-// sequence number, received straight into the arena (a put) or the mirror
-// of the sender's arena (a share).
+// or a share with bytes, the bytes: up to the inline limit inside the
+// header's own message (one message, not two; copied in when applied),
+// more as a second message under the same sequence number, received
+// straight into the arena (a put) or the mirror of the sender's arena (a
+// share).
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,11 +45,23 @@ constexpr uint32_t kStatusWords = 3;  // state, heartbeat, pid (dfccl_rank_statu
 constexpr uint32_t kWindow = 16;      // header receives posted ahead, per peer
 constexpr uint64_t kPayloadBit = 1ull << 63;
 constexpr uint64_t kSeqMask = (1ull << 48) - 1;
+// Most bytes a message carries inside its header's message; the proxy's
+// limit (DFCCL_NET_INLINE_BYTES, default all of it) may be lower.  Over TCP
+// a second message costs the peer a receive posted once the header is in
+// and both proxies a pass; copying a few KiB costs less.  Covers small
+// ring slices.
+constexpr uint64_t kInlineCapacity = 8192;
 
 struct Msg {
-  uint32_t kind, pad;
+  uint32_t kind, inlined;         // inlined: the bytes follow the header in its message
   uint64_t offset, len, word_offset, word;
   uint64_t data[1 + kChanWords];  // RECORD: the header's key, then the channel; STATUS: its words
+};
+
+// A header as it travels: the message, then the bytes it carries inline.
+struct Wire {
+  Msg msg;
+  uint8_t bytes[kInlineCapacity];
 };
 
 // One message as the hop trace keeps it (DFCCL_NET_TRACE, dfccl/net/hops.py):
@@ -97,7 +111,9 @@ struct Op {
 // earlier one are complete.
 struct Proxy;
 struct Incoming {
-  Msg msg;
+  Wire wire;                    // received here; its bytes only when msg.inlined
+  Msg &msg = wire.msg;
+  uint64_t header_len = 0;      // bytes the header's message had
   Op header, payload;
   bool payload_posted = false;
   Proxy *proxy = nullptr;
@@ -105,9 +121,11 @@ struct Incoming {
   uint64_t seq = 0;
 };
 
-// A message being sent: the header lives here until UCX is done with it.
+// A message being sent: the header, and the bytes it carries, live here
+// until UCX is done with it.
 struct Outgoing {
-  Msg msg;
+  Wire wire;
+  Msg &msg = wire.msg;
   Op header, payload;
   bool has_payload = false;
 };
@@ -139,6 +157,7 @@ struct Proxy {
   uint32_t rank = 0, nranks = 0;
   uint8_t *arena = nullptr;          // this rank's arena (host view)
   uint64_t arena_bytes = 0;
+  uint64_t inline_bytes = kInlineCapacity;
   dfccl_net_queue *queues = nullptr;
   uint32_t nqueues = 0;
   ucp_context_h context = nullptr;
@@ -227,13 +246,18 @@ struct Proxy {
     if (peer.lost.load()) return;
     const uint64_t seq = peer.send_seq++;
     note(TRACE_SENT, p, seq, out->msg);
-    send_part(p, &out->msg, sizeof(Msg), make_tag(rank, seq, false), &out->header);
-    if (out->has_payload) {
+    const bool inlined = out->has_payload && out->msg.len <= inline_bytes;
+    if (inlined) {
+      memcpy(out->wire.bytes, payload, out->msg.len);
+      out->msg.inlined = 1;
+    }
+    send_part(p, &out->wire, sizeof(Msg) + (inlined ? out->msg.len : 0), make_tag(rank, seq, false), &out->header);
+    if (out->has_payload && !inlined) {
       send_part(p, payload, out->msg.len, make_tag(rank, seq, true), &out->payload);
-      bytes_sent.fetch_add(out->msg.len, std::memory_order_relaxed);
     } else {
       out->payload.done.store(1);
     }
+    if (out->has_payload) bytes_sent.fetch_add(out->msg.len, std::memory_order_relaxed);
     messages.fetch_add(1, std::memory_order_relaxed);
     outgoing.push_back(std::move(out));
   }
@@ -334,8 +358,14 @@ struct Proxy {
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     prm.cb.recv = header_of != nullptr ? on_header : on_recv;
     prm.user_data = header_of != nullptr ? static_cast<void *>(header_of) : static_cast<void *>(op);
+    ucp_tag_recv_info_t info;  // filled where the receive completes at once (no callback then)
+    if (header_of != nullptr) {
+      prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+      prm.recv_info.tag_info = &info;
+    }
     ucs_status_ptr_t r = ucp_tag_recv_nbx(worker, buf, len, tag, ~0ull, &prm);
     if (r == nullptr) {
+      if (header_of != nullptr) header_of->header_len = info.length;
       op->done.store(1);
       return true;
     }
@@ -358,11 +388,14 @@ struct Proxy {
       raw->peer = p;
       raw->seq = peer.recv_seq + peer.incoming.size();
       peer.incoming.push_back(std::move(in));
-      if (!post_recv(p, &raw->msg, sizeof(Msg), make_tag(p, raw->seq, false), &raw->header, raw)) return;
+      if (!post_recv(p, &raw->wire, sizeof(Wire), make_tag(p, raw->seq, false), &raw->header, raw)) return;
     }
   }
 
-  void apply(uint32_t p, const Msg &m) {
+  void apply(uint32_t p, const Incoming &in) {
+    const Msg &m = in.msg;
+    if (m.inlined && (m.kind == MSG_PUT || m.kind == MSG_SHARE))  // checked in post_payload
+      memcpy((m.kind == MSG_PUT ? arena : peers[p].mirror) + m.offset, in.wire.bytes, m.len);
     if (m.kind == MSG_PUT) {
       if (m.word_offset != DFCCL_NET_NO_WORD && m.word_offset + 8 <= arena_bytes) {
         __atomic_thread_fence(__ATOMIC_RELEASE);  // the slice before the word
@@ -405,14 +438,18 @@ struct Proxy {
       in->payload.done.store(1);
       return;
     }
-    if (stop.load(std::memory_order_acquire)) {
-      // Closing: its receives are being cancelled, and this one would not be.
-      in->payload.status = UCS_ERR_CANCELED;
+    if (m.offset + m.len > arena_bytes || (m.inlined && in->header_len != sizeof(Msg) + m.len)) {
+      in->payload.status = UCS_ERR_INVALID_PARAM;
       in->payload.done.store(1);
       return;
     }
-    if (m.offset + m.len > arena_bytes) {
-      in->payload.status = UCS_ERR_INVALID_PARAM;
+    if (m.inlined) {  // the bytes came with the header
+      in->payload.done.store(1);
+      return;
+    }
+    if (stop.load(std::memory_order_acquire)) {
+      // Closing: its receives are being cancelled, and this one would not be.
+      in->payload.status = UCS_ERR_CANCELED;
       in->payload.done.store(1);
       return;
     }
@@ -429,7 +466,7 @@ struct Proxy {
       if (!in->header.done.load(std::memory_order_acquire) || !in->payload.done.load(std::memory_order_acquire))
         break;
       if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
-        apply(p, in->msg);
+        apply(p, *in);
         note(TRACE_APPLIED, p, in->seq, in->msg);
         if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE)
           bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
@@ -492,8 +529,9 @@ struct Proxy {
   }
 };
 
-void on_header(void *request, ucs_status_t status, const ucp_tag_recv_info_t *, void *user) {
+void on_header(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info, void *user) {
   Incoming *in = static_cast<Incoming *>(user);
+  if (status == UCS_OK && info != nullptr) in->header_len = info->length;
   on_op(request, status, &in->header);
   in->proxy->post_payload(in);
 }
@@ -594,6 +632,18 @@ void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t 
     return nullptr;
   }
   return px.release();
+}
+
+// The most bytes a message can carry inside its header's message.
+uint64_t dfccl_net_inline_capacity(void) { return kInlineCapacity; }
+
+// Bytes up to `bytes` travel inline (before dfccl_net_start only).  0: set;
+// -1: more than the capacity, or too late.
+int dfccl_net_set_inline_bytes(void *h, uint64_t bytes) {
+  Proxy *px = static_cast<Proxy *>(h);
+  if (bytes > kInlineCapacity || px->thread.joinable()) return -1;
+  px->inline_bytes = bytes;
+  return 0;
 }
 
 // This rank's worker address: what a peer needs to reach it.
