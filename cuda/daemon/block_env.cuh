@@ -159,6 +159,13 @@ DFCCL_DEV uint64_t record_at(const dfccl_endpoint *ep, uint32_t rank, uint32_t b
   return ep->peer_table[rank] + (uint64_t)bucket * DFCCL_RECORD_BYTES;
 }
 
+// What only this daemon reads and writes of this rank's record in `bucket`
+// (abi.h, dfccl_owner_bucket): in device memory, where the record may lie
+// in host memory (peers on other hosts).
+DFCCL_DEV dfccl_owner_bucket *owner_bucket(const dfccl_endpoint *ep, uint32_t bucket) {
+  return ptr<dfccl_owner_bucket>(ep->owner_words + (uint64_t)bucket * sizeof(dfccl_owner_bucket));
+}
+
 // Finds rank's record of `key` by linear probing from the home bucket, the
 // same sequence the owner's host used to place it, to the first bucket that
 // never held a tag (key 0).  A tag's key can be in two buckets: one the tag

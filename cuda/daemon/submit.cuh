@@ -11,9 +11,9 @@
 namespace dfccl {
 
 // The leader, at pull time: the instances of one tag must run one after the
-// other on each channel (they share the tag's record there).  The record's
-// owner-private chain words name the latest instance of the tag pulled on this
-// channel; if it is still pending here, the new one is chained behind it and
+// other on each channel (they share the tag's record there).  The bucket's
+// owner words (dfccl_owner_bucket.chain) name the latest instance of the tag
+// pulled on this channel; if it is still pending here, the new one is chained behind it and
 // stays off the active list until it completes (run_one promotes it in
 // place).  So the active list holds one task per tag at most, and a burst of
 // instances of one tag costs nothing per scheduler pass.  Returns true if
@@ -24,13 +24,14 @@ namespace dfccl {
 // wrote for an old tag (or a stale copy of them) name an instance that is
 // over; the previous context is checked by token, since its slot may have
 // been reused since, and by state.
-DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan, uint64_t rec) {
+DFCCL_DEV bool chain_behind_pending(const BlockEnv &env, const dfccl_task_desc *d, uint32_t chan,
+                                     const dfccl_endpoint *ep) {
   const dfccl_daemon_args *a = env.args;
-  dfccl_chan_state *mine = record_chan(rec, chan);
-  const uint64_t last_token = load_own(&mine->chain_token);
-  const uint64_t last_slot = load_own(&mine->chain_slot);
-  mine->chain_token = instance_token(d->tag_key, d->instance);
-  mine->chain_slot = (uint64_t)d->slot + 1;
+  dfccl_owner_chain *mine = &owner_bucket(ep, d->bucket)->chain[chan];
+  const uint64_t last_token = load_own(&mine->token);
+  const uint64_t last_slot = load_own(&mine->slot);
+  mine->token = instance_token(d->tag_key, d->instance);
+  mine->slot = (uint64_t)d->slot + 1;
   if (last_token == 0 || last_slot == 0 || last_slot > a->nslots) return false;
   dfccl_task_ctx *prev = ctx_at(a, (uint32_t)last_slot - 1, env.block);
   if (prev->state == DFCCL_CTX_DONE || prev->state == DFCCL_CTX_FREE) return false;
@@ -119,7 +120,7 @@ DFCCL_DEV void take_entry(const BlockEnv &env, const pack16 *words, uint64_t pul
   const dfccl_endpoint *ep = &a->endpoints[d->endpoint];
   const uint64_t rec = record_at(ep, ep->rank, d->bucket);
   if (chan == 0 && (d->flags & DFCCL_TASK_KEY_BUCKET)) claim_fresh_bucket(rec, d->tag_key);
-  const bool chained = chain_behind_pending(env, d, chan, rec);
+  const bool chained = chain_behind_pending(env, d, chan, ep);
   dfccl_task_ctx *ctx = ctx_at(a, d->slot, env.block);
   ctx->desc = *d;
   ctx->channel = chan;
@@ -162,7 +163,7 @@ DFCCL_DEV void take_entry(const BlockEnv &env, const pack16 *words, uint64_t pul
 // in flight at once; the first two entries share it), an entry for other
 // blocks nothing more (block 0 still checks every entry, to reject bad
 // ones), and a task of this block four more (endpoint, own record's
-// address, chain words, the chained-on context).
+// address, chain words in device memory, the chained-on context).
 DFCCL_DEV uint32_t pull_submissions(const BlockEnv &env, uint32_t *active, uint32_t &active_len, uint64_t &head,
                                     uint32_t &ready) {
   const dfccl_daemon_args *a = env.args;

@@ -125,14 +125,15 @@ DFCCL_DEV void publish_instance(TaskRun &run, uint64_t fifo_word, uint64_t send_
 // `ready` matches, the peer's published fields are read in one batch of
 // independent loads (one round trip, not one per field).  The leader caches
 // the record and the peer's buffer addresses (direct path) in the context and
-// the record header, and returns the peer's fifo word in *fifo_word.
+// the record in the bucket's owner words, and returns the peer's fifo word in
+// *fifo_word.
 DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cache_index, uint64_t *fifo_word) {
   uint64_t rec = 0, met = 0, send_addr = 0, recv_addr = 0;
   uint32_t polls = 0;
   const uint32_t c = run.chan;
-  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
-  // The header caches by peer rank (ranks >= DFCCL_PEER_CACHE are probed).
-  // Its key is read once: while this instance is pending the bucket keeps
+  dfccl_owner_bucket *own = owner_bucket(run.ep, run.d->bucket);
+  // The owner words cache by peer rank (ranks >= DFCCL_PEER_CACHE are
+  // probed).  Their key is read once: while this instance is pending the bucket keeps
   // this tag, so a key that names the tag goes on naming it (the tag's
   // other channels store the same values).
   const bool cached = is_leader() && peer < DFCCL_PEER_CACHE && load_own(&own->cache_key) == run.d->tag_key;

@@ -21,7 +21,7 @@
 // Receive areas (docs/architecture.md, "LL"): in the receiver's arena, one per
 // (sender, sender's tag bucket, parity of the instance).  The sender knows its
 // bucket; the receiver knows it from the sender's record address, cached per
-// tag in its record header (found by probing once).  Overwrite safety: a
+// tag in its bucket's owner words (found by probing once).  Overwrite safety: a
 // sender writes instance k into the parity-(k & 1) area only after every
 // receiver acknowledged the last instance it wrote there (the ack word
 // receivers post into the sender's arena after unpacking); for the same tag
@@ -137,14 +137,14 @@ DFCCL_DEV void ll_note_done(const BlockEnv &env, const TaskRun &run) {
 //
 // `after_own` (the leader's ll_follows_own): this block completed the tag's
 // previous instance, k - 1, in this bucket without failure.  Then, if the
-// header says k - 1 was the last push into the bucket, every receiver has
+// owner words say k - 1 was the last push into the bucket, every receiver has
 // acknowledged the instance that the parity-(k & 1) areas hold: a receiver
 // sends its part of k - 1 only after it consumed and acknowledged everything
 // this rank wrote before (its instances of the tag run in order), and this
 // rank completed k - 1 only with every receiver's part of it.  The
 // acknowledgements' loads, a round trip to every peer's arena whose acquire
 // also empties L1, are skipped.
-DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own, bool after_own = false) {
+DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_owner_bucket *own, bool after_own = false) {
   const uint64_t key = load_gpu(&own->ll_key);
   const uint64_t i0 = load_gpu(&own->ll_inst[0]), i1 = load_gpu(&own->ll_inst[1]);
   if (key == 0) return true;
@@ -172,7 +172,7 @@ DFCCL_DEV bool ll_credit_all(const TaskRun &run, const dfccl_record_header *own,
 // probing.  One local load when the bucket did not change tags.
 DFCCL_DEV int ll_handover(BlockEnv &env, TaskRun &run) {
   if (run.ep->ll_max_bytes == 0 || run.ep->nranks < 2) return WAIT_OK;
-  const dfccl_record_header *own = ptr<const dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  const dfccl_owner_bucket *own = owner_bucket(run.ep, run.d->bucket);
   uint64_t key = 0;
   // GPU scope: the block that runs the owning tag's LL channel writes these
   // words, any block reads.
@@ -256,10 +256,10 @@ DFCCL_DEV void ll_publish(const BlockEnv &env, TaskRun &run) {
 
 // ---- RECV ----------------------------------------------------------------------
 // The leader: the record of `peer` for this tag: cached in this context, else
-// in this rank's record header (where the tag met it last), else found by
+// in the bucket's owner words (where the tag met it last), else found by
 // probing (0: not there yet).  Caches what it finds in both places.
 DFCCL_DEV uint64_t ll_peer_record(TaskRun &run, uint32_t peer, uint32_t index, bool reprobe) {
-  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, run.ep->rank, run.d->bucket));
+  dfccl_owner_bucket *own = owner_bucket(run.ep, run.d->bucket);
   uint64_t rec = run.ctx->peer_rec[index];
   if (rec == 0 && load_own(&own->cache_key) == run.d->tag_key) rec = load_own(&own->peer_rec[peer]);
   if (rec == 0 || reprobe) {
@@ -455,7 +455,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
     }
     return RUN_FAILED;
   }
-  dfccl_record_header *own = ptr<dfccl_record_header>(record_at(run.ep, r, run.d->bucket));
+  dfccl_owner_bucket *own = owner_bucket(run.ep, run.d->bucket);
   const LLNames names = ll_names(run);
   for (;;) {
     switch (run.step) {

@@ -17,7 +17,8 @@ import socket
 import numpy as np
 
 from dfccl import runtime
-from dfccl._native.layout import ARENA_STATUS_BYTES, FIFO_OFFSET_MASK, RANK_LIVE, RECORD_BYTES, REG_SLOTS
+from dfccl._native.layout import (ARENA_STATUS_BYTES, FIFO_OFFSET_MASK, OWNER_BUCKET_BYTES, RANK_LIVE, RECORD_BYTES,
+                                  REG_SLOTS)
 from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.host_arena import HostArena
 from dfccl.net import NetLink, host_id
@@ -64,6 +65,9 @@ class Endpoint:
         self.staging = StagingPool(staging_base, options.staging_bytes, block_bytes=block_bytes, blocks=blocks)
         self.tags = TagTable(self.capacity, self.staging)
         self.id: int | None = None
+        # What only this rank's daemon reads and writes of its records, in
+        # device memory (zeroed): across hosts the arena is host memory.
+        self.owner_words = self.device.alloc_device(self.capacity * OWNER_BUCKET_BYTES, False)
         self._imported: list[int] = []
         self._imported_host: list[HostArena] = []
         # Peers' registered allocations as mapped here (registration.py);
@@ -193,7 +197,7 @@ class Endpoint:
             self.write_status(int(self._status[0]))
         tables = [a + ARENA_STATUS_BYTES for a in arenas]
         self.id = self.daemon.add_endpoint(self.rank, self.nranks, self.capacity, comm_key,
-                                           tables, arenas, self.reg_table, self.ll_offset, self.ll_max_bytes,
+                                           tables, arenas, self.owner_words, self.reg_table, self.ll_offset, self.ll_max_bytes,
                                            net_remote=self.net.remote_mask if self.net else 0,
                                            net_queues=self.net.queues if self.net else 0)
         self.arenas = arenas
@@ -341,6 +345,9 @@ class Endpoint:
             if free_memory and self.reg_table:
                 self.device.free_device(self.reg_table)
                 self.reg_table = 0
+            if self.owner_words:
+                self.device.free_device(self.owner_words)   # only this daemon touched them
+                self.owner_words = 0
 
         if self.id is not None:
             idx, self.id = self.id, None

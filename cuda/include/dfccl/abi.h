@@ -327,6 +327,8 @@ typedef struct dfccl_endpoint {
   uint64_t net_queues;      /* this rank's net queues (net.h), one per daemon block; 0 = no remote peer */
   uint64_t peer_table[DFCCL_MAX_RANKS]; /* each rank's tag table, as mapped here */
   uint64_t peer_arena[DFCCL_MAX_RANKS]; /* each rank's arena base, as mapped here */
+  uint64_t owner_words;     /* device, [table_capacity] dfccl_owner_bucket: what only this rank's
+                               daemon reads and writes of its records (zeroed at creation) */
 } dfccl_endpoint;
 
 /* Everything the daemon needs, passed by pointer at launch. */
@@ -387,15 +389,9 @@ typedef struct dfccl_rank_status {
  * owner waits on is written by a peer (flags live at the waiter). */
 typedef struct dfccl_record_header {
   uint64_t key;           /* tag key; 0 = never used */
-  /* owner's daemon only: where the peers' records of this tag were last met
-     (as mapped here), valid while cache_key is the record's key */
-  uint64_t cache_key;
-  uint64_t peer_rec[DFCCL_PEER_CACHE];
-  /* owner's daemon only, LL sender side, per bucket (across the tags that
-     hold it): the tag whose lines this bucket's areas hold last, and per
-     parity the last instance pushed there (0: none since that tag came) */
-  uint64_t ll_key;
-  uint64_t ll_inst[2];
+  /* unused: daemon images built before dfccl_owner_bucket kept its words
+     here (cache_key, peer_rec, ll_key, ll_inst), and the layout stays */
+  uint64_t owner_legacy[1 + DFCCL_PEER_CACHE + 3];
   uint64_t pad[3];
 } dfccl_record_header;
 
@@ -408,8 +404,7 @@ typedef struct dfccl_chan_state {
   uint64_t recv_addr;     /* direct path (staged: offset in the owner's arena) */
   uint64_t fifo;          /* ring path: this channel's FIFO as a fifo word (DFCCL_FIFO_*);
                              direct path: 1 if this rank's collective is in place */
-  uint64_t chain_token;   /* owner's daemon only: token of the latest instance of
-                             this tag pulled on this channel */
+  uint64_t chain_legacy_token; /* unused (dfccl_owner_bucket.chain now; the layout stays) */
   uint64_t slice_bytes;   /* ring path: the planned slice, must match the peers' */
   /* peer-written, owner waits on */
   uint64_t recv_posted;   /* ring: (instance << 32) | slices posted into our FIFO */
@@ -418,10 +413,35 @@ typedef struct dfccl_chan_state {
   uint64_t phase2;        /* direct: peers done with phase 2 (atomic add) */
   uint64_t abort_token;   /* token of an instance a neighbour aborted */
   uint64_t abort_info;    /* (status << 32) | reporting rank */
-  uint64_t chain_slot;    /* owner's daemon only: slot + 1 of that instance */
+  uint64_t chain_legacy_slot;  /* unused (dfccl_owner_bucket.chain now; the layout stays) */
   uint64_t instance;      /* owner-written with `ready`: the instance it names (a rank that
                              left after publishing an instance took part in it) */
 } dfccl_chan_state;  /* 128 bytes */
+
+/* What only the owner's daemon reads and writes of one of its records, in
+ * device memory (dfccl_endpoint.owner_words, one per bucket): where a rank's
+ * arena is host memory (peers on other hosts), each access there is a PCIe
+ * round trip, and these are on every instance's path. */
+typedef struct dfccl_owner_chain {
+  uint64_t token;         /* token of the latest instance of the tag pulled on this channel */
+  uint64_t slot;          /* slot + 1 of that instance */
+} dfccl_owner_chain;
+
+typedef struct dfccl_owner_bucket {
+  /* where the peers' records of this bucket's tag were last met (as mapped
+     here), valid while cache_key is the tag's key */
+  uint64_t cache_key;
+  uint64_t peer_rec[DFCCL_PEER_CACHE];
+  /* LL sender side, across the tags that hold the bucket: the tag whose
+     lines its areas hold last, and per parity the last instance pushed
+     there (0: none since that tag came) */
+  uint64_t ll_key;
+  uint64_t ll_inst[2];
+  uint64_t pad[4];
+  dfccl_owner_chain chain[DFCCL_MAX_CHANNELS];  /* per channel (submit.cuh, chain_behind_pending) */
+} dfccl_owner_bucket;
+
+#define DFCCL_OWNER_BUCKET_BYTES 640u
 
 #define DFCCL_RECORD_HEADER_BYTES 128u
 /* One tag record: its header and a channel state per possible channel.  A
@@ -474,7 +494,8 @@ static_assert(sizeof(dfccl_step_profile) == 64, "dfccl_step_profile layout");
 static_assert(sizeof(dfccl_chan_state) == DFCCL_CHAN_STATE_BYTES, "dfccl_chan_state layout");
 static_assert(sizeof(dfccl_rank_status) == 64, "dfccl_rank_status layout");
 static_assert(sizeof(dfccl_record_header) == DFCCL_RECORD_HEADER_BYTES, "record header");
-static_assert(sizeof(dfccl_endpoint) == 64 + 2 * 8 * DFCCL_MAX_RANKS, "dfccl_endpoint layout");
+static_assert(sizeof(dfccl_owner_bucket) == DFCCL_OWNER_BUCKET_BYTES, "dfccl_owner_bucket layout");
+static_assert(sizeof(dfccl_endpoint) == 64 + 2 * 8 * DFCCL_MAX_RANKS + 8, "dfccl_endpoint layout");
 #endif
 #endif
 

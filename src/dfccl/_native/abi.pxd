@@ -24,6 +24,7 @@ cdef extern from "dfccl/abi.h":
     unsigned int DFCCL_DAEMON_EPOCH_SHIFT, DFCCL_DAEMON_STATE_MASK
     unsigned int DFCCL_RECORD_HEADER_BYTES
     unsigned int DFCCL_RECORD_BYTES
+    unsigned int DFCCL_OWNER_BUCKET_BYTES
     unsigned int DFCCL_LINK_AHEAD_MAX
     int DFCCL_INT8, DFCCL_UINT8, DFCCL_INT32, DFCCL_UINT32, DFCCL_INT64, DFCCL_UINT64
     int DFCCL_FLOAT16, DFCCL_FLOAT32, DFCCL_FLOAT64, DFCCL_BFLOAT16
@@ -147,6 +148,7 @@ cdef extern from "dfccl/abi.h":
         uint64_t net_queues
         uint64_t peer_table[64]
         uint64_t peer_arena[64]
+        uint64_t owner_words
 
     ctypedef struct dfccl_daemon_args:
         dfccl_control *control

@@ -33,14 +33,16 @@ cdef class DaemonEndpoints(DaemonBase):
 
     # -- endpoints -----------------------------------------------------------
     def add_endpoint(self, int rank, int nranks, int table_capacity, uint64_t comm_key,
-                     peer_tables, peer_arenas, uint64_t reg_table=0, uint64_t ll_offset=0,
+                     peer_tables, peer_arenas, uint64_t owner_words, uint64_t reg_table=0, uint64_t ll_offset=0,
                      uint32_t ll_max_bytes=0, uint64_t net_remote=0, uint64_t net_queues=0):
         """Registers one rank of a communicator with the daemon; returns its id.
-        ``reg_table``: the peers' registered allocations as mapped here
-        (registration.py); ``ll_offset`` / ``ll_max_bytes``: the LL region of
-        every rank's arena (endpoint.py, ll_region_bytes); ``net_remote`` /
-        ``net_queues``: the ranks on other hosts (a bit each) and this rank's
-        net queues (dfccl.net)."""
+        ``owner_words``: zeroed device memory for ``table_capacity``
+        dfccl_owner_bucket (what only this daemon touches of the rank's
+        records); ``reg_table``: the peers' registered allocations as mapped
+        here (registration.py); ``ll_offset`` / ``ll_max_bytes``: the LL
+        region of every rank's arena (endpoint.py, ll_region_bytes);
+        ``net_remote`` / ``net_queues``: the ranks on other hosts (a bit each)
+        and this rank's net queues (dfccl.net)."""
         cdef dfccl_endpoint ep
         if not self.free_endpoints:
             self.reclaim_endpoints()
@@ -53,6 +55,8 @@ cdef class DaemonEndpoints(DaemonBase):
             raise ResourceError(f"too many communicators on {where} (max_endpoints={self.max_endpoints})")
         if nranks > DFCCL_MAX_RANKS:
             raise ResourceError(f"communicators are limited to {DFCCL_MAX_RANKS} ranks")
+        if owner_words == 0:
+            raise InvalidArgumentError("an endpoint needs its owner words (device memory)")
         idx = self.free_endpoints.pop()
         memset(&ep, 0, sizeof(dfccl_endpoint))
         ep.rank = rank
@@ -65,6 +69,7 @@ cdef class DaemonEndpoints(DaemonBase):
         ep.ll_max_bytes = ll_max_bytes
         ep.net_remote = net_remote
         ep.net_queues = net_queues
+        ep.owner_words = owner_words
         for i in range(nranks):
             ep.peer_table[i] = peer_tables[i]
             ep.peer_arena[i] = peer_arenas[i]
@@ -127,6 +132,7 @@ cdef class DaemonEndpoints(DaemonBase):
             memset(&ep, 0, sizeof(dfccl_endpoint))
             self.device.copy_to_device(self.endpoints_dev + <uint64_t>idx * sizeof(dfccl_endpoint),
                                        <uint64_t><uintptr_t>&ep, sizeof(dfccl_endpoint))
+
         self.free_endpoints.append(idx)
         if on_released is not None:
             on_released()
