@@ -21,6 +21,7 @@ import dfccl
 from dfccl.scenarios import SENTINEL
 
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
+           "takes_ll", "ll_divergent",
            "storage", "payload", "same_bytes", "send_recv_every_pair", "start_all_to_all", "all_to_all_checked",
            "exchange", "split_children", "run_ranks", "check_remote_loss"]
 
@@ -37,7 +38,7 @@ class RankContext:
     rank: int
     nranks: int
     backend: str
-    one_host_uid: str     # a second communicator's id, all ranks on one host id
+    one_host_uids: tuple  # two more communicators' ids, all ranks on one host id (sweep's references)
     options: dict
 
 
@@ -70,27 +71,40 @@ def sweep_specs(nranks: int = 3, large_bytes: int = 3 << 20):
     return out
 
 
+def takes_ll(comm, spec) -> bool:
+    """Whether ``spec`` takes LL on ``comm`` (planning.plan_geometry's rule:
+    the three symmetric kinds, a per-rank piece up to ll_max_bytes)."""
+    piece = spec.count * np.dtype(spec.dtype).itemsize
+    return spec.kind in ("all_reduce", "all_gather", "reduce_scatter") and piece <= comm.ll_max_bytes
+
+
 def sweep(comm, ctx: RankContext) -> dict:
     """The sweep, each collective compared bit for bit with the same one on
-    one host (the ring path, no network)."""
+    one host, no network: the ring path, or LL where the spanning
+    communicator takes LL (LL reduces in rank order, the ring in ring
+    order)."""
     from dfccl.bench import arrays
     from dfccl_support import scenarios as sc
 
-    local = net_comm(ctx.one_host_uid, ctx.rank, ctx.nranks, "one-host", ctx.backend, path="ring", **ctx.options)
-    checked = 0
+    ring = net_comm(ctx.one_host_uids[0], ctx.rank, ctx.nranks, "one-host", ctx.backend, path="ring", **ctx.options)
+    ll = net_comm(ctx.one_host_uids[1], ctx.rank, ctx.nranks, "one-host", ctx.backend, **ctx.options)
+    checked, took_ll = 0, 0
     try:
         for i, (spec, in_place) in enumerate(sweep_specs(ctx.nranks)):
             net = sc.RankInstance(spec, comm, 7000 + i, in_place=in_place)
             net.submit().synchronize(timeout=TIMEOUT)
             net.verify()
+            local = ll if takes_ll(comm, spec) else ring
+            took_ll += local is ll
             ref = sc.RankInstance(spec, local, 7000 + i, in_place=in_place)
             ref.submit().synchronize(timeout=TIMEOUT)
             got, want = arrays.to_numpy(net.recv), arrays.to_numpy(ref.recv)
             assert got.tobytes() == want.tobytes(), f"{spec.tag}: not bit-identical to one host"
             checked += 1
     finally:
-        local.close()
-    return {"checked": checked}
+        ring.close()
+        ll.close()
+    return {"checked": checked, "ll": took_ll}
 
 
 def divergent(comm, ctx: RankContext) -> dict:
@@ -111,6 +125,31 @@ def divergent(comm, ctx: RankContext) -> dict:
     for i in insts + queue:
         i.verify()
     return {"checked": len(insts) + len(queue), "preemptions": sum(w.stats["preemptions"] for w in works)}
+
+
+def ll_divergent(comm, ctx: RankContext) -> dict:
+    """LL across hosts: small all-reduces, all-gathers and reduce-scatters
+    interleaved with ring broadcasts, in opposite orders on even and odd
+    ranks, then a queue of 50 on one LL tag (the parities and their credit
+    across hosts) and one ring collective behind it."""
+    from dfccl_support import scenarios as sc
+
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    specs = [sc.Spec(("ll", i), kinds[i % 4], 1 + i if kinds[i % 4] != "broadcast" else 3000 + i, "float32",
+                     ("sum", "max", "min", "prod")[i % 4] if kinds[i % 4] != "all_gather" else "sum", root=i % ctx.nranks)
+             for i in range(12)]
+    insts = [sc.RankInstance(s, comm, 300 + i) for i, s in enumerate(specs)]
+    order = insts if ctx.rank % 2 == 0 else insts[::-1]
+    works = [i.submit() for i in order]
+    queue = [sc.RankInstance(sc.Spec("llq", "all_reduce", 7, "int32"), comm, 600 + i) for i in range(50)]
+    queue.append(sc.RankInstance(sc.Spec("after", "all_reduce", 5000, "float64"), comm, 700))
+    works += [i.submit() for i in queue]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    for i in insts + queue:
+        i.verify()
+    ll = sum(takes_ll(comm, i.spec) for i in insts + queue)
+    return {"checked": len(insts) + len(queue), "ll": ll}
 
 
 def storage(dtype: str) -> np.dtype:
@@ -240,10 +279,10 @@ def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int) -> Non
 def run_ranks(scenario, nranks: int, per_host: int = 1, backend: str = "sim", **options) -> dict:
     """Runs ``scenario`` on ``nranks`` processes, ``per_host`` ranks per
     host id (consecutive ranks share one); every rank's result by rank."""
-    uid, one_host = dfccl.UniqueId.create(), dfccl.UniqueId.create()
+    uid, one_host = dfccl.UniqueId.create(), (str(dfccl.UniqueId.create()), str(dfccl.UniqueId.create()))
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=_worker, args=(str(uid), RankContext(r, nranks, backend, str(one_host), options),
+    procs = [mp_context.Process(target=_worker, args=(str(uid), RankContext(r, nranks, backend, one_host, options),
                                                       scenario, results, per_host))
              for r in range(nranks)]
     for p in procs:
@@ -283,6 +322,11 @@ def _loss_worker(uid: str, rank: int, nranks: int, victim: int, backend: str, pe
         try:
             if op == "recv":
                 work = comm.recv(x, victim, tag="work")
+            elif op == "ll_all_reduce":
+                # Small enough for LL: the survivors poll their areas.
+                assert comm.ll_max_bytes >= 32, comm.ll_max_bytes
+                small = arrays.from_numpy(backend, comm.device, np.ones(8, np.float32))
+                work = comm.all_reduce(small, tag="work")
             elif op == "all_to_all":
                 send = arrays.from_numpy(backend, comm.device, np.ones(nranks << 16, np.float32))
                 recv = arrays.empty(backend, comm.device, nranks << 16, np.float32, fill=0)

@@ -89,6 +89,15 @@ DFCCL_DEV void net_share(const BlockEnv &env, TaskRun &run, uint32_t rank, uint6
   net_post(env, run, DFCCL_NET_SHARE, rank, data - base, len, DFCCL_NET_NO_WORD, 0);
 }
 
+// Leader, with room checked: has the proxy carry the `len` bytes of LL
+// lines at `data` of remote `rank`'s mirror to the same place of its arena
+// (NET_LINES: no word, the lines' flags say they are there).  Ordered after
+// the lines by the caller's release_fence() like any entry.
+DFCCL_DEV void net_lines(const BlockEnv &env, TaskRun &run, uint32_t rank, uint64_t data, uint64_t len) {
+  const uint64_t base = run.ep->peer_arena[rank];
+  net_post(env, run, DFCCL_NET_LINES, rank, data - base, len, DFCCL_NET_NO_WORD, 0);
+}
+
 // Remote peers of this rank (0 without any).
 DFCCL_DEV uint32_t net_peers(const dfccl_endpoint *ep) {
   uint32_t n = 0;

@@ -31,6 +31,14 @@
 // tag's last instance.  Flags carry (tag, instance): lines from another tag or
 // instance are never accepted.
 //
+// Peers on other hosts (docs/multi-node.md, "LL across hosts"): a remote
+// receiver's area is in this rank's mirror of its arena; the lines are
+// stored there and the proxy carries them (NET_LINES), the acknowledgement
+// and the record likewise.  The queue's room is part of the credit wait
+// (the lines) and a wait of its own as RECV starts (the record and the
+// acknowledgements); nothing else changes: flags, parities and credit are
+// the same, so the sender still never waits for a receiver.
+//
 // Preemption: the credit wait and the polls are the only waits; the context
 // keeps the step and which peers were polled (pos[1]).  A resumed run
 // re-checks the lines of the peer it was polling; verified peers' lines stay
@@ -225,7 +233,7 @@ DFCCL_DEV bool ll_poison_valid(uint64_t data) {
   return (x & 0xffffffffull) < DFCCL_MAX_RANKS && (x >> 32) != 0 && (x >> 32) < 16;
 }
 
-DFCCL_DEV void ll_poison(const TaskRun &run, const LLNames &names, uint32_t status, uint32_t origin) {
+DFCCL_DEV void ll_poison(const BlockEnv &env, TaskRun &run, const LLNames &names, uint32_t status, uint32_t origin) {
   const dfccl_endpoint *ep = run.ep;
   const uint32_t flag = names.flag;
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
@@ -233,6 +241,17 @@ DFCCL_DEV void ll_poison(const TaskRun &run, const LLNames &names, uint32_t stat
     // Either line alone says "aborted" (they land in no fixed order).
     ll_store(area, run.token ^ kLLAbortMark, flag);
     ll_store(area + 16, ll_poison_word(status, origin), flag);
+  }
+  if (!net_endpoint(ep)) return;
+  // Remote peers: the proxy carries the two lines, where the queue has
+  // room (else the abort mark in this rank's record reaches them).
+  control_sync();
+  release_fence();
+  if (is_leader() && net_room(env, run, net_peers(ep))) {
+    for (uint32_t i = 0; i + 1 < ep->nranks; ++i) {
+      const uint32_t p = peer_at(ep->rank, ep->nranks, i);
+      if (net_peer(ep, p)) net_lines(env, run, p, ll_area(ep, p, ep->rank, run.d->bucket, run.d->instance), 32);
+    }
   }
 }
 
@@ -250,6 +269,7 @@ DFCCL_DEV void ll_publish(const BlockEnv &env, TaskRun &run) {
   if (run.pos[2] != 0) return;
   uint64_t t = step_start();
   publish_instance(run, 0, run.d->send_addr, run.d->recv_addr);
+  if (is_leader()) net_push_record(env, run);  // room: RECV's wait
   step_mark(env, &dfccl_step_profile::ll_publish_ns, t);
   run.pos[2] = 1;
 }
@@ -437,7 +457,9 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
     const uint64_t ack = ll_ack_word(d->tag_key, d->instance);
     for (uint32_t i = 0; i + 1 < n; ++i) {
       const uint32_t p = peer_at(r, n, i);
-      store_relaxed(ll_ack(ep, p, bucket_of(ep, p, run.ctx->peer_rec[i]), r), ack);
+      // A remote sender's ack word is in its mirror here: the proxy carries
+      // it (room: RECV's wait).
+      net_store(env, run, p, ll_ack(ep, p, bucket_of(ep, p, run.ctx->peer_rec[i]), r), ack);
     }
   }
 }
@@ -464,7 +486,10 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         // still taking an old tag's lines from this bucket look up.
         uint64_t t = step_start();
         const bool after_own = is_leader() && ll_follows_own(env, run);
-        int w = block_wait(env, run, kAnyPeer, [&]() -> int { return ll_credit_all(run, own, after_own) ? 1 : 0; });
+        const uint32_t remote = net_peers(run.ep);
+        int w = block_wait(env, run, kAnyPeer, [&]() -> int {
+          return ll_credit_all(run, own, after_own) && net_room(env, run, remote) ? 1 : 0;
+        });
         step_mark(env, &dfccl_step_profile::ll_credit_ns, t);
         if (w != WAIT_OK) return stop_run(w);
         // The lines: what the peers wait for.  The record is published
@@ -472,6 +497,17 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         for (uint32_t i = 0; i + 1 < n; ++i) ll_push(run, peer_at(r, n, i), names);
         // What the areas of this bucket now hold, for the next push's credit.
         control_sync();
+        if (remote != 0) {
+          // Remote receivers' areas are mirrors here: the proxy carries them.
+          release_fence();
+          if (is_leader()) {
+            for (uint32_t i = 0; i + 1 < n; ++i) {
+              const uint32_t p = peer_at(r, n, i);
+              if (net_peer(run.ep, p))
+                net_lines(env, run, p, ll_area(run.ep, p, r, run.d->bucket, run.d->instance), 16 * names.lines);
+            }
+          }
+        }
         if (is_leader()) {
           if (load_own(&own->ll_key) != run.d->tag_key) {
             own->ll_inst[0] = 0;
@@ -489,6 +525,11 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
       }
       case L_RECV: {
         uint64_t t = step_start();
+        // Room for what the rest of the instance posts: this rank's record
+        // (ll_publish) and an acknowledgement to every remote peer.  FINISH
+        // follows RECV in the same run, and only this block's leader posts.
+        int room = net_wait_room(env, run, 1 + net_peers(run.ep));
+        if (room != WAIT_OK) return stop_run(room);
         while (run.pos[1] + 1 < n) {
           const uint32_t i = (uint32_t)run.pos[1];
           int w = ll_wait_lines(env, run, peer_at(r, n, i), i, names);
@@ -503,7 +544,7 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
             } else if (run.status == DFCCL_STATUS_MISMATCH) {
               status = DFCCL_STATUS_MISMATCH;
             }
-            ll_poison(run, names, (uint32_t)from_leader(status), (uint32_t)from_leader(origin));
+            ll_poison(env, run, names, (uint32_t)from_leader(status), (uint32_t)from_leader(origin));
           }
           if (w != WAIT_OK) return stop_run(w);
           run.pos[1] += 1;

@@ -234,12 +234,17 @@ class Communicator:
                                        "host with peer access between the devices); use 'auto' or 'ring'")
         if self._options.path == "ring":
             mode = "ring"
-        if self._options.protocol == "ll" and not (ll_capable(self._size, mode != "ring")
-                                                   and self._options.ll_max_bytes):
-            raise InvalidArgumentError(f"protocol='ll' needs 2..8 ranks whose arenas all map each other (path "
-                                       f"{mode!r}, {self._size} ranks) and ll_max_bytes > 0; use 'auto' or 'simple'")
+        # LL writes into every peer's arena: mapped, or across hosts a mirror
+        # that the proxy carries (every rank of such a communicator has a
+        # remote peer, so all plan alike).
+        ll_reach = mode != "ring" or self._endpoint.net is not None
+        if self._options.protocol == "ll" and not (ll_capable(self._size, ll_reach) and self._options.ll_max_bytes):
+            raise InvalidArgumentError(f"protocol='ll' needs 2..8 ranks whose arenas all map each other or span "
+                                       f"hosts (path {mode!r}, {self._size} ranks) and ll_max_bytes > 0; use "
+                                       f"'auto' or 'simple'")
         self._mode = mode
         self._direct = mode != "ring"
+        self._ll_reach = ll_reach
         self._staged = mode == "staged"
         self._registry = (Registry(self._endpoint, self._rank, self._size, self._unique_id)
                           if self._staged and self._unique_id is not None else None)
@@ -248,7 +253,7 @@ class Communicator:
             rank=self._rank, world_size=self._size, comm_key=self._comm_key, backend=self._backend,
             device=self._device, daemon=self._daemon, endpoint=self._endpoint, flight=self._flight, state=self._state,
             channels=self._channels, block_offset=self._block_offset, options=self._options, mode=mode,
-            registry=self._registry)
+            registry=self._registry, ll_reach=ll_reach)
         # Failures are explained from the peers' records; peers in other
         # processes are watched (liveness.py).
         self._diag = EndpointDiagnostics(self._endpoint, self._endpoint.arenas)
@@ -293,7 +298,7 @@ class Communicator:
     @property
     def ll_max_bytes(self) -> int:
         """Largest per-rank piece that takes the LL protocol (0: none)."""
-        if not ll_capable(self._size, self._direct) or self._options.protocol == "simple":
+        if not ll_capable(self._size, self._ll_reach) or self._options.protocol == "simple":
             return 0
         return self._options.ll_max_bytes or 0
 

@@ -17,6 +17,9 @@ above                                  ring (staged communicators); direct
                                        (in-process communicators)
 =====================================  ===========================================
 
+Across hosts (the ring) LL still takes the pieces up to ll_max_bytes: the
+network proxy carries the lines (docs/multi-node.md, "LL across hosts").
+
 Channels: one per ``bytes_per_channel`` bytes moved, at most the
 communicator's; LL always one."""
 
@@ -114,10 +117,11 @@ def ring_slice_cap(nchannels: int, options) -> int:
     return max(256, min(options.max_slice_bytes, per_tag // (nchannels * options.ring_slots)) // 16 * 16)
 
 
-def ll_capable(nranks: int, direct: bool) -> bool:
-    """Whether a communicator can use LL at all: every peer's arena mapped
-    (direct or staged) and 2..LL_MAX_RANKS ranks."""
-    return direct and 2 <= nranks <= LL_MAX_RANKS
+def ll_capable(nranks: int, reach: bool) -> bool:
+    """Whether a communicator can use LL at all: ``reach``, every peer's
+    arena written to (mapped, direct or staged; or a mirror carried by the
+    network proxy, across hosts), and 2..LL_MAX_RANKS ranks."""
+    return reach and 2 <= nranks <= LL_MAX_RANKS
 
 
 def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
@@ -140,10 +144,11 @@ def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
 
 
 def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
-                  options, *, staged: bool = False) -> Geometry:
+                  options, *, staged: bool = False, ll_reach: bool | None = None) -> Geometry:
     """``direct``: every peer is reachable for the direct path; ``staged``:
     through copies in the arenas (peers in other processes), up to
-    ``options.staged_max_bytes``."""
+    ``options.staged_max_bytes``; ``ll_reach``: every peer's LL areas are
+    (``direct`` when None; across hosts also, through the proxy)."""
     esize = dtype.itemsize
     # Bytes one rank moves through its channels: the whole buffer, or for
     # all-gather / reduce-scatter the n-times-larger side.
@@ -152,8 +157,8 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     if nranks == 1:
         return Geometry(PATH_DIRECT, nch)
     ll_max = options.ll_max_bytes or 0
-    if (options.protocol != "simple" and kind in LL_KINDS and ll_capable(nranks, direct)
-            and count * esize <= ll_max):
+    reach = direct if ll_reach is None else ll_reach
+    if options.protocol != "simple" and kind in LL_KINDS and ll_capable(nranks, reach) and count * esize <= ll_max:
         return Geometry(PATH_DIRECT, 1, flags=TASK_LL)
     if direct and (not staged or total <= options.staged_max_bytes):
         # Small enough for one phase; the daemon still runs two phases when any

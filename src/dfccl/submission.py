@@ -47,7 +47,8 @@ class Submitter:
 
     def __init__(self, *, rank: int, world_size: int, comm_key: int, backend: str, device: int, daemon,
                  endpoint: "Endpoint", flight: "FlightRecorder", state: "RankState", channels: int,
-                 block_offset: int, options: "CommOptions", mode: str, registry: "Registry | None"):
+                 block_offset: int, options: "CommOptions", mode: str, registry: "Registry | None",
+                 ll_reach: bool):
         """Submissions of one connected rank.
 
         Args:
@@ -64,6 +65,8 @@ class Submitter:
             block_offset: where this rank's share of the daemon's blocks starts.
             options: the communicator's resolved options.
             mode: the path collectives take: "direct", "staged" or "ring".
+            ll_reach: every peer's LL areas can be written (a direct or
+                staged path, or peers across hosts through the proxy).
             registry: the memory registered for the staged path, or None.
         """
         self.rank = rank
@@ -81,6 +84,7 @@ class Submitter:
         self._mode = mode
         self._direct = mode != "ring"
         self._staged = mode == "staged"
+        self._ll_reach = ll_reach
         self._registry = registry
         # Untagged collectives are the instances of one tag: the k-th untagged
         # call on every rank is instance k (NCCL's matching by position).
@@ -199,7 +203,7 @@ class Submitter:
         """The path and geometry of a collective of this shape on this
         communicator (planning.plan_geometry)."""
         return plan_geometry(kind, count, dtype, self.world_size, self._channels, self._direct, self._options,
-                             staged=self._staged)
+                             staged=self._staged, ll_reach=self._ll_reach)
 
     def task(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
              geometry: Geometry | None = None, key=None, owned: bool = True) -> TaskDescriptor:

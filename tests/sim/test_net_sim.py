@@ -22,9 +22,9 @@ import pytest
 
 import dfccl
 from dfccl.scenarios import DTYPES, SENTINEL
-from net_scenarios import (TIMEOUT, UCX_ENV, all_to_all_checked, check_remote_loss, divergent, exchange, needs_ucx,
-                           payload, run_ranks, same_bytes, send_recv_every_pair, split_children, start_all_to_all,
-                           storage, sweep, sweep_specs)
+from net_scenarios import (TIMEOUT, UCX_ENV, all_to_all_checked, check_remote_loss, divergent, exchange,
+                           ll_divergent, needs_ucx, payload, run_ranks, same_bytes, send_recv_every_pair,
+                           split_children, start_all_to_all, storage, sweep, sweep_specs)
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
 
@@ -183,12 +183,14 @@ def _inline_sizes(comm, ctx) -> dict:
 
 
 @needs_ucx
-def test_every_ring_collective_bit_identical_to_one_host():
+def test_every_collective_bit_identical_to_one_host():
     got = run_ranks(sweep, 3)
     for r, info in got.items():
         assert info["path"] == "ring"
         assert info["transports"] == tuple("self" if p == r else "ucx" for p in range(3))
         assert info["checked"] == len(sweep_specs())
+        assert info["ll"] > 0, "the smallest symmetric collectives take LL across hosts"
+
 
 
 @needs_ucx
@@ -237,6 +239,16 @@ def test_inline_bytes_setting(monkeypatch):
 def test_divergent_orders_complete(nranks):
     got = run_ranks(divergent, nranks)
     assert all(info["checked"] == 60 for info in got.values())
+
+
+@needs_ucx
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_ll_across_hosts_divergent_orders(nranks):
+    """LL's lines carried by the proxy: small symmetric collectives in
+    opposite orders with ring ones, and 50 back to back on one tag."""
+    got = run_ranks(ll_divergent, nranks)
+    assert all(info["checked"] == 63 for info in got.values()), got
+    assert all(info["ll"] == 59 for info in got.values()), got
 
 
 @needs_ucx
@@ -527,7 +539,8 @@ def test_transports_of_one_process(monkeypatch):
 
 @needs_ucx
 @pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "recv"),
-                                     ("sigkill", "all_to_all")])
+                                     ("sigkill", "all_to_all"), ("sigkill", "ll_all_reduce"),
+                                     ("sigstop", "ll_all_reduce")])
 def test_remote_peer_lost_within_peer_timeout(how, op):
     """A killed rank's connection drops (seen at once); a stopped one stops
     its heartbeat (seen within peer_timeout).  Survivors waiting in a

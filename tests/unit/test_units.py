@@ -12,7 +12,7 @@ import pytest
 
 from dfccl import tags as tags_mod
 from dfccl._native.layout import (KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST, KIND_REDUCE,
-                                  KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_ONE_SHOT, mix64)
+                                  KIND_REDUCE_SCATTER, PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT, mix64)
 from dfccl.buffers import Buffer, as_buffer
 from dfccl.errors import InvalidArgumentError, ResourceError
 from dfccl.options import CommOptions
@@ -408,6 +408,27 @@ def test_network_defaults_keep_what_the_user_set():
         user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024, min_slice_bytes=512)
         net = user.resolved_for_network(user.resolved(backend))
         assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes) == (4096, 1024, 512)
+
+
+def test_ll_across_hosts_takes_the_small_symmetric_collectives():
+    """A communicator that spans hosts runs the ring, yet its peers' LL areas
+    are reached through the proxy (ll_reach): the three symmetric kinds up
+    to ll_max_bytes take LL there, on one channel; the rest stays on the
+    ring, and protocol="simple" keeps everything on it."""
+    from dataclasses import replace
+
+    opts = replace(CommOptions().resolved_for_network(OPTS), ll_max_bytes=2048)
+    f32 = DataType.FLOAT32
+    for kind in (KIND_ALL_REDUCE, KIND_ALL_GATHER, KIND_REDUCE_SCATTER):
+        g = plan_geometry(kind, 512, f32, 4, 8, False, opts, ll_reach=True)
+        assert (g.path, g.nchannels, g.flags) == (PATH_DIRECT, 1, TASK_LL)
+        assert plan_geometry(kind, 513, f32, 4, 8, False, opts, ll_reach=True).path == PATH_RING, "over ll_max_bytes"
+        assert plan_geometry(kind, 512, f32, 4, 8, False, opts).path == PATH_RING, "no reach"
+        assert plan_geometry(kind, 512, f32, 9, 8, False, opts, ll_reach=True).path == PATH_RING, "over 8 ranks"
+        simple = replace(opts, protocol="simple")
+        assert plan_geometry(kind, 512, f32, 4, 8, False, simple, ll_reach=True).path == PATH_RING
+    for kind in (KIND_BROADCAST, KIND_REDUCE):
+        assert plan_geometry(kind, 512, f32, 4, 8, False, opts, ll_reach=True).path == PATH_RING
 
 
 def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():

@@ -12,6 +12,9 @@
  * (NET_RECORD) and its rank status go to every remote peer's mirror of it;
  * what peers read of its arena besides (an all-to-all's split table and
  * send copy, NET_SHARE) goes to the mirror of the one peer that reads it.
+ * LL lines (NET_LINES) carry their own flags instead of a word, so the
+ * peer's proxy lands them 8 bytes at a time: a line's halves {data, flag}
+ * are never seen torn.
  *
  * One queue per (rank, daemon block): one producer (the block's leader),
  * one consumer (the proxy), so head and tail are plain counters.
@@ -22,7 +25,8 @@
 #include "dfccl/abi.h"  /* the fixed-width types, NVRTC included */
 
 /* Entries per queue (a power of two).  A ring or p2p step posts at most two,
- * an all-to-all's publication 2 per remote peer and one (2 * 63 + 1). */
+ * an LL instance 2 per remote peer and one, an all-to-all's publication 2
+ * per remote peer and one (2 * 63 + 1). */
 #define DFCCL_NET_QUEUE_ENTRIES 256u
 
 /* Entry kinds. */
@@ -32,6 +36,8 @@
                                 `word_offset`): what the owner publishes there -> every remote peer's mirror */
 #define DFCCL_NET_SHARE 3u   /* `len` bytes at `offset` of this rank's own arena -> the same offset of `peer`'s
                                 mirror of it (what that peer reads there; no word) */
+#define DFCCL_NET_LINES 4u   /* `len` bytes of LL lines at `offset` of the peer's mirror -> its arena, landed
+                                8 bytes at a time (no word: each line's flags say it is there) */
 
 #define DFCCL_NET_NO_WORD 0xffffffffffffffffull
 

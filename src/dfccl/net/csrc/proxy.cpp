@@ -8,12 +8,15 @@
 // word never overtakes the slice posted before it): every message carries
 // the sender's sequence number in its tag, receives are posted for exact
 // sequence numbers, and a completed message is applied only after all
-// earlier ones were.  A message is a fixed-size header, then, for a put
-// or a share with bytes, the bytes: up to the inline limit inside the
+// earlier ones were.  A message is a fixed-size header, then its bytes
+// (a put's, a share's or LL lines): up to the inline limit inside the
 // header's own message (one message, not two; copied in when applied),
 // more as a second message under the same sequence number, received
 // straight into the arena (a put) or the mirror of the sender's arena (a
-// share).
+// share).  LL lines are never received into the arena: they are stored
+// there 8 bytes at a time when applied, so that a daemon polling them reads
+// each line's {data, flag} halves whole, which a copy of unknown
+// granularity into the arena would not promise.
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,7 +41,7 @@
 
 namespace {
 
-enum MsgKind : uint32_t { MSG_PUT = 1, MSG_RECORD = 2, MSG_STATUS = 3, MSG_SHARE = 4 };
+enum MsgKind : uint32_t { MSG_PUT = 1, MSG_RECORD = 2, MSG_STATUS = 3, MSG_SHARE = 4, MSG_LINES = 5 };
 
 constexpr uint32_t kChanWords = sizeof(dfccl_chan_state) / 8;
 constexpr uint32_t kStatusWords = 3;  // state, heartbeat, pid (dfccl_rank_status)
@@ -48,8 +51,8 @@ constexpr uint64_t kSeqMask = (1ull << 48) - 1;
 // Most bytes a message carries inside its header's message; the proxy's
 // limit (DFCCL_NET_INLINE_BYTES, default all of it) may be lower.  Over TCP
 // a second message costs the peer a receive posted once the header is in
-// and both proxies a pass; copying a few KiB costs less.  Covers small
-// ring slices.
+// and both proxies a pass; copying a few KiB costs less.  Covers LL lines
+// up to a 4 KiB piece and small ring slices.
 constexpr uint64_t kInlineCapacity = 8192;
 
 struct Msg {
@@ -77,7 +80,7 @@ struct TraceEvent {
   uint64_t t_ns;   // CLOCK_MONOTONIC
   uint64_t seq;    // the message's sequence number from its sender
   uint64_t word;   // a put's word (a ring's posted or credit count); a record's instance
-  uint64_t len;    // a put's or share's bytes
+  uint64_t len;    // a put's, share's or lines' bytes
   uint32_t what, kind, peer, pad;
 };
 
@@ -113,6 +116,7 @@ struct Proxy;
 struct Incoming {
   Wire wire;                    // received here; its bytes only when msg.inlined
   Msg &msg = wire.msg;
+  std::vector<uint64_t> lines;  // MSG_LINES not inlined: the lines until applied
   uint64_t header_len = 0;      // bytes the header's message had
   Op header, payload;
   bool payload_posted = false;
@@ -282,6 +286,15 @@ struct Proxy {
       out->msg.word = e.word;
       out->has_payload = e.len != 0;
       send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
+    } else if (e.kind == DFCCL_NET_LINES) {
+      if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
+      std::unique_ptr<Outgoing> out(new Outgoing());
+      out->msg.kind = MSG_LINES;
+      out->msg.offset = e.offset;
+      out->msg.len = e.len;
+      out->msg.word_offset = DFCCL_NET_NO_WORD;
+      out->has_payload = true;
+      send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
     } else if (e.kind == DFCCL_NET_SHARE) {
       if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
       std::unique_ptr<Outgoing> out(new Outgoing());
@@ -394,7 +407,18 @@ struct Proxy {
 
   void apply(uint32_t p, const Incoming &in) {
     const Msg &m = in.msg;
-    if (m.inlined && (m.kind == MSG_PUT || m.kind == MSG_SHARE))  // checked in post_payload
+    if (m.kind == MSG_LINES) {
+      // Any order: every 8-byte half carries its own flag.
+      uint8_t *at = arena + m.offset;  // bounds checked when the header came in (post_payload)
+      const uint8_t *from = m.inlined ? in.wire.bytes : reinterpret_cast<const uint8_t *>(in.lines.data());
+      for (uint64_t i = 0; i < m.len; i += 8) {
+        uint64_t half;
+        memcpy(&half, from + i, 8);
+        store_rlx(at + i, half);
+      }
+      return;
+    }
+    if (m.inlined && (m.kind == MSG_PUT || m.kind == MSG_SHARE))  // checked in post_payload, as the lines
       memcpy((m.kind == MSG_PUT ? arena : peers[p].mirror) + m.offset, in.wire.bytes, m.len);
     if (m.kind == MSG_PUT) {
       if (m.word_offset != DFCCL_NET_NO_WORD && m.word_offset + 8 <= arena_bytes) {
@@ -434,11 +458,13 @@ struct Proxy {
     if (in->payload_posted || !in->header.done.load(std::memory_order_acquire)) return;
     in->payload_posted = true;
     const Msg &m = in->msg;
-    if (in->header.status != UCS_OK || (m.kind != MSG_PUT && m.kind != MSG_SHARE) || m.len == 0) {
+    if (in->header.status != UCS_OK || (m.kind != MSG_PUT && m.kind != MSG_SHARE && m.kind != MSG_LINES) ||
+        m.len == 0) {
       in->payload.done.store(1);
       return;
     }
-    if (m.offset + m.len > arena_bytes || (m.inlined && in->header_len != sizeof(Msg) + m.len)) {
+    if (m.offset + m.len > arena_bytes || (m.kind == MSG_LINES && (m.len % 16 != 0 || m.offset % 16 != 0)) ||
+        (m.inlined && in->header_len != sizeof(Msg) + m.len)) {
       in->payload.status = UCS_ERR_INVALID_PARAM;
       in->payload.done.store(1);
       return;
@@ -451,6 +477,11 @@ struct Proxy {
       // Closing: its receives are being cancelled, and this one would not be.
       in->payload.status = UCS_ERR_CANCELED;
       in->payload.done.store(1);
+      return;
+    }
+    if (m.kind == MSG_LINES) {
+      in->lines.resize(m.len / 8);
+      post_recv(in->peer, in->lines.data(), m.len, make_tag(in->peer, in->seq, true), &in->payload);
       return;
     }
     uint8_t *into = m.kind == MSG_PUT ? arena : peers[in->peer].mirror;
@@ -468,7 +499,7 @@ struct Proxy {
       if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
         apply(p, *in);
         note(TRACE_APPLIED, p, in->seq, in->msg);
-        if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE)
+        if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE || in->msg.kind == MSG_LINES)
           bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
       } else {
         fail_peer(p, "receive", in->payload.status != UCS_OK ? in->payload.status : in->header.status);
@@ -610,8 +641,7 @@ void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t 
     // A UCX built without that transport has no such setting.
     if (st != UCS_OK && st != UCS_ERR_NO_ELEM) {
       ucp_config_release(config);
-      set_error(err, errlen,
-                std::string("ucp_config_modify(") + d.name + "=" + d.value + "): " + ucs_status_string(st));
+      set_error(err, errlen, std::string("ucp_config_modify(") + d.name + "=" + d.value + "): " + ucs_status_string(st));
       return nullptr;
     }
   }
@@ -738,12 +768,13 @@ const char *dfccl_net_trace_format(void) {
     snprintf(text, sizeof(text),
              "%zu;t_ns:%zu:8 seq:%zu:8 word:%zu:8 len:%zu:8 what:%zu:4 kind:%zu:4 peer:%zu:4;"
              "sent=%u applied=%u busy=%u worker_pass=%u send_call=%u put=%u record=%u status=%u share=%u "
-             "long_call_ns=%llu",
+             "lines=%u long_call_ns=%llu",
              sizeof(TraceEvent), offsetof(TraceEvent, t_ns), offsetof(TraceEvent, seq), offsetof(TraceEvent, word),
              offsetof(TraceEvent, len), offsetof(TraceEvent, what), offsetof(TraceEvent, kind),
-             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY,
-             (unsigned)CALL_WORKER_PASS, (unsigned)CALL_SEND, (unsigned)MSG_PUT, (unsigned)MSG_RECORD,
-             (unsigned)MSG_STATUS, (unsigned)MSG_SHARE, (unsigned long long)kLongCallNs);
+             offsetof(TraceEvent, peer), (unsigned)TRACE_SENT, (unsigned)TRACE_APPLIED, (unsigned)TRACE_BUSY, (unsigned)CALL_WORKER_PASS,
+             (unsigned)CALL_SEND, (unsigned)MSG_PUT,
+             (unsigned)MSG_RECORD, (unsigned)MSG_STATUS, (unsigned)MSG_SHARE, (unsigned)MSG_LINES,
+             (unsigned long long)kLongCallNs);
   }
   return text;
 }
