@@ -73,9 +73,11 @@ def sweep_specs(nranks: int = 3, large_bytes: int = 3 << 20):
 
 def takes_ll(comm, spec) -> bool:
     """Whether ``spec`` takes LL on ``comm`` (planning.plan_geometry's rule:
-    the three symmetric kinds, a per-rank piece up to ll_max_bytes)."""
-    piece = spec.count * np.dtype(spec.dtype).itemsize
-    return spec.kind in ("all_reduce", "all_gather", "reduce_scatter") and piece <= comm.ll_max_bytes
+    the three symmetric kinds, and across hosts broadcast, a per-rank piece
+    up to ll_max_bytes)."""
+    piece = spec.count * np.dtype(storage(spec.dtype)).itemsize
+    kinds = ("all_reduce", "all_gather", "reduce_scatter") + (("broadcast",) if comm.path == "ring" else ())
+    return spec.kind in kinds and piece <= comm.ll_max_bytes
 
 
 def sweep(comm, ctx: RankContext) -> dict:
@@ -128,15 +130,16 @@ def divergent(comm, ctx: RankContext) -> dict:
 
 
 def ll_divergent(comm, ctx: RankContext) -> dict:
-    """LL across hosts: small all-reduces, all-gathers and reduce-scatters
-    interleaved with ring broadcasts, in opposite orders on even and odd
-    ranks, then a queue of 50 on one LL tag (the parities and their credit
-    across hosts) and one ring collective behind it."""
+    """LL across hosts: small all-reduces, all-gathers, reduce-scatters and
+    broadcasts (LL's rooted form) interleaved with a ring broadcast, in
+    opposite orders on even and odd ranks, then a queue of 50 on one LL tag
+    (the parities and their credit across hosts) and one ring collective
+    behind it."""
     from dfccl_support import scenarios as sc
 
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-    specs = [sc.Spec(("ll", i), kinds[i % 4], 1 + i if kinds[i % 4] != "broadcast" else 3000 + i, "float32",
-                     ("sum", "max", "min", "prod")[i % 4] if kinds[i % 4] != "all_gather" else "sum", root=i % ctx.nranks)
+    specs = [sc.Spec(("ll", i), kinds[i % 4], 3000 + i if i == 7 else 1 + i, "float32",
+                     ("sum", "max", "min", "prod")[i % 4] if i % 4 in (0, 2) else "sum", root=i % ctx.nranks)
              for i in range(12)]
     insts = [sc.RankInstance(s, comm, 300 + i) for i, s in enumerate(specs)]
     order = insts if ctx.rank % 2 == 0 else insts[::-1]

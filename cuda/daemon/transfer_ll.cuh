@@ -1,9 +1,12 @@
 // The eager low-latency (LL) protocol for small symmetric collectives
-// (all-reduce, all-gather, reduce-scatter; one channel).  Every rank stores its
-// contribution straight into every peer's receive area, in 16-byte lines of
-// {data 4 B, flag 4 B, data 4 B, flag 4 B} whose flags name the instance, and
-// never waits for the receiver; the only wait on data is a poll of its own
-// memory until every peer's lines for this instance are there:
+// (all-reduce, all-gather, reduce-scatter; one channel), and across hosts
+// for small broadcasts.  Every rank stores its contribution straight into
+// every peer's receive area, in 16-byte lines of {data 4 B, flag 4 B, data
+// 4 B, flag 4 B} whose flags name the instance, and never waits for the
+// receiver; the only wait on data is a poll of its own memory until every
+// peer's lines for this instance are there.  A broadcast is the rooted
+// case: only the root pushes (to every peer), only the others receive
+// (from the root alone):
 //
 //   PUSH     credit from every peer (local words), then store the lines
 //            into every peer's area, in one go
@@ -92,8 +95,22 @@ DFCCL_DEV uint64_t *ll_ack(const dfccl_endpoint *ep, uint32_t sender, uint32_t b
                        ((uint64_t)bucket * ep->nranks + receiver) * 8ull);
 }
 
-// Bytes each rank sends every peer (equal for the three kinds: `count` is the
-// per-rank piece) and where they start in the sender's input.
+// Who pushes and whose lines a rank takes.  A broadcast's root pushes to
+// every peer and takes nothing; every other rank pushes nothing and takes
+// the root's lines; the symmetric kinds push to and take from every peer.
+DFCCL_DEV bool ll_rooted(const TaskRun &run) { return run.d->kind == DFCCL_BROADCAST; }
+DFCCL_DEV bool ll_pushes(const TaskRun &run) { return !ll_rooted(run) || run.ep->rank == run.d->root; }
+DFCCL_DEV uint32_t ll_sources(const TaskRun &run) {
+  return !ll_rooted(run) ? run.ep->nranks - 1 : run.ep->rank == run.d->root ? 0u : 1u;
+}
+// The peer index (peer_at order) of this rank's i-th source.
+DFCCL_DEV uint32_t ll_source_index(const TaskRun &run, uint32_t i) {
+  return !ll_rooted(run) ? i : peer_index(run.ep->rank, run.ep->nranks, run.d->root);
+}
+
+// Bytes each rank sends every peer (equal for the symmetric kinds: `count` is
+// the per-rank piece; a broadcast's whole buffer) and where they start in
+// the sender's input.
 DFCCL_DEV uint64_t ll_bytes(const TaskRun &run) { return run.d->count * dtype_size(run.d->dtype); }
 DFCCL_DEV uint64_t ll_source(const TaskRun &run, uint32_t receiver) {
   return run.d->send_addr + (run.d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)receiver * ll_bytes(run) : 0);
@@ -234,6 +251,7 @@ DFCCL_DEV bool ll_poison_valid(uint64_t data) {
 }
 
 DFCCL_DEV void ll_poison(const BlockEnv &env, TaskRun &run, const LLNames &names, uint32_t status, uint32_t origin) {
+  if (!ll_pushes(run)) return;  // a broadcast's receiver wrote no peer's area
   const dfccl_endpoint *ep = run.ep;
   const uint32_t flag = names.flag;
   for (uint32_t i = lane_index(); i + 1 < ep->nranks; i += lane_count()) {
@@ -427,16 +445,26 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
   const uint64_t bytes = ll_bytes(run);
   if (is_leader()) {
     BlockShared *sm = env.sm;
-    for (uint32_t p = 0; p < n; ++p)
-      sm->srcs[p] = p != r ? ll_payload(run, p)
-                           : d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0);
-    sm->dsts[0] = d->recv_addr;
     MoveDesc &m = sm->move;
-    m.kind = d->kind == DFCCL_ALL_GATHER ? MOVE_LL_GATHER : MOVE_LL_REDUCE;
+    if (ll_rooted(run)) {
+      // A broadcast: the root's lines into the output, or at the root its
+      // input (nothing where in place): one piece, a gather of one.
+      const bool root = r == d->root;
+      sm->srcs[0] = root ? d->send_addr : ll_payload(run, d->root);
+      m.kind = MOVE_LL_GATHER;
+      m.nsrcs = 1;
+      m.own = root ? 0 : 1;
+    } else {
+      for (uint32_t p = 0; p < n; ++p)
+        sm->srcs[p] = p != r ? ll_payload(run, p)
+                             : d->send_addr + (d->kind == DFCCL_REDUCE_SCATTER ? (uint64_t)r * bytes : 0);
+      m.kind = d->kind == DFCCL_ALL_GATHER ? MOVE_LL_GATHER : MOVE_LL_REDUCE;
+      m.nsrcs = n;
+      m.own = r;
+    }
+    sm->dsts[0] = d->recv_addr;
     m.nelem = bytes;
-    m.nsrcs = n;
     m.ndsts = 1;
-    m.own = r;
     m.postdiv = d->op == DFCCL_AVG ? n : 1;
     m.dtype = d->dtype;
     m.op = d->op;
@@ -455,8 +483,8 @@ DFCCL_DEV void ll_finish(BlockEnv &env, TaskRun &run) {
   // waits for them unless it reuses the area).
   if (is_leader()) {
     const uint64_t ack = ll_ack_word(d->tag_key, d->instance);
-    for (uint32_t i = 0; i + 1 < n; ++i) {
-      const uint32_t p = peer_at(r, n, i);
+    for (uint32_t j = 0; j < ll_sources(run); ++j) {
+      const uint32_t i = ll_source_index(run, j), p = peer_at(r, n, i);
       // A remote sender's ack word is in its mirror here: the proxy carries
       // it (room: RECV's wait).
       net_store(env, run, p, ll_ack(ep, p, bucket_of(ep, p, run.ctx->peer_rec[i]), r), ack);
@@ -470,7 +498,8 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
   // write past the areas.
   const uint32_t kind = run.d->kind;
   if (run.d->nchannels != 1 || ll_bytes(run) > run.ep->ll_max_bytes || n > DFCCL_PEER_CACHE ||
-      (kind != DFCCL_ALL_REDUCE && kind != DFCCL_ALL_GATHER && kind != DFCCL_REDUCE_SCATTER)) {
+      (kind != DFCCL_ALL_REDUCE && kind != DFCCL_ALL_GATHER && kind != DFCCL_REDUCE_SCATTER &&
+       kind != DFCCL_BROADCAST)) {
     if (is_leader()) {
       run.status = DFCCL_STATUS_BAD_TASK;
       run.detail = -1;
@@ -485,6 +514,15 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         // Credits first: publishing rewrites the record's key, which peers
         // still taking an old tag's lines from this bucket look up.
         uint64_t t = step_start();
+        const bool pushes = ll_pushes(run);
+        if (!pushes) {  // a broadcast's receiver
+          run.pos[1] = 0;
+          run.pos[2] = 0;
+          run.step = L_RECV;
+          break;
+        }
+        // A broadcast's root completed its last instance without any
+        // receiver's part, so its credit is always read (ll_note_done).
         const bool after_own = is_leader() && ll_follows_own(env, run);
         const uint32_t remote = net_peers(run.ep);
         int w = block_wait(env, run, kAnyPeer, [&]() -> int {
@@ -530,8 +568,9 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         // follows RECV in the same run, and only this block's leader posts.
         int room = net_wait_room(env, run, 1 + net_peers(run.ep));
         if (room != WAIT_OK) return stop_run(room);
-        while (run.pos[1] + 1 < n) {
-          const uint32_t i = (uint32_t)run.pos[1];
+        const uint32_t sources = ll_sources(run);
+        while (run.pos[1] < sources) {
+          const uint32_t i = ll_source_index(run, (uint32_t)run.pos[1]);
           int w = ll_wait_lines(env, run, peer_at(r, n, i), i, names);
           step_mark(env, &dfccl_step_profile::ll_recv_ns, t);
           if (w == WAIT_ABORT) {
@@ -557,7 +596,9 @@ DFCCL_DEV int run_ll(BlockEnv &env, TaskRun &run) {
         uint64_t t = step_start();
         ll_finish(env, run);
         step_mark(env, &dfccl_step_profile::ll_finish_ns, t);
-        if (is_leader()) ll_note_done(env, run);
+        // ll_follows_own's reasoning needs every receiver's part of this
+        // instance, which a broadcast's root never takes.
+        if (is_leader() && !ll_rooted(run)) ll_note_done(env, run);
         if (kStepProfile && is_leader()) env.steps->ll_runs += 1;
         run.step = L_DONE;
         run.progressed = true;

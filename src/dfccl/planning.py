@@ -17,8 +17,10 @@ above                                  ring (staged communicators); direct
                                        (in-process communicators)
 =====================================  ===========================================
 
-Across hosts (the ring) LL still takes the pieces up to ll_max_bytes: the
-network proxy carries the lines (docs/multi-node.md, "LL across hosts").
+Across hosts (the ring) LL still takes the pieces up to ll_max_bytes, and
+broadcasts up to it too (its rooted form: the root pushes, the others take
+its lines): the network proxy carries the lines (docs/multi-node.md, "LL
+across hosts").
 
 Channels: one per ``bytes_per_channel`` bytes moved, at most the
 communicator's; LL always one."""
@@ -28,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dfccl._native import layout
-from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER,
-                                  LL_HEADER_LINES, LL_MAX_RANKS, PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT,
-                                  TASK_STAGED)
+from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST,
+                                  KIND_REDUCE_SCATTER, LL_HEADER_LINES, LL_MAX_RANKS, PATH_DIRECT, PATH_RING, TASK_LL,
+                                  TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
@@ -158,7 +160,11 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
         return Geometry(PATH_DIRECT, nch)
     ll_max = options.ll_max_bytes or 0
     reach = direct if ll_reach is None else ll_reach
-    if options.protocol != "simple" and kind in LL_KINDS and ll_capable(nranks, reach) and count * esize <= ll_max:
+    # A broadcast takes LL only across hosts (reach without a direct path),
+    # where the ring's fixed cost per instance is what it saves; on one host
+    # the direct path reads the root's buffer in place.
+    ll_kind = kind in LL_KINDS or (kind == KIND_BROADCAST and not direct)
+    if options.protocol != "simple" and ll_kind and ll_capable(nranks, reach) and count * esize <= ll_max:
         return Geometry(PATH_DIRECT, 1, flags=TASK_LL)
     if direct and (not staged or total <= options.staged_max_bytes):
         # Small enough for one phase; the daemon still runs two phases when any

@@ -412,9 +412,9 @@ def test_network_defaults_keep_what_the_user_set():
 
 def test_ll_across_hosts_takes_the_small_symmetric_collectives():
     """A communicator that spans hosts runs the ring, yet its peers' LL areas
-    are reached through the proxy (ll_reach): the three symmetric kinds up
-    to ll_max_bytes take LL there, on one channel; the rest stays on the
-    ring, and protocol="simple" keeps everything on it."""
+    are reached through the proxy (ll_reach): the three symmetric kinds and
+    broadcast up to ll_max_bytes take LL there, on one channel; the rest
+    stays on the ring, and protocol="simple" keeps everything on it."""
     from dataclasses import replace
 
     opts = replace(CommOptions().resolved_for_network(OPTS), ll_max_bytes=2048)
@@ -427,8 +427,12 @@ def test_ll_across_hosts_takes_the_small_symmetric_collectives():
         assert plan_geometry(kind, 512, f32, 9, 8, False, opts, ll_reach=True).path == PATH_RING, "over 8 ranks"
         simple = replace(opts, protocol="simple")
         assert plan_geometry(kind, 512, f32, 4, 8, False, simple, ll_reach=True).path == PATH_RING
-    for kind in (KIND_BROADCAST, KIND_REDUCE):
-        assert plan_geometry(kind, 512, f32, 4, 8, False, opts, ll_reach=True).path == PATH_RING
+    # A broadcast takes LL's rooted form across hosts only; reduce never.
+    g = plan_geometry(KIND_BROADCAST, 512, f32, 4, 8, False, opts, ll_reach=True)
+    assert (g.path, g.nchannels, g.flags) == (PATH_DIRECT, 1, TASK_LL)
+    assert plan_geometry(KIND_BROADCAST, 513, f32, 4, 8, False, opts, ll_reach=True).path == PATH_RING
+    assert plan_geometry(KIND_BROADCAST, 512, f32, 4, 8, True, opts).flags != TASK_LL, "one host: direct"
+    assert plan_geometry(KIND_REDUCE, 512, f32, 4, 8, False, opts, ll_reach=True).path == PATH_RING
 
 
 def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():

@@ -54,7 +54,7 @@ __all__ = ["TURNAROUNDS", "RECORD_SPLIT", "PROXY_CALLS", "summarize", "main"]
 def _what(codes: dict, kind: int, length: int) -> str:
     if kind == codes["put"]:
         return "slice" if length else "word"
-    names = {codes[n]: n for n in ("record", "status", "share")}
+    names = {codes[n]: n for n in ("record", "status", "share", "lines") if n in codes}
     return names.get(kind, f"kind {kind}")
 
 
