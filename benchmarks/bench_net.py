@@ -9,8 +9,9 @@ once, one way, as in tag_bw): bytes / time per collective, back to back
 three such batches), as tag_bw streams its messages.
 Its time per call, and the all-reduce's bus bandwidth (2 (n-1)/n x bytes
 / time) and time per call (its result checked once on fresh inputs), are
-recorded beside it.  Bandwidths in MiB/s (ucx_perftest's MB/s are MiB/s),
-times in us.
+recorded beside it.  Up to ll_max_bytes both take LL, whose lines the proxy
+carries (`--option protocol=simple` keeps them on the ring).  Bandwidths in
+MiB/s (ucx_perftest's MB/s are MiB/s), times in us.
 
 ucx_perftest runs twice per size: with UCX's defaults (the reference a
 user's own tools see) and with the settings dfccl's proxy gives UCX

@@ -3,15 +3,16 @@ with different DFCCL_HOST_IDs reach each other only through the network
 proxy over UCX (TCP on loopback), their arenas in host shared memory.  The
 simulator's network scenarios (tests/net_scenarios.py): every collective
 and dtype bit-identical to the ring on one host, opposite orders and a
-queue on one tag, send / recv and all-to-all exact to the byte, and a
-remote rank killed or stopped is PeerLostError."""
+queue on one tag, LL's lines carried by the proxy, send / recv and
+all-to-all exact to the byte, and a remote rank killed or stopped is
+PeerLostError."""
 
 from __future__ import annotations
 
 import pytest
 
-from net_scenarios import (check_remote_loss, divergent, exchange, needs_ucx, run_ranks, split_children, sweep,
-                           sweep_specs)
+from net_scenarios import (check_remote_loss, divergent, exchange, ll_divergent, needs_ucx, run_ranks,
+                           split_children, sweep, sweep_specs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(300), needs_ucx]
 
@@ -29,12 +30,19 @@ def test_every_collective_bit_identical_to_one_host_gpu():
     got = run_ranks(sweep, 2, backend="cuda", **OPTIONS)
     _across_hosts(got, 2)
     assert all(info["checked"] == len(sweep_specs(2)) for info in got.values()), got
+    assert all(info["ll"] > 0 for info in got.values()), got
 
 
 def test_divergent_orders_complete_gpu():
     got = run_ranks(divergent, 2, backend="cuda", **OPTIONS)
     _across_hosts(got, 2)
     assert all(info["checked"] == 60 for info in got.values()), got
+
+
+def test_ll_across_hosts_divergent_orders_gpu():
+    got = run_ranks(ll_divergent, 2, backend="cuda", **OPTIONS)
+    _across_hosts(got, 2)
+    assert all(info["checked"] == 63 and info["ll"] == 61 for info in got.values()), got
 
 
 def test_point_to_point_and_all_to_all_exact_gpu():
@@ -55,6 +63,6 @@ def test_split_across_and_within_hosts_gpu():
         assert "ucx" not in within["transports"] and within["path"] != "ring", info
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_remote_peer_lost_gpu(how):
-    check_remote_loss(how, "all_reduce", backend="cuda", nranks=2, **OPTIONS)
+@pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "ll_all_reduce")])
+def test_remote_peer_lost_gpu(how, op):
+    check_remote_loss(how, op, backend="cuda", nranks=2, **OPTIONS)
