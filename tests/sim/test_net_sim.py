@@ -242,14 +242,17 @@ def test_divergent_orders_complete(nranks):
 
 
 @needs_ucx
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_ll_across_hosts_divergent_orders(nranks):
+@pytest.mark.parametrize("nranks, per_host", [(2, 1), (3, 1), (4, 2)])
+def test_ll_across_hosts_divergent_orders(nranks, per_host):
     """LL's lines carried by the proxy: small symmetric collectives and
     broadcasts in opposite orders with a ring one, and 50 back to back on
-    one tag."""
-    got = run_ranks(ll_divergent, nranks)
+    one tag; with two ranks per host, each rank stores into its local
+    peer's arena and its remote peers' mirrors in the same push."""
+    got = run_ranks(ll_divergent, nranks, per_host=per_host)
     assert all(info["checked"] == 63 for info in got.values()), got
-    assert all(info["ll"] == 61 for info in got.values()), got
+    # Every small one up to 3 ranks; with 4 the simulator's LL region
+    # leaves smaller pieces (ll_max_bytes), still the queue of 50 at least.
+    assert all(info["ll"] == 61 if nranks <= 3 else info["ll"] > 50 for info in got.values()), got
 
 
 @needs_ucx
