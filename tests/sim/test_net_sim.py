@@ -24,7 +24,7 @@ import dfccl
 from dfccl.scenarios import DTYPES, SENTINEL
 from net_scenarios import (TIMEOUT, UCX_ENV, all_to_all_checked, check_remote_loss, divergent, exchange,
                            ll_divergent, needs_ucx, payload, run_ranks, same_bytes, send_recv_every_pair,
-                           split_children, start_all_to_all, storage, sweep, sweep_specs)
+                           split_children, start_all_to_all, storage, sweep, sweep_specs, takes_ll)
 
 # -- point to point, all-to-all, split, large sizes (one function per scenario) ------
 
@@ -167,19 +167,23 @@ def _large(comm, ctx) -> dict:
 
 
 def _inline_sizes(comm, ctx) -> dict:
-    """Ring collectives whose slices fit a header's message (up to 8 KiB)
-    and larger ones, in opposite orders on the two ranks."""
+    """LL collectives whose lines fit a header's message and whose lines do
+    not (a piece of 4 KiB has 8 KiB of lines and their header), ring
+    broadcasts of one slice of 8 KiB and of larger ones, in opposite orders
+    on the two ranks."""
     from dfccl_support import scenarios as sc
 
-    specs = [sc.Spec(("ring", kind, n), kind, n, "int32", "max", root=n % ctx.nranks)
-             for kind in ("broadcast", "all_reduce", "all_gather") for n in (1, 255, 1024, 2048, 2049, 40000, 300000)]
+    specs = [sc.Spec(("ll", kind, piece), kind, piece // 4, "float32", "sum", root=piece % ctx.nranks)
+             for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") for piece in (8, 1024, 4096)]
+    specs += [sc.Spec(("ring", kind, n), kind, n, "int32", "max", root=n % ctx.nranks)
+              for kind in ("broadcast", "all_reduce") for n in (2048, 2049, 40000, 300000)]
     insts = [sc.RankInstance(s, comm, 40 + i) for i, s in enumerate(specs)]
     works = [i.submit() for i in (insts if ctx.rank % 2 == 0 else insts[::-1])]
     for w in works:
         w.synchronize(timeout=TIMEOUT)
     for i in insts:
         i.verify()
-    return {"checked": len(insts)}
+    return {"checked": len(insts), "ll": sum(takes_ll(comm, i.spec) for i in insts)}
 
 
 @needs_ucx
@@ -192,20 +196,19 @@ def test_every_collective_bit_identical_to_one_host():
         assert info["ll"] > 0, "the smallest symmetric collectives take LL across hosts"
 
 
-
 @needs_ucx
 @pytest.mark.parametrize("inline", [None, "0"])
 def test_messages_with_and_without_bytes_inline(inline, monkeypatch):
-    """Ring slices small enough to travel inside their header's message and
-    larger ones, in opposite orders: with the proxy's inline limit, and with
-    every message's bytes sent apart from its header
-    ($DFCCL_NET_INLINE_BYTES=0)."""
+    """LL lines of pieces up to 4 KiB (more than a header carries inline,
+    and less), small ring slices and the ring's larger ones, in opposite
+    orders: with the proxy's inline limit, and with every message's bytes
+    sent apart from its header ($DFCCL_NET_INLINE_BYTES=0)."""
     if inline is None:
         monkeypatch.delenv("DFCCL_NET_INLINE_BYTES", raising=False)
     else:
         monkeypatch.setenv("DFCCL_NET_INLINE_BYTES", inline)
-    got = run_ranks(_inline_sizes, 2)
-    assert all(info["checked"] == 21 for info in got.values()), got
+    got = run_ranks(_inline_sizes, 2, ll_max_bytes=4096, max_tags=256)
+    assert all(info["checked"] == 20 and info["ll"] == 12 for info in got.values()), got
 
 
 def test_inline_bytes_setting(monkeypatch):

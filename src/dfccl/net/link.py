@@ -52,7 +52,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def inline_bytes() -> tuple[int, str]:
-    """The most bytes (a ring slice's, say) a proxy sends inside its
+    """The most bytes (a ring slice's, LL lines') a proxy sends inside its
     header's message instead of as a second message.
 
     Returns:
