@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from dfccl._native import layout
 from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST,
-                                  KIND_REDUCE_SCATTER, LL_HEADER_LINES, LL_MAX_RANKS, PATH_DIRECT, PATH_RING, TASK_LL,
-                                  TASK_ONE_SHOT, TASK_STAGED)
+                                  KIND_REDUCE_SCATTER, LL_DEFAULT_MAX_BYTES, LL_HEADER_LINES, LL_MAX_RANKS,
+                                  PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
@@ -44,7 +44,6 @@ LL_KINDS = (KIND_ALL_REDUCE, KIND_ALL_GATHER, KIND_REDUCE_SCATTER)
 # LL_MAX_RANKS (layout.h): a receiver finds its peers' buckets in its record
 # header's cache (DFCCL_PEER_CACHE), and LL's per-peer pushes stop paying
 # beyond a host's GPUs.
-_DEFAULT_LL_CAP = 4096
 
 
 @dataclass(frozen=True)
@@ -135,11 +134,11 @@ def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
 
 
 def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
-    """The largest multiple of 16 up to 4096 whose LL region fits ``budget``
+    """The largest multiple of 16 up to LL_DEFAULT_MAX_BYTES (4096) whose LL region fits ``budget``
     (0 if not even 16 does)."""
     per_area = budget // max(1, capacity * nranks * 2)
     lines = per_area // 16 - LL_HEADER_LINES
-    best = min(_DEFAULT_LL_CAP, max(0, lines * 8) // 16 * 16)
+    best = min(LL_DEFAULT_MAX_BYTES, max(0, lines * 8) // 16 * 16)
     while best > 0 and ll_region_bytes(capacity, nranks, best) > budget:
         best -= 16
     return best

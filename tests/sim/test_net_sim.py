@@ -167,10 +167,9 @@ def _large(comm, ctx) -> dict:
 
 
 def _inline_sizes(comm, ctx) -> dict:
-    """LL collectives whose lines fit a header's message and whose lines do
-    not (a piece of 4 KiB has 8 KiB of lines and their header), ring
-    broadcasts of one slice of 8 KiB and of larger ones, in opposite orders
-    on the two ranks."""
+    """LL collectives of pieces of 8 B, 1 KiB and 4 KiB (8,224 bytes of
+    lines), ring broadcasts and all-reduces of one slice of 8 KiB and a bit
+    more and of larger ones, in opposite orders on the two ranks."""
     from dfccl_support import scenarios as sc
 
     specs = [sc.Spec(("ll", kind, piece), kind, piece // 4, "float32", "sum", root=piece % ctx.nranks)
@@ -197,12 +196,13 @@ def test_every_collective_bit_identical_to_one_host():
 
 
 @needs_ucx
-@pytest.mark.parametrize("inline", [None, "0"])
+@pytest.mark.parametrize("inline", [None, "4096", "0"])
 def test_messages_with_and_without_bytes_inline(inline, monkeypatch):
-    """LL lines of pieces up to 4 KiB (more than a header carries inline,
-    and less), small ring slices and the ring's larger ones, in opposite
-    orders: with the proxy's inline limit, and with every message's bytes
-    sent apart from its header ($DFCCL_NET_INLINE_BYTES=0)."""
+    """LL lines of pieces up to 4 KiB, small ring slices and the ring's
+    larger ones, in opposite orders: with the proxy's inline limit (every
+    LL piece's lines inline), with a lower one (a 4 KiB piece's lines and
+    an 8 KiB slice apart, smaller ones inline) and with every message's
+    bytes apart from its header ($DFCCL_NET_INLINE_BYTES=0)."""
     if inline is None:
         monkeypatch.delenv("DFCCL_NET_INLINE_BYTES", raising=False)
     else:
@@ -216,6 +216,7 @@ def test_inline_bytes_setting(monkeypatch):
     anything else is refused by name, and `dfccl info` says which."""
     import io
 
+    from dfccl._native import layout
     from dfccl.info import print_info
     from dfccl.net import NetUnavailableError
     from dfccl.net.link import INLINE_BYTES_ENV, inline_bytes
@@ -225,7 +226,8 @@ def test_inline_bytes_setting(monkeypatch):
         capacity, source = inline_bytes()
     except NetUnavailableError as exc:
         pytest.skip(f"no network proxy here: {exc}")
-    assert source == "dfccl" and capacity >= 4096
+    # The lines of the largest LL piece a communicator picks by itself fit.
+    assert source == "dfccl" and capacity == layout.ll_area_bytes(layout.LL_DEFAULT_MAX_BYTES)
     monkeypatch.setenv(INLINE_BYTES_ENV, "1024")
     assert inline_bytes() == (1024, "environment")
     out = io.StringIO()

@@ -44,7 +44,7 @@ CONSTANTS = {
     "LINK_AHEAD_MAX": "DFCCL_LINK_AHEAD_MAX",
     "REG_SLOTS": "DFCCL_REG_SLOTS", "REG_SLOT_SHIFT": "DFCCL_REG_SLOT_SHIFT", "REG_BIT": "DFCCL_REG_BIT",
     "STAGE_ALIGN": "DFCCL_STAGE_ALIGN", "LL_HEADER_LINES": "DFCCL_LL_HEADER_LINES",
-    "LL_MAX_RANKS": "DFCCL_LL_MAX_RANKS",
+    "LL_MAX_RANKS": "DFCCL_LL_MAX_RANKS", "LL_DEFAULT_MAX_BYTES": "DFCCL_LL_DEFAULT_MAX_BYTES",
     **{f"DTYPE_{d.name}": f"DFCCL_{d.name}" for d in DataType},
     **{f"OP_{o.name}": f"DFCCL_{o.name}" for o in ReduceOp},
 }
@@ -63,6 +63,9 @@ def _formula_cases():
     for cap, n, ll in itertools.product(_CAPACITIES, _RANKS, _LL_BYTES):
         cases[f"ll_region_bytes({cap},{n},{ll})"] = (layout.ll_region_bytes(cap, n, ll),
                                                     f"dfccl_ll_region_bytes({cap}u, {n}u, {ll}ull)")
+    for ll in _LL_BYTES:
+        # The function through Python against the macro constant expressions use.
+        cases[f"ll_area_bytes({ll})"] = (layout.ll_area_bytes(ll), f"DFCCL_LL_AREA_BYTES({ll}ull)")
     for n, c in itertools.product(_RANKS, _CHANNELS):
         cases[f"a2a_words({n},{c})"] = (layout.a2a_words(n, c), f"dfccl_a2a_words({n}u, {c}u)")
         cases[f"a2a_copy_offset({n},{c})"] = (layout.a2a_copy_offset(n, c), f"dfccl_a2a_copy_offset({n}u, {c}u)")

@@ -27,6 +27,10 @@
 /* Most ranks LL serves: a receiver finds its peers' buckets in its record
  * header's cache (DFCCL_PEER_CACHE). */
 #define DFCCL_LL_MAX_RANKS DFCCL_PEER_CACHE
+/* The largest per-rank piece a communicator gives LL by itself
+ * (ll_max_bytes's default, where the LL region fits): the network proxy
+ * carries such a piece's lines inside one message. */
+#define DFCCL_LL_DEFAULT_MAX_BYTES 4096u
 
 /* Bytes of one element of a dfccl_dtype. */
 DFCCL_LAYOUT_HD uint32_t dfccl_dtype_size(int dtype) {
@@ -40,11 +44,12 @@ DFCCL_LAYOUT_HD uint32_t dfccl_dtype_size(int dtype) {
 
 DFCCL_LAYOUT_HD uint64_t dfccl_round_up(uint64_t a, uint64_t b) { return (a + b - 1) / b * b; }
 
-/* One LL area: the header lines, then a line per 8 payload bytes. */
-DFCCL_LAYOUT_HD uint64_t dfccl_ll_area_bytes(uint64_t ll_max_bytes) {
-  return (uint64_t)DFCCL_LL_LINE_BYTES *
-         (DFCCL_LL_HEADER_LINES + (ll_max_bytes + DFCCL_LL_LINE_PAYLOAD - 1) / DFCCL_LL_LINE_PAYLOAD);
-}
+/* One LL area: the header lines, then a line per 8 payload bytes (a macro
+ * too, for constant expressions). */
+#define DFCCL_LL_AREA_BYTES(ll_max_bytes)          \
+  ((uint64_t)DFCCL_LL_LINE_BYTES *                 \
+   (DFCCL_LL_HEADER_LINES + ((uint64_t)(ll_max_bytes) + DFCCL_LL_LINE_PAYLOAD - 1) / DFCCL_LL_LINE_PAYLOAD))
+DFCCL_LAYOUT_HD uint64_t dfccl_ll_area_bytes(uint64_t ll_max_bytes) { return DFCCL_LL_AREA_BYTES(ll_max_bytes); }
 
 /* The receive areas of one arena's LL region: [bucket][sender][parity]. */
 DFCCL_LAYOUT_HD uint64_t dfccl_ll_areas_bytes(uint32_t capacity, uint32_t nranks, uint64_t ll_max_bytes) {

@@ -205,7 +205,7 @@ cdef extern from "dfccl/hash.h":
 
 cdef extern from "dfccl/layout.h":
     unsigned int DFCCL_STAGE_ALIGN, DFCCL_LL_HEADER_LINES, DFCCL_LL_LINE_BYTES, DFCCL_LL_LINE_PAYLOAD
-    unsigned int DFCCL_LL_MAX_RANKS
+    unsigned int DFCCL_LL_MAX_RANKS, DFCCL_LL_DEFAULT_MAX_BYTES
     uint32_t dfccl_dtype_size(int dtype) nogil
     uint64_t dfccl_ll_area_bytes(uint64_t ll_max_bytes) nogil
     uint64_t dfccl_ll_region_bytes(uint32_t capacity, uint32_t nranks, uint64_t ll_max_bytes) nogil

@@ -125,6 +125,7 @@ REG_BIT = DFCCL_REG_BIT
 STAGE_ALIGN = DFCCL_STAGE_ALIGN
 LL_HEADER_LINES = DFCCL_LL_HEADER_LINES
 LL_MAX_RANKS = DFCCL_LL_MAX_RANKS
+LL_DEFAULT_MAX_BYTES = DFCCL_LL_DEFAULT_MAX_BYTES
 
 
 def dtype_size(int dtype):
@@ -132,6 +133,11 @@ def dtype_size(int dtype):
     if not 0 <= dtype < DFCCL_NUM_DTYPES:
         raise ValueError(f"no dtype code {dtype}")
     return dfccl_dtype_size(dtype)
+
+
+def ll_area_bytes(uint64_t ll_max_bytes):
+    """Bytes of one LL area: its header lines, then a line per 8 payload bytes."""
+    return dfccl_ll_area_bytes(ll_max_bytes)
 
 
 def ll_region_bytes(uint32_t capacity, uint32_t nranks, uint64_t ll_max_bytes):

@@ -37,6 +37,7 @@
 
 #include "dfccl/abi.h"
 #include "dfccl/host_signals.h"
+#include "dfccl/layout.h"
 #include "dfccl/net.h"
 
 namespace {
@@ -51,9 +52,10 @@ constexpr uint64_t kSeqMask = (1ull << 48) - 1;
 // Most bytes a message carries inside its header's message; the proxy's
 // limit (DFCCL_NET_INLINE_BYTES, default all of it) may be lower.  Over TCP
 // a second message costs the peer a receive posted once the header is in
-// and both proxies a pass; copying a few KiB costs less.  Covers LL lines
-// up to a 4 KiB piece and small ring slices.
-constexpr uint64_t kInlineCapacity = 8192;
+// and both proxies a pass; copying a few KiB costs less.  Covers the lines
+// of an LL piece up to ll_max_bytes's default (4 KiB: 8,224 bytes with the
+// header lines) and ring slices up to as much.
+constexpr uint64_t kInlineCapacity = DFCCL_LL_AREA_BYTES(DFCCL_LL_DEFAULT_MAX_BYTES);
 
 struct Msg {
   uint32_t kind, inlined;         // inlined: the bytes follow the header in its message
