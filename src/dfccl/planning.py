@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 from dfccl._native import layout
 from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_BROADCAST,
-                                  KIND_REDUCE_SCATTER, LL_DEFAULT_MAX_BYTES, LL_HEADER_LINES, LL_MAX_RANKS,
-                                  PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT, TASK_STAGED)
+                                  KIND_REDUCE_SCATTER, LL_DEFAULT_MAX_BYTES, LL_HEADER_LINES, LL_LINE_BYTES,
+                                  LL_LINE_PAYLOAD, LL_MAX_RANKS, PATH_DIRECT, PATH_RING, TASK_LL, TASK_ONE_SHOT,
+                                  TASK_STAGED)
 from dfccl.types import DataType
 
 __all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
@@ -134,11 +135,11 @@ def ll_region_bytes(capacity: int, nranks: int, ll_max_bytes: int) -> int:
 
 
 def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
-    """The largest multiple of 16 up to LL_DEFAULT_MAX_BYTES (4096) whose LL region fits ``budget``
-    (0 if not even 16 does)."""
+    """The largest multiple of 16 up to LL_DEFAULT_MAX_BYTES (layout.h) whose
+    LL region fits ``budget`` (0 if not even 16 does)."""
     per_area = budget // max(1, capacity * nranks * 2)
-    lines = per_area // 16 - LL_HEADER_LINES
-    best = min(LL_DEFAULT_MAX_BYTES, max(0, lines * 8) // 16 * 16)
+    lines = per_area // LL_LINE_BYTES - LL_HEADER_LINES
+    best = min(LL_DEFAULT_MAX_BYTES, max(0, lines * LL_LINE_PAYLOAD) // 16 * 16)
     while best > 0 and ll_region_bytes(capacity, nranks, best) > budget:
         best -= 16
     return best
