@@ -260,6 +260,9 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
   const uint64_t info = ((uint64_t)status << 32) | origin;
   mark_abort(record_at(run.ep, run.ep->rank, run.d->bucket), run.chan, run.token, info);
   if (net_room(env, run, 1)) net_push_record(env, run);
+  // Our mark before the probes below: a peer not met yet either is found
+  // by them or, publishing later, meets our record with the mark in it.
+  fence_system();
   if (all_peers) {
     for (uint32_t i = 0; i + 1 < run.ep->nranks; ++i) {
       uint32_t p = peer_at(run.ep->rank, run.ep->nranks, i);
@@ -268,12 +271,18 @@ DFCCL_DEV void push_abort(BlockEnv &env, TaskRun &run, bool all_peers) {
     }
   } else if (run.d->kind == DFCCL_SEND || run.d->kind == DFCCL_RECV) {
     // Point to point: the one peer, at 0.
-    if (run.ctx->peer_rec[0] != 0) net_mark_abort(env, run, run.d->root, run.ctx->peer_rec[0], info);
+    const uint64_t rec = peer_record(run, 0, run.d->root);
+    if (rec != 0) net_mark_abort(env, run, run.d->root, rec, info);
   } else {
-    // The ring's cache: the previous rank at 0, the next at 1.
+    // The ring's cache: the previous rank at 0, the next at 1.  A neighbour
+    // not met yet (this run failed meeting the other one) is probed: it may
+    // have met us already and wait for our data.
     const RingNeighbours nb = ring_neighbours(run.ep);
-    for (uint32_t i = 0; i < 2; ++i)
-      if (run.ctx->peer_rec[i] != 0) net_mark_abort(env, run, i == 0 ? nb.prev : nb.next, run.ctx->peer_rec[i], info);
+    for (uint32_t i = 0; i < 2 && i + 1 < run.ep->nranks; ++i) {
+      const uint32_t p = i == 0 ? nb.prev : nb.next;
+      const uint64_t rec = peer_record(run, i, p);
+      if (rec != 0) net_mark_abort(env, run, p, rec, info);
+    }
   }
   // The marks before anything this channel publishes next (the tag's next
   // instance rewrites this record's fields): a peer that reads those fields

@@ -74,6 +74,16 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
     return true;
   }
   const dfccl_endpoint *ep = run.ep;
+  // The peer waited for gave this instance up and marked its own record
+  // (push_abort), where a rank that met it before the mark looks only here:
+  // its push into our record can miss us when it had not met us yet.
+  if (peer < ep->nranks && peer != ep->rank) {
+    const uint64_t rec = probe_record(ep, peer, run.d->tag_key, run.chan, run.d->instance);
+    if (rec != 0 && load_acquire(&record_chan(rec, run.chan)->abort_token) == run.token) {
+      take_relayed(run, load_relaxed(&record_chan(rec, run.chan)->abort_info));
+      return true;
+    }
+  }
   for (uint32_t p = peer < ep->nranks ? peer : 0; p < ep->nranks; ++p) {
     if (p != ep->rank && left_before_taking_part(run, p)) {
       // A rank that gave the instance up before publishing it (a mismatch
