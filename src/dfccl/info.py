@@ -176,7 +176,8 @@ def _network() -> dict:
 
     info = {"host_id": net.host_id(), "host_id_from": net.HOST_ID_ENV if os.environ.get(net.HOST_ID_ENV)
             else "hostname and boot id", "ucx": None, "proxy": None,
-            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice"), "ucx_settings": None, "inline_bytes": None}
+            "ucx_tls": os.environ.get("UCX_TLS", "UCX's choice"), "ucx_settings": None, "inline_bytes": None,
+            "lanes": None}
     try:
         root = _build.ucx_root()
         info["ucx"] = f"{(root / 'UCX_WHEEL_VERSION.txt').read_text().strip()} ({root})"
@@ -184,7 +185,7 @@ def _network() -> dict:
         info["proxy"] = str(path) if path.is_file() else "not built yet (python -m dfccl.net builds it)"
         if path.is_file():
             from dfccl.errors import InvalidArgumentError
-            from dfccl.net.link import inline_bytes, ucx_settings
+            from dfccl.net.link import inline_bytes, lanes, ucx_settings
 
             info["ucx_settings"] = [{"name": n, "value": v, "from": f} for n, v, f in ucx_settings()]
             try:
@@ -192,6 +193,11 @@ def _network() -> dict:
                 info["inline_bytes"] = {"value": value, "from": source}
             except InvalidArgumentError as exc:
                 info["inline_bytes"] = {"value": None, "from": str(exc)}
+            try:
+                value, source = lanes()
+                info["lanes"] = {"value": value, "from": source}
+            except InvalidArgumentError as exc:
+                info["lanes"] = {"value": None, "from": str(exc)}
     except net.NetUnavailableError as exc:
         info["ucx"] = f"not available: {exc}"
     return info
@@ -267,6 +273,10 @@ def print_info(out: TextIO = sys.stdout) -> dict:
         i = n["inline_bytes"]
         p(f"  bytes a message carries in its header: {i['value']} ({i['from']})" if i["value"] is not None
           else f"  bytes a message carries in its header: {i['from']}")
+    if n["lanes"]:
+        lanes = n["lanes"]
+        p(f"  proxy lanes (threads and connections per peer): {lanes['value']} ({lanes['from']})"
+          if lanes["value"] is not None else f"  proxy lanes (threads and connections per peer): {lanes['from']}")
     for backend, d in info["defaults"].items():
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")

@@ -380,6 +380,89 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     assert "slice applied -> its credit" in out and "rank 0: " in out and f"of {slices} slices sent" in out
 
 
+def _lanes_of(traces: list, kind: str) -> set:
+    """The lanes that carried messages of ``kind`` in a hop trace (the
+    lane is above a trace's 48-bit sequence numbers)."""
+    out = set()
+    for t in traces:
+        ev = t["events"]
+        sent = ev[(ev["what"] == t["codes"]["sent"]) & (ev["kind"] == t["codes"][kind])]
+        out |= {int(seq) >> 48 for seq in sent["seq"]}
+    return out
+
+
+@needs_ucx
+@pytest.mark.parametrize("scenario, nranks", [(divergent, 3), (ll_divergent, 2)])
+def test_two_lanes_carry_every_channel(scenario, nranks, tmp_path, monkeypatch):
+    """With $DFCCL_NET_LANES=2 each rank's proxy runs two threads, each
+    with its own connection to every peer, and the daemon blocks' queues
+    alternate between them: tags in opposite orders and a queue of 50 on
+    one tag complete, every result checked, with slices on both lanes;
+    the hop trace matches every slice with its hop across lanes."""
+    from dfccl.net import hops
+    from dfccl.net.hop_trace import TRACE_ENV, load_traces
+
+    monkeypatch.setenv("DFCCL_NET_LANES", "2")
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    got = run_ranks(scenario, nranks)
+    assert all(info["checked"] > 0 for info in got.values()), got
+    (traces,) = load_traces(str(tmp_path)).values()
+    kind = "put" if scenario is divergent else "lines"
+    assert _lanes_of(traces, kind) == {0, 1}, "both lanes carry the daemon's messages"
+    assert _lanes_of(traces, "status") == {0, 1}, "every lane pushes the rank's status"
+    if scenario is divergent:
+        summary = hops.summarize(traces)
+        sent = sum(int(((t["events"]["what"] == t["codes"]["sent"]) & (t["events"]["kind"] == t["codes"]["put"])
+                        & (t["events"]["len"] > 0)).sum()) for t in traces)
+        assert summary["hops"]["slice"]["n"] == sent, summary
+
+
+def _nothing(comm, ctx) -> dict:
+    return {}
+
+
+@needs_ucx
+def test_ranks_with_different_lane_counts_are_refused():
+    """Lane l of one rank talks to lane l of the other, so every rank must
+    run the same number: a communicator whose ranks differ fails on every
+    rank, naming the setting."""
+    got = run_ranks(_nothing, 2, rank_env={0: {"DFCCL_NET_LANES": "1"}, 1: {"DFCCL_NET_LANES": "2"}}, errors=True)
+    for rank, error in got.items():
+        assert error is not None and "DFCCL_NET_LANES must be equal on every rank" in error, (rank, error)
+
+
+def test_lanes_setting(monkeypatch):
+    """$DFCCL_NET_LANES within 1..the proxy's most is taken, one lane
+    without it; anything else is refused by name, and `dfccl info` says
+    which."""
+    import io
+
+    from dfccl.info import print_info
+    from dfccl.net import NetUnavailableError
+    from dfccl.net.link import DEFAULT_LANES, LANES_ENV, lanes
+
+    monkeypatch.delenv(LANES_ENV, raising=False)
+    try:
+        assert lanes() == (DEFAULT_LANES, "dfccl") == (1, "dfccl")
+    except NetUnavailableError as exc:
+        pytest.skip(f"no network proxy here: {exc}")
+    monkeypatch.setenv(LANES_ENV, "3")
+    assert lanes() == (3, "environment")
+    out = io.StringIO()
+    print_info(out)
+    assert "proxy lanes (threads and connections per peer): 3 (environment)" in out.getvalue(), out.getvalue()
+    # The most is the proxy's own (its C constant), not a copy here.
+    from dfccl.net._build import load
+    from dfccl.net.link import _declare
+    most = int(_declare(load()).dfccl_net_max_lanes())
+    monkeypatch.setenv(LANES_ENV, str(most))
+    assert lanes() == (most, "environment")
+    for bad in ("0", "many", str(most + 1)):
+        monkeypatch.setenv(LANES_ENV, bad)
+        with pytest.raises(dfccl.InvalidArgumentError, match=LANES_ENV):
+            lanes()
+
+
 @needs_ucx
 def test_largest_sizes_bit_identical():
     """256 MiB broadcast and 64 MiB all_reduce across two hosts (the sweep
@@ -555,6 +638,15 @@ def test_remote_peer_lost_within_peer_timeout(how, op):
     its heartbeat (seen within peer_timeout).  Survivors waiting in a
     collective, a recv from it or an all-to-all with it all see it."""
     check_remote_loss(how, op)
+
+
+@needs_ucx
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_remote_peer_lost_with_two_lanes(how, monkeypatch):
+    """With two lanes a killed rank's connections drop and a stopped one's
+    heartbeats stop on both; survivors see it within peer_timeout."""
+    monkeypatch.setenv("DFCCL_NET_LANES", "2")
+    check_remote_loss(how, "all_reduce")
 
 
 @needs_ucx

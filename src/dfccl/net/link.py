@@ -14,7 +14,7 @@ from dfccl.errors import BackendError, InvalidArgumentError
 from dfccl.net._build import NetUnavailableError, load
 from dfccl.net.hop_trace import TRACE_ENV, parse_format, save_trace
 
-__all__ = ["NetLink", "ucx_settings", "inline_bytes", "INLINE_BYTES_ENV"]
+__all__ = ["NetLink", "ucx_settings", "inline_bytes", "lanes", "INLINE_BYTES_ENV", "LANES_ENV", "DEFAULT_LANES"]
 
 _ERR_BYTES = 512
 _ADDRESS_BYTES = 1 << 16
@@ -26,6 +26,14 @@ TRACE_EVENTS = 1 << 18
 #: Overrides the bytes a message carries inside its header's UCX message
 #: (0..the proxy's capacity; 0: never).
 INLINE_BYTES_ENV = "DFCCL_NET_INLINE_BYTES"
+#: Overrides the proxy's lanes (threads, each with its own connection to
+#: every remote peer); equal on every rank.
+LANES_ENV = "DFCCL_NET_LANES"
+#: Lanes when $DFCCL_NET_LANES is unset.  One TCP stream per peer moves
+#: what one core copies; more lanes spread the channels over more streams
+#: and cores (docs/multi-node.md, "The proxy").  One until more are
+#: measured on a GPU host (docs/performance-log.md, section 49).
+DEFAULT_LANES = 1
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -33,7 +41,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dfccl_net_queue_bytes.restype = sz
     lib.dfccl_net_ucx_defaults.restype = cp
     lib.dfccl_net_create.restype = vp
-    lib.dfccl_net_create.argtypes = [u32, u32, u64, u64, u64, u32, cp, sz]
+    lib.dfccl_net_create.argtypes = [u32, u32, u64, u64, u64, u32, u32, cp, sz]
+    lib.dfccl_net_max_lanes.restype = u32
     lib.dfccl_net_address.argtypes = [vp, cp, sz, ctypes.POINTER(sz)]
     lib.dfccl_net_connect.argtypes = [vp, u32, cp, sz, u64, cp, sz]
     lib.dfccl_net_start.argtypes = [vp]
@@ -51,6 +60,22 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _setting(name: str, default: int, low: int, high: int) -> tuple[int, str]:
+    """``(value, source)`` of the integer setting $``name``: ``default``
+    from ``"dfccl"`` where it is unset, else its value from
+    ``"environment"``, refused unless in ``low..high``."""
+    text = os.environ.get(name)
+    if text is None:
+        return default, "dfccl"
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise InvalidArgumentError(f"${name} must be an integer in {low}..{high}, not {text!r}")
+    return value, "environment"
+
+
 def inline_bytes() -> tuple[int, str]:
     """The most bytes (a ring slice's, LL lines') a proxy sends inside its
     header's message instead of as a second message.
@@ -65,16 +90,24 @@ def inline_bytes() -> tuple[int, str]:
         NetUnavailableError: UCX or a C++ compiler is missing.
     """
     capacity = int(_declare(load()).dfccl_net_inline_capacity())
-    text = os.environ.get(INLINE_BYTES_ENV)
-    if text is None:
-        return capacity, "dfccl"
-    try:
-        value = int(text, 0)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= capacity:
-        raise InvalidArgumentError(f"${INLINE_BYTES_ENV} must be an integer in 0..{capacity}, not {text!r}")
-    return value, "environment"
+    return _setting(INLINE_BYTES_ENV, capacity, 0, capacity)
+
+
+def lanes() -> tuple[int, str]:
+    """How many lanes a proxy runs: threads, each with its own UCX worker
+    and connection to every remote peer, among which the daemon's blocks
+    (and so the channels) are spread.
+
+    Returns:
+        ``(lanes, source)``: ``DEFAULT_LANES``, source ``"dfccl"``; or
+        $DFCCL_NET_LANES, source ``"environment"``.
+
+    Raises:
+        InvalidArgumentError: $DFCCL_NET_LANES is not an integer in 1..the
+            proxy's most.
+        NetUnavailableError: UCX or a C++ compiler is missing.
+    """
+    return _setting(LANES_ENV, DEFAULT_LANES, 1, int(_declare(load()).dfccl_net_max_lanes()))
 
 
 def ucx_settings() -> list[tuple[str, str, str]]:
@@ -122,10 +155,12 @@ class NetLink:
 
         Raises:
             NetUnavailableError: UCX or a C++ compiler is missing.
-            InvalidArgumentError: $DFCCL_NET_INLINE_BYTES is out of range.
+            InvalidArgumentError: $DFCCL_NET_INLINE_BYTES or
+                $DFCCL_NET_LANES is out of range.
         """
         lib = _declare(load())
         inline, _ = inline_bytes()
+        nlanes, _ = lanes()
         self = NetLink.__new__(NetLink)
         self._lib = lib
         self._device = device
@@ -140,7 +175,8 @@ class NetLink:
         for p in remote:
             self._mirrors[p] = device.alloc_mapped(arena_bytes)
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        self._handle = lib.dfccl_net_create(rank, nranks, arena, arena_bytes, self._queues_host, nblocks, err,
+        self.lanes = nlanes
+        self._handle = lib.dfccl_net_create(rank, nranks, arena, arena_bytes, self._queues_host, nblocks, nlanes, err,
                                             _ERR_BYTES)
         if not self._handle:
             self.free()
@@ -161,7 +197,8 @@ class NetLink:
         return self._mirrors[rank][1]
 
     def address(self) -> str:
-        """This rank's UCX worker address (hex), for its peers."""
+        """This rank's address for its peers (hex): its lane count and each
+        lane's UCX worker address."""
         buf = ctypes.create_string_buffer(_ADDRESS_BYTES)
         n = ctypes.c_size_t(0)
         if self._lib.dfccl_net_address(self._handle, buf, _ADDRESS_BYTES, ctypes.byref(n)) != 0:
@@ -169,8 +206,13 @@ class NetLink:
         return buf.raw[:n.value].hex()
 
     def connect(self, addresses: dict[int, str]) -> None:
-        """Connects to every remote rank (its worker address) and starts the
-        proxy thread."""
+        """Connects every lane to the same lane of every remote rank (its
+        :meth:`address`) and starts the proxy's threads.
+
+        Raises:
+            BackendError: a peer's proxy runs another number of lanes, or UCX
+                cannot connect.
+        """
         err = ctypes.create_string_buffer(_ERR_BYTES)
         for p in self.remote:
             addr = bytes.fromhex(addresses[p])

@@ -1,14 +1,26 @@
-// The network proxy of one communicator rank (docs/multi-node.md): a native
-// thread that never takes the GIL.  It drains the rank's net queues (one per
+// The network proxy of one communicator rank (docs/multi-node.md): native
+// threads that never take the GIL.  It drains the rank's net queues (one per
 // daemon block, dfccl/net.h) into UCX tagged messages to the remote peers,
 // and lands what the peers send: slices and words into this rank's arena,
 // their published records and rank status into its mirrors of their arenas.
 //
-// Messages from one peer are applied strictly in the order it sent them (a
-// word never overtakes the slice posted before it): every message carries
-// the sender's sequence number in its tag, receives are posted for exact
-// sequence numbers, and a completed message is applied only after all
-// earlier ones were.  A message is a fixed-size header, then its bytes
+// The proxy runs as `lanes` threads, each with its own UCX worker and its
+// own connection to every remote peer (one TCP stream per lane and peer
+// over TCP: a stream's copies run on one core).  Lane l carries what the
+// daemon blocks b with b % lanes == l post, so a channel (always run by one
+// block) keeps one lane; lane 0 also pushes the rank's status.  Within a
+// lane, messages from one peer are applied strictly in the order it sent
+// them (a word never overtakes the slice posted before it): every message
+// carries the sender's sequence number on that lane in its tag, receives
+// are posted for exact sequence numbers, and a completed message is
+// applied only after all earlier ones were.  What one block posts thus
+// lands in order, as with one thread; entries of different blocks were
+// never ordered (one thread drained the queues one after the other).
+// Every lane pushes the rank's status, and a peer's state changes in its
+// mirror only once every lane brought it: a rank seen leaving has nothing
+// of its own in flight on any lane.
+//
+// A message is a fixed-size header, then its bytes
 // (a put's, a share's or LL lines): up to the inline limit inside the
 // header's own message (one message, not two; copied in when applied),
 // more as a second message under the same sequence number, received
@@ -28,7 +40,9 @@
 
 #include <atomic>
 #include <deque>
+#include <algorithm>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +63,7 @@ constexpr uint32_t kStatusWords = 3;  // state, heartbeat, pid (dfccl_rank_statu
 constexpr uint32_t kWindow = 16;      // header receives posted ahead, per peer
 constexpr uint64_t kPayloadBit = 1ull << 63;
 constexpr uint64_t kSeqMask = (1ull << 48) - 1;
+constexpr uint32_t kMaxLanes = 8;
 // Most bytes a message carries inside its header's message; the proxy's
 // limit (DFCCL_NET_INLINE_BYTES, default all of it) may be lower.  Over TCP
 // a second message costs the peer a receive posted once the header is in
@@ -85,6 +100,9 @@ struct TraceEvent {
   uint64_t len;    // a put's, share's or lines' bytes
   uint32_t what, kind, peer, pad;
 };
+// The trace's `seq`: a lane's sequence number with the lane above it, so
+// that (sender, receiver, seq) names one message across lanes.
+uint64_t trace_seq(uint32_t lane, uint64_t seq) { return ((uint64_t)lane << 48) | (seq & kSeqMask); }
 
 uint64_t make_tag(uint32_t sender, uint64_t seq, bool payload) {
   return (payload ? kPayloadBit : 0) | ((uint64_t)sender << 48) | (seq & kSeqMask);
@@ -123,6 +141,7 @@ struct Incoming {
   Op header, payload;
   bool payload_posted = false;
   Proxy *proxy = nullptr;
+  struct Lane *lane = nullptr;
   uint32_t peer = 0;
   uint64_t seq = 0;
 };
@@ -138,15 +157,49 @@ struct Outgoing {
 
 struct Peer {
   bool remote = false;
-  ucp_ep_h ep = nullptr;
   uint8_t *mirror = nullptr;        // this rank's mirror of the peer's arena (host view)
-  uint64_t send_seq = 0, recv_seq = 0;
-  std::deque<std::unique_ptr<Incoming>> incoming;
   std::atomic<int> lost{0};
-  std::string error;
+  std::string error;                // written once, before `lost`
+  std::mutex status_mutex;          // the lanes' states below, and the mirror's state word
+  uint64_t lane_state[kMaxLanes];   // the state each lane last brought
+  Peer() {
+    for (auto &s : lane_state) s = ~0ull;
+  }
 };
 
-struct Proxy;
+// One lane's connection to one peer, as its error handler sees it: the
+// handler runs inside the lane's worker progress, before that pass's
+// messages are applied, so it only notes the failure and the lane judges
+// it after applying them (Proxy::check_connections).
+struct Connection {
+  Proxy *proxy;
+  uint32_t peer, lane;
+  std::atomic<int> failed{0};
+  ucs_status_t status = UCS_OK;
+};
+
+// One lane's side of a connection to a peer.
+struct LanePeer {
+  ucp_ep_h ep = nullptr;
+  Connection *connection = nullptr;
+  uint64_t send_seq = 0, recv_seq = 0;
+  std::deque<std::unique_ptr<Incoming>> incoming;
+};
+
+// One thread, its UCX worker and its connections.  Only its thread touches
+// it while the proxy runs.
+struct Lane {
+  uint32_t index = 0;
+  ucp_worker_h worker = nullptr;
+  std::vector<LanePeer> peers;
+  std::deque<std::unique_ptr<Outgoing>> outgoing;
+  std::thread thread;
+  uint64_t pushed_status[kStatusWords] = {~0ull, ~0ull, ~0ull};
+  // The hop trace: written by this lane's thread only, up to its capacity
+  // (then no more: no wrap, so a reader never sees an event half written).
+  std::vector<TraceEvent> trace;
+  std::atomic<uint64_t> traced{0};
+};
 
 void on_op(void *request, ucs_status_t status, void *user) {
   Op *op = static_cast<Op *>(user);
@@ -167,28 +220,24 @@ struct Proxy {
   dfccl_net_queue *queues = nullptr;
   uint32_t nqueues = 0;
   ucp_context_h context = nullptr;
-  ucp_worker_h worker = nullptr;
+  std::vector<std::unique_ptr<Lane>> lanes;
   std::vector<Peer> peers;
-  std::vector<std::unique_ptr<std::pair<Proxy *, uint32_t>>> handler_args;  // the connections' error handlers'
-  std::deque<std::unique_ptr<Outgoing>> outgoing;
-  std::thread thread;
+  std::mutex lost_mutex;            // one failure's text per peer, whichever lane sees it first
+  std::vector<std::unique_ptr<Connection>> connections;  // what each connection's error handler is given
+  bool started = false;
   std::atomic<int> stop{0};
-  // This rank's status, as the host last set it (pushed when it changes).
+  // This rank's status, as the host last set it (pushed on every lane when
+  // it changes).
   std::atomic<uint64_t> status[kStatusWords];
-  uint64_t pushed_status[kStatusWords] = {~0ull, ~0ull, ~0ull};
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, messages{0};
-  // The hop trace: written by the proxy thread only, up to its capacity
-  // (then no more: no wrap, so a reader never sees an event half written).
-  std::vector<TraceEvent> trace;
-  std::atomic<uint64_t> traced{0};
 
-  bool tracing() const { return traced.load(std::memory_order_relaxed) < trace.size(); }
+  static bool tracing(const Lane &l) { return l.traced.load(std::memory_order_relaxed) < l.trace.size(); }
 
-  void note_event(uint64_t t_ns, uint32_t what, uint32_t kind, uint32_t p, uint64_t seq, uint64_t word,
+  void note_event(Lane &l, uint64_t t_ns, uint32_t what, uint32_t kind, uint32_t p, uint64_t seq, uint64_t word,
                   uint64_t len) {
-    const uint64_t n = traced.load(std::memory_order_relaxed);
-    if (n >= trace.size()) return;
-    TraceEvent &e = trace[n];
+    const uint64_t n = l.traced.load(std::memory_order_relaxed);
+    if (n >= l.trace.size()) return;
+    TraceEvent &e = l.trace[n];
     e.t_ns = t_ns;
     e.seq = seq;
     e.word = word;
@@ -197,43 +246,62 @@ struct Proxy {
     e.kind = kind;
     e.peer = p;
     e.pad = 0;
-    traced.store(n + 1, std::memory_order_release);
+    l.traced.store(n + 1, std::memory_order_release);
   }
 
-  void note(uint32_t what, uint32_t p, uint64_t seq, const Msg &m) {
-    note_event(now_ns(), what, m.kind, p, seq, m.word, m.len);
+  void note(Lane &l, uint32_t what, uint32_t p, uint64_t seq, const Msg &m) {
+    note_event(l, now_ns(), what, m.kind, p, trace_seq(l.index, seq), m.word, m.len);
   }
 
   // f(), a call into UCX; a long one goes into the trace.
   template <class F>
-  auto timed(uint32_t call, F &&f) {
-    if (!tracing()) return f();
+  auto timed(Lane &l, uint32_t call, F &&f) {
+    if (!tracing(l)) return f();
     const uint64_t start = now_ns();
     auto r = f();
     const uint64_t took = now_ns() - start;
-    if (took > kLongCallNs) note_event(start, TRACE_BUSY, call, nranks, 0, 0, took);
+    if (took > kLongCallNs) note_event(l, start, TRACE_BUSY, call, nranks, 0, 0, took);
     return r;
   }
 
-  bool progress() {
-    return timed(CALL_WORKER_PASS, [&] { return ucp_worker_progress(worker) != 0; });
+  bool progress(Lane &l) {
+    return timed(l, CALL_WORKER_PASS, [&] { return ucp_worker_progress(l.worker) != 0; });
+  }
+
+  // Lane l's failed connections, after what they brought was applied: a
+  // connection that fails after its lane brought the peer's leave is the
+  // peer closing it (its other lanes may still bring theirs); before, the
+  // peer is lost.
+  void check_connections(Lane &l) {
+    for (uint32_t p = 0; p < nranks; ++p) {
+      Connection *c = l.peers[p].connection;
+      if (c == nullptr || c->failed.load(std::memory_order_acquire) != 1) continue;
+      c->failed.store(2, std::memory_order_relaxed);  // judged
+      uint64_t state;
+      {
+        std::lock_guard<std::mutex> hold(peers[p].status_mutex);
+        state = peers[p].lane_state[l.index];
+      }
+      if (state == DFCCL_RANK_LIVE || state == ~0ull) fail_peer(p, "connection", c->status);
+    }
   }
 
   void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
     Peer &peer = peers[p];
+    std::lock_guard<std::mutex> hold(lost_mutex);
     if (peer.lost.load()) return;
     peer.error = std::string(what) + ": " + ucs_status_string(st);
     peer.lost.store(1, std::memory_order_release);
   }
 
   // ---- sending -------------------------------------------------------------
-  bool send_part(uint32_t p, const void *buf, size_t len, uint64_t tag, Op *op) {
+  bool send_part(Lane &l, uint32_t p, const void *buf, size_t len, uint64_t tag, Op *op) {
     ucp_request_param_t prm;
     memset(&prm, 0, sizeof(prm));
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     prm.cb.send = on_op;
     prm.user_data = op;
-    ucs_status_ptr_t r = timed(CALL_SEND, [&] { return ucp_tag_send_nbx(peers[p].ep, buf, len, tag, &prm); });
+    ucs_status_ptr_t r = timed(l, CALL_SEND, [&] { return ucp_tag_send_nbx(l.peers[p].ep, buf, len, tag, &prm); });
     if (r == nullptr) {
       op->done.store(1);
       return true;
@@ -247,37 +315,37 @@ struct Proxy {
     return true;
   }
 
-  void send(uint32_t p, std::unique_ptr<Outgoing> out, const void *payload) {
-    Peer &peer = peers[p];
-    if (peer.lost.load()) return;
-    const uint64_t seq = peer.send_seq++;
-    note(TRACE_SENT, p, seq, out->msg);
+  void send(Lane &l, uint32_t p, std::unique_ptr<Outgoing> out, const void *payload) {
+    if (peers[p].lost.load()) return;
+    const uint64_t seq = l.peers[p].send_seq++;
+    note(l, TRACE_SENT, p, seq, out->msg);
     const bool inlined = out->has_payload && out->msg.len <= inline_bytes;
     if (inlined) {
       memcpy(out->wire.bytes, payload, out->msg.len);
       out->msg.inlined = 1;
     }
-    send_part(p, &out->wire, sizeof(Msg) + (inlined ? out->msg.len : 0), make_tag(rank, seq, false), &out->header);
+    send_part(l, p, &out->wire, sizeof(Msg) + (inlined ? out->msg.len : 0), make_tag(rank, seq, false),
+              &out->header);
     if (out->has_payload && !inlined) {
-      send_part(p, payload, out->msg.len, make_tag(rank, seq, true), &out->payload);
+      send_part(l, p, payload, out->msg.len, make_tag(rank, seq, true), &out->payload);
     } else {
       out->payload.done.store(1);
     }
     if (out->has_payload) bytes_sent.fetch_add(out->msg.len, std::memory_order_relaxed);
     messages.fetch_add(1, std::memory_order_relaxed);
-    outgoing.push_back(std::move(out));
+    l.outgoing.push_back(std::move(out));
   }
 
-  void reap_sent() {
-    while (!outgoing.empty()) {
-      Outgoing *o = outgoing.front().get();
+  static void reap_sent(Lane &l) {
+    while (!l.outgoing.empty()) {
+      Outgoing *o = l.outgoing.front().get();
       if (!o->header.done.load(std::memory_order_acquire) || !o->payload.done.load(std::memory_order_acquire)) break;
-      outgoing.pop_front();
+      l.outgoing.pop_front();
     }
   }
 
-  // One queue entry from the daemon.
-  void take(const dfccl_net_entry &e) {
+  // One queue entry from the daemon, sent on lane `l`.
+  void take(Lane &l, const dfccl_net_entry &e) {
     if (e.kind == DFCCL_NET_PUT) {
       if (e.peer >= nranks || !peers[e.peer].remote) return;
       std::unique_ptr<Outgoing> out(new Outgoing());
@@ -287,7 +355,7 @@ struct Proxy {
       out->msg.word_offset = e.word_offset;
       out->msg.word = e.word;
       out->has_payload = e.len != 0;
-      send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
+      send(l, e.peer, std::move(out), peers[e.peer].mirror + e.offset);
     } else if (e.kind == DFCCL_NET_LINES) {
       if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
       std::unique_ptr<Outgoing> out(new Outgoing());
@@ -296,7 +364,7 @@ struct Proxy {
       out->msg.len = e.len;
       out->msg.word_offset = DFCCL_NET_NO_WORD;
       out->has_payload = true;
-      send(e.peer, std::move(out), peers[e.peer].mirror + e.offset);
+      send(l, e.peer, std::move(out), peers[e.peer].mirror + e.offset);
     } else if (e.kind == DFCCL_NET_SHARE) {
       if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
       std::unique_ptr<Outgoing> out(new Outgoing());
@@ -305,7 +373,7 @@ struct Proxy {
       out->msg.len = e.len;
       out->msg.word_offset = DFCCL_NET_NO_WORD;
       out->has_payload = true;
-      send(e.peer, std::move(out), arena + e.offset);
+      send(l, e.peer, std::move(out), arena + e.offset);
     } else if (e.kind == DFCCL_NET_RECORD) {
       // What the owner publishes, read now (the latest state: a later
       // entry for the same channel only brings newer values).
@@ -325,19 +393,20 @@ struct Proxy {
         if (!peers[p].remote) continue;
         std::unique_ptr<Outgoing> out(new Outgoing());
         out->msg = m;
-        send(p, std::move(out), nullptr);
+        send(l, p, std::move(out), nullptr);
       }
     }
   }
 
-  bool drain_queues() {
+  // The queues of lane l's blocks.
+  bool drain_queues(Lane &l) {
     bool any = false;
-    for (uint32_t b = 0; b < nqueues; ++b) {
+    for (uint32_t b = l.index; b < nqueues; b += (uint32_t)lanes.size()) {
       dfccl_net_queue *q = &queues[b];
       const uint64_t tail = load_acq(&q->tail);
       uint64_t head = load_rlx(&q->head);
       while (head != tail) {
-        take(q->entries[head & (DFCCL_NET_QUEUE_ENTRIES - 1)]);
+        take(l, q->entries[head & (DFCCL_NET_QUEUE_ENTRIES - 1)]);
         ++head;
         store_rel(&q->head, head);
         any = true;
@@ -346,28 +415,29 @@ struct Proxy {
     return any;
   }
 
-  bool push_status(bool beat) {
+  // On lane l, after what it took off its queues before.
+  bool push_status(Lane &l, bool beat) {
     uint64_t s[kStatusWords];
     bool changed = false;
     for (uint32_t i = 0; i < kStatusWords; ++i) {
       s[i] = status[i].load(std::memory_order_acquire);
-      changed |= s[i] != pushed_status[i];
+      changed |= s[i] != l.pushed_status[i];
     }
     if (!changed && !beat) return false;
-    for (uint32_t i = 0; i < kStatusWords; ++i) pushed_status[i] = s[i];
+    for (uint32_t i = 0; i < kStatusWords; ++i) l.pushed_status[i] = s[i];
     for (uint32_t p = 0; p < nranks; ++p) {
       if (!peers[p].remote) continue;
       std::unique_ptr<Outgoing> out(new Outgoing());
       memset(&out->msg, 0, sizeof(Msg));
       out->msg.kind = MSG_STATUS;
       for (uint32_t i = 0; i < kStatusWords; ++i) out->msg.data[i] = s[i];
-      send(p, std::move(out), nullptr);
+      send(l, p, std::move(out), nullptr);
     }
     return true;
   }
 
   // ---- receiving -----------------------------------------------------------
-  bool post_recv(uint32_t p, void *buf, size_t len, uint64_t tag, Op *op, Incoming *header_of = nullptr) {
+  bool post_recv(Lane &l, uint32_t p, void *buf, size_t len, uint64_t tag, Op *op, Incoming *header_of = nullptr) {
     ucp_request_param_t prm;
     memset(&prm, 0, sizeof(prm));
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -378,7 +448,7 @@ struct Proxy {
       prm.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
       prm.recv_info.tag_info = &info;
     }
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker, buf, len, tag, ~0ull, &prm);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(l.worker, buf, len, tag, ~0ull, &prm);
     if (r == nullptr) {
       if (header_of != nullptr) header_of->header_len = info.length;
       op->done.store(1);
@@ -394,20 +464,21 @@ struct Proxy {
     return true;
   }
 
-  void post_headers(uint32_t p) {
-    Peer &peer = peers[p];
-    while (peer.incoming.size() < kWindow && !peer.lost.load()) {
+  void post_headers(Lane &l, uint32_t p) {
+    LanePeer &peer = l.peers[p];
+    while (peer.incoming.size() < kWindow && !peers[p].lost.load()) {
       std::unique_ptr<Incoming> in(new Incoming());
       Incoming *raw = in.get();
       raw->proxy = this;
+      raw->lane = &l;
       raw->peer = p;
       raw->seq = peer.recv_seq + peer.incoming.size();
       peer.incoming.push_back(std::move(in));
-      if (!post_recv(p, &raw->wire, sizeof(Wire), make_tag(p, raw->seq, false), &raw->header, raw)) return;
+      if (!post_recv(l, p, &raw->wire, sizeof(Wire), make_tag(p, raw->seq, false), &raw->header, raw)) return;
     }
   }
 
-  void apply(uint32_t p, const Incoming &in) {
+  void apply(uint32_t p, const Lane &l, const Incoming &in) {
     const Msg &m = in.msg;
     if (m.kind == MSG_LINES) {
       // Any order: every 8-byte half carries its own flag.
@@ -443,10 +514,17 @@ struct Proxy {
       store_rel(peers[p].mirror + m.word_offset, m.data[0]);  // the header's key
       store_rel(chan + offsetof(dfccl_chan_state, ready), w[offsetof(dfccl_chan_state, ready) / 8]);
     } else if (m.kind == MSG_STATUS) {
-      uint8_t *s = peers[p].mirror;
+      // The state once every lane brought it: then whatever the peer sent
+      // on any lane before it has been applied.
+      Peer &peer = peers[p];
+      uint8_t *s = peer.mirror;
+      std::lock_guard<std::mutex> hold(peer.status_mutex);
+      peer.lane_state[l.index] = m.data[0];
       store_rlx(s + offsetof(dfccl_rank_status, heartbeat), m.data[1]);
       store_rlx(s + offsetof(dfccl_rank_status, pid), m.data[2]);
-      store_rel(s + offsetof(dfccl_rank_status, state), m.data[0]);
+      bool agreed = true;
+      for (size_t i = 0; i < lanes.size(); ++i) agreed &= peer.lane_state[i] == m.data[0];
+      if (agreed) store_rel(s + offsetof(dfccl_rank_status, state), m.data[0]);
     }
   }
 
@@ -483,15 +561,15 @@ struct Proxy {
     }
     if (m.kind == MSG_LINES) {
       in->lines.resize(m.len / 8);
-      post_recv(in->peer, in->lines.data(), m.len, make_tag(in->peer, in->seq, true), &in->payload);
+      post_recv(*in->lane, in->peer, in->lines.data(), m.len, make_tag(in->peer, in->seq, true), &in->payload);
       return;
     }
     uint8_t *into = m.kind == MSG_PUT ? arena : peers[in->peer].mirror;
-    post_recv(in->peer, into + m.offset, m.len, make_tag(in->peer, in->seq, true), &in->payload);
+    post_recv(*in->lane, in->peer, into + m.offset, m.len, make_tag(in->peer, in->seq, true), &in->payload);
   }
 
-  bool receive(uint32_t p) {
-    Peer &peer = peers[p];
+  bool receive(Lane &l, uint32_t p) {
+    LanePeer &peer = l.peers[p];
     bool any = false;
     for (auto &in : peer.incoming) post_payload(in.get());
     while (!peer.incoming.empty()) {
@@ -499,8 +577,8 @@ struct Proxy {
       if (!in->header.done.load(std::memory_order_acquire) || !in->payload.done.load(std::memory_order_acquire))
         break;
       if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
-        apply(p, *in);
-        note(TRACE_APPLIED, p, in->seq, in->msg);
+        apply(p, l, *in);
+        note(l, TRACE_APPLIED, p, in->seq, in->msg);
         if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE || in->msg.kind == MSG_LINES)
           bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
       } else {
@@ -510,43 +588,44 @@ struct Proxy {
       peer.recv_seq += 1;
       any = true;
     }
-    post_headers(p);
+    post_headers(l, p);
     return any;
   }
 
   // At close: what peers sent that nobody will receive now (their status
   // pushes, say), taken off the worker so that it goes quietly.
-  void drain_unexpected(uint64_t until) {
+  static void drain_unexpected(Lane &l, uint64_t until) {
     std::vector<uint8_t> scratch;
     while (now_ns() < until) {
       ucp_tag_recv_info_t info;
-      ucp_tag_message_h m = ucp_tag_probe_nb(worker, 0, 0, 1, &info);
+      ucp_tag_message_h m = ucp_tag_probe_nb(l.worker, 0, 0, 1, &info);
       if (m == nullptr) break;
       scratch.resize(info.length ? info.length : 1);
       ucp_request_param_t prm;
       memset(&prm, 0, sizeof(prm));
-      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker, scratch.data(), info.length, m, &prm);
+      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(l.worker, scratch.data(), info.length, m, &prm);
       if (r == nullptr || UCS_PTR_IS_ERR(r)) continue;
-      while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until) ucp_worker_progress(worker);
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker, r);
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until) ucp_worker_progress(l.worker);
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(l.worker, r);
       ucp_request_free(r);
     }
   }
 
-  void run() {
+  void run(Lane &l) {
     uint64_t last_beat = now_ns(), last_busy = last_beat;
     while (!stop.load(std::memory_order_acquire)) {
-      bool any = progress();
-      any |= drain_queues();
+      bool any = progress(l);
+      any |= drain_queues(l);
       for (uint32_t p = 0; p < nranks; ++p)
-        if (peers[p].remote && !peers[p].lost.load()) any |= receive(p);
+        if (peers[p].remote && !peers[p].lost.load()) any |= receive(l, p);
+      check_connections(l);
       const uint64_t now = now_ns();
       // A heartbeat every 50 ms whether or not the status changed, so that
       // a peer's silence means it is gone.
       const bool beat = now - last_beat > 50000000ull;
       if (beat) last_beat = now;
-      any |= push_status(beat);
-      reap_sent();
+      any |= push_status(l, beat);
+      reap_sent(l);
       // While traffic flows, only yield: a sleep costs a timer tick or more
       // on every hop, and a ring step waits for several hops.  After 2 ms
       // without any, sleep between polls.
@@ -570,8 +649,9 @@ void on_header(void *request, ucs_status_t status, const ucp_tag_recv_info_t *in
 }
 
 void err_handler(void *arg, ucp_ep_h, ucs_status_t status) {
-  auto *pair = static_cast<std::pair<Proxy *, uint32_t> *>(arg);
-  pair->first->fail_peer(pair->second, "connection", status);
+  auto *c = static_cast<Connection *>(arg);
+  c->status = status;
+  c->failed.store(1, std::memory_order_release);
 }
 
 void set_error(char *err, size_t len, const std::string &what) {
@@ -616,8 +696,18 @@ const char *dfccl_net_ucx_defaults(void) {
   return text.c_str();
 }
 
+// The most lanes a proxy runs.
+uint32_t dfccl_net_max_lanes(void) { return kMaxLanes; }
+
+// A proxy of `lanes` threads (1..dfccl_net_max_lanes()) for this rank's
+// arena and its `nqueues` net queues; nullptr with `err` set where UCX
+// cannot start.
 void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t arena_bytes, uint64_t queues,
-                       uint32_t nqueues, char *err, size_t errlen) {
+                       uint32_t nqueues, uint32_t lanes, char *err, size_t errlen) {
+  if (lanes == 0 || lanes > kMaxLanes) {
+    set_error(err, errlen, "lanes must be in 1.." + std::to_string(kMaxLanes) + ", not " + std::to_string(lanes));
+    return nullptr;
+  }
   std::unique_ptr<Proxy> px(new Proxy());
   px->rank = rank;
   px->nranks = nranks;
@@ -656,12 +746,19 @@ void *dfccl_net_create(uint32_t rank, uint32_t nranks, uint64_t arena, uint64_t 
   ucp_worker_params_t wp;
   memset(&wp, 0, sizeof(wp));
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // set up by the caller, then run by the proxy thread
-  st = ucp_worker_create(px->context, &wp, &px->worker);
-  if (st != UCS_OK) {
-    ucp_cleanup(px->context);
-    set_error(err, errlen, std::string("ucp_worker_create: ") + ucs_status_string(st));
-    return nullptr;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // set up by the caller, then run by the lane's thread
+  for (uint32_t i = 0; i < lanes; ++i) {
+    std::unique_ptr<Lane> l(new Lane());
+    l->index = i;
+    l->peers = std::vector<LanePeer>(nranks);
+    st = ucp_worker_create(px->context, &wp, &l->worker);
+    if (st != UCS_OK) {
+      for (auto &made : px->lanes) ucp_worker_destroy(made->worker);
+      ucp_cleanup(px->context);
+      set_error(err, errlen, std::string("ucp_worker_create: ") + ucs_status_string(st));
+      return nullptr;
+    }
+    px->lanes.push_back(std::move(l));
   }
   return px.release();
 }
@@ -673,44 +770,81 @@ uint64_t dfccl_net_inline_capacity(void) { return kInlineCapacity; }
 // -1: more than the capacity, or too late.
 int dfccl_net_set_inline_bytes(void *h, uint64_t bytes) {
   Proxy *px = static_cast<Proxy *>(h);
-  if (bytes > kInlineCapacity || px->thread.joinable()) return -1;
+  if (bytes > kInlineCapacity || px->started) return -1;
   px->inline_bytes = bytes;
   return 0;
 }
 
-// This rank's worker address: what a peer needs to reach it.
+// This rank's address, what a peer needs to reach it: the lane count,
+// then each lane's worker address, each after its length (uint32_t words,
+// host order).  0: written; 1: `cap` is too small (`*len` says how much is
+// needed); -1: UCX failed.
 int dfccl_net_address(void *h, uint8_t *buf, size_t cap, size_t *len) {
   Proxy *px = static_cast<Proxy *>(h);
-  ucp_address_t *addr = nullptr;
-  size_t n = 0;
-  if (ucp_worker_get_address(px->worker, &addr, &n) != UCS_OK) return -1;
-  *len = n;
-  const int ok = n <= cap ? 0 : 1;
-  if (ok == 0) memcpy(buf, addr, n);
-  ucp_worker_release_address(px->worker, addr);
-  return ok;
+  std::vector<uint8_t> out;
+  auto put_u32 = [&](uint32_t v) { out.insert(out.end(), (uint8_t *)&v, (uint8_t *)&v + 4); };
+  put_u32((uint32_t)px->lanes.size());
+  for (auto &l : px->lanes) {
+    ucp_address_t *addr = nullptr;
+    size_t n = 0;
+    if (ucp_worker_get_address(l->worker, &addr, &n) != UCS_OK) return -1;
+    put_u32((uint32_t)n);
+    out.insert(out.end(), (uint8_t *)addr, (uint8_t *)addr + n);
+    ucp_worker_release_address(l->worker, addr);
+  }
+  *len = out.size();
+  if (out.size() > cap) return 1;
+  memcpy(buf, out.data(), out.size());
+  return 0;
 }
 
+// Connects every lane to the same lane of `peer`, whose address
+// (dfccl_net_address) is `addr`; its arena's mirror here is `mirror`.
+// 0: connected; -1: `err` says why (a peer with another lane count among them).
 int dfccl_net_connect(void *h, uint32_t peer, const uint8_t *addr, size_t len, uint64_t mirror, char *err,
                       size_t errlen) {
   Proxy *px = static_cast<Proxy *>(h);
-  (void)len;
   if (peer >= px->nranks) return -1;
-  Peer &p = px->peers[peer];
-  px->handler_args.emplace_back(new std::pair<Proxy *, uint32_t>(px, peer));
-  auto *arg = px->handler_args.back().get();
-  ucp_ep_params_t ep;
-  memset(&ep, 0, sizeof(ep));
-  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t *>(addr);
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = err_handler;
-  ep.err_handler.arg = arg;
-  ucs_status_t st = ucp_ep_create(px->worker, &ep, &p.ep);
-  if (st != UCS_OK) {
-    set_error(err, errlen, std::string("ucp_ep_create: ") + ucs_status_string(st));
+  auto get_u32 = [&](size_t at, uint32_t *v) {
+    if (at + 4 > len) return false;
+    memcpy(v, addr + at, 4);
+    return true;
+  };
+  uint32_t lanes = 0;
+  if (!get_u32(0, &lanes)) {
+    set_error(err, errlen, "the peer's address is truncated");
     return -1;
+  }
+  if (lanes != px->lanes.size()) {
+    set_error(err, errlen, "its proxy runs " + std::to_string(lanes) + " lanes and this rank's " +
+                               std::to_string(px->lanes.size()) + " (DFCCL_NET_LANES must be equal on every rank)");
+    return -1;
+  }
+  Peer &p = px->peers[peer];
+  size_t at = 4;
+  for (auto &l : px->lanes) {
+    px->connections.emplace_back(new Connection{px, peer, l->index});
+    Connection *arg = px->connections.back().get();
+    l->peers[peer].connection = arg;
+    uint32_t n = 0;
+    if (!get_u32(at, &n) || at + 4 + n > len) {
+      set_error(err, errlen, "the peer's address is truncated");
+      return -1;
+    }
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t *>(addr + at + 4);
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = err_handler;
+    ep.err_handler.arg = arg;
+    ucs_status_t st = ucp_ep_create(l->worker, &ep, &l->peers[peer].ep);
+    if (st != UCS_OK) {
+      set_error(err, errlen, std::string("ucp_ep_create: ") + ucs_status_string(st));
+      return -1;
+    }
+    at += 4 + n;
   }
   p.remote = true;
   p.mirror = reinterpret_cast<uint8_t *>(mirror);
@@ -719,15 +853,23 @@ int dfccl_net_connect(void *h, uint32_t peer, const uint8_t *addr, size_t len, u
 
 void dfccl_net_start(void *h) {
   Proxy *px = static_cast<Proxy *>(h);
-  for (uint32_t p = 0; p < px->nranks; ++p)
-    if (px->peers[p].remote) px->post_headers(p);
-  px->thread = std::thread([px] {
-    dfccl_block_async_signals();
-    // Named for profilers and top -H (a name that does not take costs nothing else).
-    const int named = pthread_setname_np(pthread_self(), "dfccl-net");
-    (void)named;
-    px->run();
-  });
+  px->started = true;
+  for (auto &l : px->lanes) {
+    for (uint32_t p = 0; p < px->nranks; ++p)
+      if (px->peers[p].remote) px->post_headers(*l, p);
+  }
+  for (auto &lp : px->lanes) {
+    Lane *l = lp.get();
+    l->thread = std::thread([px, l] {
+      dfccl_block_async_signals();
+      // Named for profilers and top -H (a name that does not take costs nothing else).
+      char name[16];
+      snprintf(name, sizeof(name), "dfccl-net-%u", l->index);
+      const int named = pthread_setname_np(pthread_self(), name);
+      (void)named;
+      px->run(*l);
+    });
+  }
 }
 
 void dfccl_net_set_status(void *h, uint64_t state, uint64_t heartbeat, uint64_t pid) {
@@ -755,11 +897,14 @@ void dfccl_net_counters(void *h, uint64_t *out) {
 
 // Keeps the first `capacity` messages sent and applied (before
 // dfccl_net_start only).  0: the trace is on; -1: too late.
+// (per lane).
 int dfccl_net_trace_start(void *h, uint64_t capacity) {
   Proxy *px = static_cast<Proxy *>(h);
-  if (px->thread.joinable()) return -1;
-  px->trace.assign(capacity, TraceEvent{});
-  px->traced.store(0);
+  if (px->started) return -1;
+  for (auto &l : px->lanes) {
+    l->trace.assign(capacity, TraceEvent{});
+    l->traced.store(0);
+  }
   return 0;
 }
 
@@ -781,14 +926,19 @@ const char *dfccl_net_trace_format(void) {
   return text;
 }
 
-// Copies up to `cap` events into `out` (while the proxy runs, the events
-// counted are complete; after dfccl_net_close, they are all there);
-// returns how many.
+// Copies up to `cap` events of all lanes into `out`, in time order (while
+// the proxy runs, the events counted are complete; after dfccl_net_close,
+// they are all there); returns how many.
 uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
   Proxy *px = static_cast<Proxy *>(h);
-  uint64_t n = px->traced.load(std::memory_order_acquire);
-  if (n > cap) n = cap;
-  if (n != 0) memcpy(out, px->trace.data(), n * sizeof(TraceEvent));
+  std::vector<TraceEvent> all;
+  for (auto &l : px->lanes) {
+    const uint64_t n = l->traced.load(std::memory_order_acquire);
+    all.insert(all.end(), l->trace.begin(), l->trace.begin() + (ptrdiff_t)n);
+  }
+  std::stable_sort(all.begin(), all.end(), [](const TraceEvent &a, const TraceEvent &b) { return a.t_ns < b.t_ns; });
+  const uint64_t n = std::min<uint64_t>(all.size(), cap);
+  if (n != 0) memcpy(out, all.data(), n * sizeof(TraceEvent));
   return n;
 }
 
@@ -799,43 +949,49 @@ uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
 // dfccl_net_destroy.
 void dfccl_net_close(void *h, uint64_t linger_ns) {
   Proxy *px = static_cast<Proxy *>(h);
-  if (px->thread.joinable()) {
-    px->stop.store(1, std::memory_order_release);
-    px->thread.join();
-  }
+  px->stop.store(1, std::memory_order_release);
+  for (auto &l : px->lanes)
+    if (l->thread.joinable()) l->thread.join();
   const uint64_t until = now_ns() + linger_ns;
-  px->drain_queues();
-  px->push_status(true);
-  while (!px->outgoing.empty() && now_ns() < until) {
-    ucp_worker_progress(px->worker);
-    px->reap_sent();
+  for (auto &l : px->lanes) {
+    px->drain_queues(*l);
+    px->push_status(*l, true);
   }
-  for (uint32_t p = 0; p < px->nranks; ++p) {
-    Peer &peer = px->peers[p];
-    if (peer.ep == nullptr) continue;
-    ucp_request_param_t prm;
-    memset(&prm, 0, sizeof(prm));
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &prm);
-    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
-      while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until + 100000000ull)
-        ucp_worker_progress(px->worker);
-      ucp_request_free(r);
+  for (auto &l : px->lanes) {
+    while (!l->outgoing.empty() && now_ns() < until) {
+      ucp_worker_progress(l->worker);
+      Proxy::reap_sent(*l);
     }
-    peer.ep = nullptr;
   }
-  // Receives still posted: cancelled, their requests freed before the worker goes.
-  for (auto &peer : px->peers) {
-    for (auto &in : peer.incoming)
-      for (Op *op : {&in->header, &in->payload})
-        if (op->req != nullptr && !op->done.load()) ucp_request_cancel(px->worker, op->req);
+  for (auto &l : px->lanes) {
+    for (uint32_t p = 0; p < px->nranks; ++p) {
+      LanePeer &peer = l->peers[p];
+      if (peer.ep == nullptr) continue;
+      ucp_request_param_t prm;
+      memset(&prm, 0, sizeof(prm));
+      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &prm);
+      if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS && now_ns() < until + 100000000ull)
+          ucp_worker_progress(l->worker);
+        ucp_request_free(r);
+      }
+      peer.ep = nullptr;
+    }
+    // Receives still posted: cancelled, their requests freed before the worker goes.
+    for (auto &peer : l->peers) {
+      for (auto &in : peer.incoming)
+        for (Op *op : {&in->header, &in->payload})
+          if (op->req != nullptr && !op->done.load()) ucp_request_cancel(l->worker, op->req);
+    }
+    for (int i = 0; i < 100; ++i) ucp_worker_progress(l->worker);
+    for (auto &peer : l->peers) peer.incoming.clear();
+    Proxy::drain_unexpected(*l, until);
+    l->outgoing.clear();
+    ucp_worker_destroy(l->worker);
+    l->worker = nullptr;
   }
-  for (int i = 0; i < 100; ++i) ucp_worker_progress(px->worker);
-  for (auto &peer : px->peers) peer.incoming.clear();
-  px->drain_unexpected(until);
-  px->outgoing.clear();
-  ucp_worker_destroy(px->worker);
   ucp_cleanup(px->context);
 }
 
