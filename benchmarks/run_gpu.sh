@@ -2,8 +2,9 @@
 # Builds dfccl on a GPU machine and runs the GPU tests and benchmarks, each
 # phase under its own time limit, logging to $OUT (default ./gpu-logs).
 #   benchmarks/run_gpu.sh [phase ...]     phases: info build smoke tests mp graphs depth torch chaos latency bench
-#                                         mpbench hostpath preempt ab all
-#   ab (daemon images alternated, AB_IMAGES="a.fatbin b.fatbin") runs only where AB_IMAGES is set.
+#                                         mpbench hostpath preempt net ab netbench all
+#   ab (daemon images alternated, AB_IMAGES="a.fatbin b.fatbin") runs only where AB_IMAGES is set;
+#   netbench (the network proxy's lanes alternated) only where named, not with all.
 # Each phase's limit and extra arguments come from the environment, e.g.
 #   BENCH_LIMIT=600 BENCH_ARGS="--devices 0,1" benchmarks/run_gpu.sh bench
 # Tables go to $OUT/<phase>.log; results (JSON, PNG) to $OUT; then
@@ -100,6 +101,29 @@ if has hostpath; then
 fi
 if has preempt; then
   step preempt ${PREEMPT_LIMIT:-120} $PY benchmarks/bench_preemption.py --out "$OUT" ${PREEMPT_ARGS:-}
+fi
+if has net; then
+  # Ranks on "different hosts": two processes under MPS through the network
+  # proxy over UCX (the [net] extra), TCP on loopback.
+  mps_on
+  step net-build 120 $PY -m dfccl.net
+  step net ${NET_LIMIT:-300} $PY -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_net_gpu.py --timeout=280
+  mps_off
+fi
+if [[ " $phases " == *" netbench "* ]]; then
+  # The proxy's lanes alternated against ucx_perftest (docs/performance-log.md,
+  # section 49): NET_LANES lane counts x NET_BPC bytes per channel, two rounds.
+  mps_on
+  for round in 1 2; do
+    for lanes in ${NET_LANES:-1 2}; do
+      for bpc in ${NET_BPC:-1048576 524288}; do
+        DFCCL_NET_LANES=$lanes step netbench$round-lanes$lanes-bpc$bpc ${NETBENCH_LIMIT:-90} $PY benchmarks/bench_net.py \
+          --backend cuda --sizes ${NET_SIZES:-1048576,4194304} --iters 20 --repeats 1 \
+          --option bytes_per_channel=$bpc --out "$OUT"
+      done
+    done
+  done
+  mps_off
 fi
 if has ab && [ -n "${AB_IMAGES:-}" ]; then
   # Daemon images alternated in one run, two rounds (docs/profiling.md,
