@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import queue
 import signal
 import time
 import traceback
@@ -280,6 +281,27 @@ def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int, env: d
         results.put((ctx.rank, "error", traceback.format_exc()))
 
 
+def _next_result(results, procs: list, got: dict, limit: float = 600.0, grace: float = 5.0) -> tuple:
+    """The next rank's (rank, what, info) from ``results``; a rank whose
+    process ended without one (a crash: its exit code says how) fails the
+    test at once instead of leaving it waiting out ``limit``."""
+    deadline, ended_at = time.monotonic() + limit, None
+    while True:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            pass
+        ended = {r: p.exitcode for r, p in enumerate(procs) if r not in got and p.exitcode is not None}
+        now = time.monotonic()
+        if ended:
+            # A result put just before a normal exit may still be on its way.
+            ended_at = ended_at or now
+            if now - ended_at > grace:
+                raise AssertionError(f"ranks ended without a result (rank: exit code): {ended}")
+        if now > deadline:
+            raise AssertionError(f"no rank reported within {limit:.0f} s")
+
+
 def run_ranks(scenario, nranks: int, per_host: int = 1, backend: str = "sim", rank_env: dict | None = None,
               errors: bool = False, **options) -> dict:
     """Runs ``scenario`` on ``nranks`` processes, ``per_host`` ranks per
@@ -298,7 +320,7 @@ def run_ranks(scenario, nranks: int, per_host: int = 1, backend: str = "sim", ra
     got = {}
     try:
         for _ in procs:
-            rank, what, info = results.get(timeout=600)
+            rank, what, info = _next_result(results, procs, got)
             if errors:
                 got[rank] = info if what == "error" else None
                 continue

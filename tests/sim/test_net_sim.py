@@ -421,6 +421,22 @@ def _nothing(comm, ctx) -> dict:
     return {}
 
 
+def _crash_rank_1(comm, ctx) -> dict:
+    if ctx.rank == 1:
+        os._exit(3)
+    return {}
+
+
+@needs_ucx
+def test_a_rank_that_crashes_fails_the_launcher_at_once():
+    """A rank process that ends without reporting (a crash) fails run_ranks
+    with its exit code within seconds, not after the launcher's limit."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ended without a result .*1: 3"):
+        run_ranks(_crash_rank_1, 2)
+    assert time.monotonic() - start < 120
+
+
 @needs_ucx
 def test_ranks_with_different_lane_counts_are_refused():
     """Lane l of one rank talks to lane l of the other, so every rank must
