@@ -188,16 +188,12 @@ def _network() -> dict:
             from dfccl.net.link import inline_bytes, lanes, ucx_settings
 
             info["ucx_settings"] = [{"name": n, "value": v, "from": f} for n, v, f in ucx_settings()]
-            try:
-                value, source = inline_bytes()
-                info["inline_bytes"] = {"value": value, "from": source}
-            except InvalidArgumentError as exc:
-                info["inline_bytes"] = {"value": None, "from": str(exc)}
-            try:
-                value, source = lanes()
-                info["lanes"] = {"value": value, "from": source}
-            except InvalidArgumentError as exc:
-                info["lanes"] = {"value": None, "from": str(exc)}
+            for key, read in (("inline_bytes", inline_bytes), ("lanes", lanes)):
+                try:
+                    value, source = read()
+                    info[key] = {"value": value, "from": source}
+                except InvalidArgumentError as exc:
+                    info[key] = {"value": None, "from": str(exc)}
     except net.NetUnavailableError as exc:
         info["ucx"] = f"not available: {exc}"
     return info
@@ -269,14 +265,11 @@ def print_info(out: TextIO = sys.stdout) -> dict:
     if n["ucx_settings"]:
         p("  UCX settings of the proxy: " + ", ".join(f"{u['name']}={u['value']} ({u['from']})"
                                                       for u in n["ucx_settings"]))
-    if n["inline_bytes"]:
-        i = n["inline_bytes"]
-        p(f"  bytes a message carries in its header: {i['value']} ({i['from']})" if i["value"] is not None
-          else f"  bytes a message carries in its header: {i['from']}")
-    if n["lanes"]:
-        lanes = n["lanes"]
-        p(f"  proxy lanes (threads and connections per peer): {lanes['value']} ({lanes['from']})"
-          if lanes["value"] is not None else f"  proxy lanes (threads and connections per peer): {lanes['from']}")
+    for key, label in (("inline_bytes", "bytes a message carries in its header"),
+                       ("lanes", "proxy lanes (threads and connections per peer)")):
+        if n[key]:
+            v = n[key]
+            p(f"  {label}: {v['value']} ({v['from']})" if v["value"] is not None else f"  {label}: {v['from']}")
     for backend, d in info["defaults"].items():
         p(f"defaults ({backend}):")
         p(f"  daemon blocks per device: {d['blocks']}; max outstanding collectives: {d['max_outstanding']}")

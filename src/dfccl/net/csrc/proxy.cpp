@@ -8,7 +8,7 @@
 // own connection to every remote peer (one TCP stream per lane and peer
 // over TCP: a stream's copies run on one core).  Lane l carries what the
 // daemon blocks b with b % lanes == l post, so a channel (always run by one
-// block) keeps one lane; lane 0 also pushes the rank's status.  Within a
+// block) keeps one lane.  Within a
 // lane, messages from one peer are applied strictly in the order it sent
 // them (a word never overtakes the slice posted before it): every message
 // carries the sender's sequence number on that lane in its tag, receives
@@ -160,7 +160,7 @@ struct Peer {
   uint8_t *mirror = nullptr;        // this rank's mirror of the peer's arena (host view)
   std::atomic<int> lost{0};
   std::string error;                // written once, before `lost`
-  std::mutex status_mutex;          // the lanes' states below, and the mirror's state word
+  std::mutex mutex;                 // what the lanes share of the peer: `error`, the states below, the mirror's state word
   uint64_t lane_state[kMaxLanes];   // the state each lane last brought
   Peer() {
     for (auto &s : lane_state) s = ~0ull;
@@ -172,16 +172,14 @@ struct Peer {
 // messages are applied, so it only notes the failure and the lane judges
 // it after applying them (Proxy::check_connections).
 struct Connection {
-  Proxy *proxy;
-  uint32_t peer, lane;
-  std::atomic<int> failed{0};
+  std::atomic<bool> failed{false};
   ucs_status_t status = UCS_OK;
 };
 
 // One lane's side of a connection to a peer.
 struct LanePeer {
   ucp_ep_h ep = nullptr;
-  Connection *connection = nullptr;
+  std::unique_ptr<Connection> connection;  // its error handler's argument
   uint64_t send_seq = 0, recv_seq = 0;
   std::deque<std::unique_ptr<Incoming>> incoming;
 };
@@ -222,8 +220,6 @@ struct Proxy {
   ucp_context_h context = nullptr;
   std::vector<std::unique_ptr<Lane>> lanes;
   std::vector<Peer> peers;
-  std::mutex lost_mutex;            // one failure's text per peer, whichever lane sees it first
-  std::vector<std::unique_ptr<Connection>> connections;  // what each connection's error handler is given
   bool started = false;
   std::atomic<int> stop{0};
   // This rank's status, as the host last set it (pushed on every lane when
@@ -274,12 +270,11 @@ struct Proxy {
   // peer is lost.
   void check_connections(Lane &l) {
     for (uint32_t p = 0; p < nranks; ++p) {
-      Connection *c = l.peers[p].connection;
-      if (c == nullptr || c->failed.load(std::memory_order_acquire) != 1) continue;
-      c->failed.store(2, std::memory_order_relaxed);  // judged
+      Connection *c = l.peers[p].connection.get();
+      if (c == nullptr || !c->failed.exchange(false, std::memory_order_acquire)) continue;
       uint64_t state;
       {
-        std::lock_guard<std::mutex> hold(peers[p].status_mutex);
+        std::lock_guard<std::mutex> hold(peers[p].mutex);
         state = peers[p].lane_state[l.index];
       }
       if (state == DFCCL_RANK_LIVE || state == ~0ull) fail_peer(p, "connection", c->status);
@@ -288,7 +283,7 @@ struct Proxy {
 
   void fail_peer(uint32_t p, const char *what, ucs_status_t st) {
     Peer &peer = peers[p];
-    std::lock_guard<std::mutex> hold(lost_mutex);
+    std::lock_guard<std::mutex> hold(peer.mutex);
     if (peer.lost.load()) return;
     peer.error = std::string(what) + ": " + ucs_status_string(st);
     peer.lost.store(1, std::memory_order_release);
@@ -518,7 +513,7 @@ struct Proxy {
       // on any lane before it has been applied.
       Peer &peer = peers[p];
       uint8_t *s = peer.mirror;
-      std::lock_guard<std::mutex> hold(peer.status_mutex);
+      std::lock_guard<std::mutex> hold(peer.mutex);
       peer.lane_state[l.index] = m.data[0];
       store_rlx(s + offsetof(dfccl_rank_status, heartbeat), m.data[1]);
       store_rlx(s + offsetof(dfccl_rank_status, pid), m.data[2]);
@@ -651,7 +646,7 @@ void on_header(void *request, ucs_status_t status, const ucp_tag_recv_info_t *in
 void err_handler(void *arg, ucp_ep_h, ucs_status_t status) {
   auto *c = static_cast<Connection *>(arg);
   c->status = status;
-  c->failed.store(1, std::memory_order_release);
+  c->failed.store(true, std::memory_order_release);
 }
 
 void set_error(char *err, size_t len, const std::string &what) {
@@ -823,9 +818,8 @@ int dfccl_net_connect(void *h, uint32_t peer, const uint8_t *addr, size_t len, u
   Peer &p = px->peers[peer];
   size_t at = 4;
   for (auto &l : px->lanes) {
-    px->connections.emplace_back(new Connection{px, peer, l->index});
-    Connection *arg = px->connections.back().get();
-    l->peers[peer].connection = arg;
+    l->peers[peer].connection.reset(new Connection());
+    Connection *arg = l->peers[peer].connection.get();
     uint32_t n = 0;
     if (!get_u32(at, &n) || at + 4 + n > len) {
       set_error(err, errlen, "the peer's address is truncated");
