@@ -1,8 +1,9 @@
-"""The network proxy's native library (csrc/proxy.cpp): compiled on first
-use against the UCX of the ``libucx`` wheel (the ``[net]`` extra) with the
-system C++ compiler, and kept in dfccl's cache under a key of everything
-that shapes it (the sources, dfccl's headers, the UCX wheel's version and
-place, the compiler).  Design decision 45 says why at first use."""
+"""The network proxy's native library (csrc/proxy.cpp and the headers it
+includes): compiled on first use against the UCX of the ``libucx`` wheel
+(the ``[net]`` extra) with the system C++ compiler, and kept in dfccl's
+cache under a key of everything that shapes it (the sources, dfccl's
+headers, the UCX wheel's version and place, the compiler).  Design
+decision 45 says why at first use."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ def _compile(root: Path) -> bytes:
     lib = root / "lib"
     with tempfile.TemporaryDirectory(prefix="dfccl-net-") as tmp:
         out = os.path.join(tmp, "libdfccl_net.so")
+        # One translation unit: proxy.cpp includes the other pieces (csrc/*.h,
+        # found beside it), so they keep internal linkage (the library exports
+        # the dfccl_net_* functions alone) and the compiler sees the whole
+        # data path to inline, which separate objects would hide from it.
         cmd = [_compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir()}", f"-I{root / 'include'}",
                str(_SOURCES / "proxy.cpp"), "-o", out, f"-L{lib}", "-lucp", "-lucs", f"-Wl,-rpath,{lib}", "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
