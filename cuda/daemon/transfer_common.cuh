@@ -147,11 +147,7 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
     }
     dfccl_chan_state *pc = record_chan(rec, c);
     if (load_acquire(&pc->ready) != run.token) {
-      if ((polls & 15u) == 0 && load_relaxed(&pc->abort_token) == run.token) {
-        take_relayed(run, load_relaxed(&pc->abort_info));
-        return -1;
-      }
-      return 0;
+      return (polls & 15u) == 0 && take_abort_mark(run, pc, load_relaxed(&pc->abort_token)) ? -1 : 0;
     }
     met = rec;
     const uint64_t abort_token = load_relaxed(&pc->abort_token);
@@ -174,19 +170,13 @@ DFCCL_DEV int meet_peer(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t cac
       // mismatch it saw travels as a mismatch); a `ready` that moved on says
       // the fields were not this instance's; only otherwise is it ours.
       fence_system();
-      if (load_acquire(&pc->abort_token) == run.token) {
-        take_relayed(run, load_relaxed(&pc->abort_info));
-        return -1;
-      }
+      if (take_abort_mark(run, pc, load_acquire(&pc->abort_token))) return -1;
       if (load_relaxed(&pc->ready) != run.token) return 0;
       run.status = DFCCL_STATUS_MISMATCH;
       run.detail = (int32_t)peer;
       return -1;
     }
-    if (abort_token == run.token) {
-      take_relayed(run, load_relaxed(&pc->abort_info));
-      return -1;
-    }
+    if (take_abort_mark(run, pc, abort_token)) return -1;
     *fifo_word = fifo;
     return 1;
   });

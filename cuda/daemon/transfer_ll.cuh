@@ -391,10 +391,7 @@ DFCCL_DEV int ll_wait_lines(BlockEnv &env, TaskRun &run, uint32_t peer, uint32_t
         }
         // A peer that failed before its push marked its own record (push_abort).
         const dfccl_chan_state *pc = found != 0 ? record_chan(found, run.chan) : nullptr;
-        if (pc != nullptr && load_relaxed(&pc->abort_token) == run.token) {
-          take_relayed(run, load_relaxed(&pc->abort_info));
-          decision = WAIT_ABORT;
-        }
+        if (pc != nullptr && take_abort_mark(run, pc, load_relaxed(&pc->abort_token))) decision = WAIT_ABORT;
       }
       if (decision == WAIT_OK && (spins & 3u) == 0) {
         if (spins == 16) store_relaxed(&env.args->slot_waiting[run.d->slot], peer + 1);

@@ -18,6 +18,16 @@ DFCCL_DEV void take_relayed(TaskRun &run, uint64_t info) {
   run.relayed = true;
 }
 
+// Whether `abort_token`, read from a record's channel `pc`, is a give-up mark
+// for this instance (push_abort's); then the run takes the reason `pc`
+// carries.  The caller reads the token with the order its place needs (in a
+// batch of independent loads, after a fence, or alone), so it is passed in.
+DFCCL_DEV bool take_abort_mark(TaskRun &run, const dfccl_chan_state *pc, uint64_t abort_token) {
+  if (abort_token != run.token) return false;
+  take_relayed(run, load_relaxed(&pc->abort_info));
+  return true;
+}
+
 // Whether `rank` has left the communicator (aborted or closed): then it will
 // never publish or send again.  Read from the status its host keeps at the
 // start of its arena.
@@ -69,20 +79,15 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
     run.detail = -1;
     return true;
   }
-  if (load_acquire(&run.mine->abort_token) == run.token) {
-    take_relayed(run, load_acquire(&run.mine->abort_info));
-    return true;
-  }
+  if (take_abort_mark(run, run.mine, load_acquire(&run.mine->abort_token))) return true;
   const dfccl_endpoint *ep = run.ep;
   // The peer waited for gave this instance up and marked its own record
   // (push_abort), where a rank that met it before the mark looks only here:
   // its push into our record can miss us when it had not met us yet.
   if (peer < ep->nranks && peer != ep->rank) {
     const uint64_t rec = probe_record(ep, peer, run.d->tag_key, run.chan, run.d->instance);
-    if (rec != 0 && load_acquire(&record_chan(rec, run.chan)->abort_token) == run.token) {
-      take_relayed(run, load_relaxed(&record_chan(rec, run.chan)->abort_info));
-      return true;
-    }
+    const dfccl_chan_state *pc = rec != 0 ? record_chan(rec, run.chan) : nullptr;
+    if (pc != nullptr && take_abort_mark(run, pc, load_acquire(&pc->abort_token))) return true;
   }
   for (uint32_t p = peer < ep->nranks ? peer : 0; p < ep->nranks; ++p) {
     if (p != ep->rank && left_before_taking_part(run, p)) {
@@ -90,10 +95,7 @@ DFCCL_DEV bool abort_pending(const BlockEnv &env, TaskRun &run, uint32_t peer) {
       // it saw in our record, say) marked our record before it completed
       // and left; the mark may have landed after the read above.  Read it
       // again now that the leave is seen: it says why.
-      if (load_acquire(&run.mine->abort_token) == run.token) {
-        take_relayed(run, load_acquire(&run.mine->abort_info));
-        return true;
-      }
+      if (take_abort_mark(run, run.mine, load_acquire(&run.mine->abort_token))) return true;
       take_relayed(run, ((uint64_t)DFCCL_STATUS_PEER_ABORTED << 32) | p);
       return true;
     }
