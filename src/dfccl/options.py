@@ -153,11 +153,12 @@ class DaemonOptions:
 #: number of outstanding collectives, so that the default daemon never runs
 #: out of records before it runs out of slots.
 DEFAULT_MAX_TAGS = 2 * 4096
-#: A communicator that spans hosts: one channel per this many bytes, and ring
-#: slices (one network message each) up to this size, so that a collective
-#: of a MiB or more moves messages of 256 KiB or more (docs/multi-node.md,
-#: "Message size").
-NET_BYTES_PER_CHANNEL = 1 << 20
+#: A communicator that spans hosts: one channel per this many bytes (two per
+#: MiB, which the proxy's lanes carry side by side), and ring slices (one
+#: network message each) up to this size, so that a collective of a MiB or
+#: more moves messages of 128 KiB or more (docs/multi-node.md, "Message
+#: size").
+NET_BYTES_PER_CHANNEL = 512 << 10
 NET_MAX_SLICE_BYTES = 512 << 10
 #: ... and a channel of up to this many bytes goes as one slice: each slice
 #: costs a message, a credit and a daemon step on both sides, which a

@@ -314,18 +314,19 @@ def _channels_taken(comm, ctx) -> dict:
 
 
 @needs_ucx
-@pytest.mark.parametrize("options, channels", [({}, (1, 2)), ({"bytes_per_channel": 256 << 10}, (2, 2)),
+@pytest.mark.parametrize("options, channels", [({}, (2, 2)), ({"bytes_per_channel": 1 << 20}, (1, 2)),
                                                ({"channels": 1}, (1, 1))])
 def test_a_spanning_communicator_plans_network_sized_messages(options, channels):
-    """Across hosts one channel moves a MiB (messages of 256 KiB and more),
-    not the 256 KiB of one host; a size the user set is kept."""
+    """Across hosts one channel moves 512 KiB (messages of 128 KiB and
+    more), not the 256 KiB of one host; a size the user set is kept."""
     got = run_ranks(_channels_taken, 2, **options)
     assert all(info["channels"] == channels for info in got.values()), got
 
 
 def _traced_broadcasts(comm, ctx) -> dict:
     """Broadcasts queued back to back on two tags: 6 of 4 KiB (one slice
-    each) and 3 of 1 MiB (four 256 KiB slices each)."""
+    each) and 3 of 1 MiB (four 256 KiB slices each: one channel per MiB,
+    set by the test)."""
     for size, n in ((4096, 6), (1 << 20, 3)):
         x = np.full(size // 4, ctx.rank + 1, np.float32)
         works = [comm.broadcast(x, root=0, tag=("traced", size)) for _ in range(n)]
@@ -344,7 +345,7 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     from dfccl.net.hop_trace import TRACE_ENV, load_traces
 
     monkeypatch.setenv(TRACE_ENV, str(tmp_path))
-    run_ranks(_traced_broadcasts, 2)
+    run_ranks(_traced_broadcasts, 2, bytes_per_channel=1 << 20)
     comms = load_traces(str(tmp_path))
     assert len(comms) == 1, comms
     traces = next(iter(comms.values()))
@@ -417,6 +418,15 @@ def test_two_lanes_carry_every_channel(scenario, nranks, tmp_path, monkeypatch):
         assert summary["hops"]["slice"]["n"] == sent, summary
 
 
+@needs_ucx
+def test_one_lane_carries_every_channel(monkeypatch):
+    """One lane (the default is two) carries every block's queue: tags in
+    opposite orders and a deep queue on one tag complete, checked."""
+    monkeypatch.setenv("DFCCL_NET_LANES", "1")
+    got = run_ranks(divergent, 3)
+    assert all(info["checked"] > 0 for info in got.values()), got
+
+
 def _nothing(comm, ctx) -> dict:
     return {}
 
@@ -448,7 +458,7 @@ def test_ranks_with_different_lane_counts_are_refused():
 
 
 def test_lanes_setting(monkeypatch):
-    """$DFCCL_NET_LANES within 1..the proxy's most is taken, one lane
+    """$DFCCL_NET_LANES within 1..the proxy's most is taken, two lanes
     without it; anything else is refused by name, and `dfccl info` says
     which."""
     import io
@@ -459,7 +469,7 @@ def test_lanes_setting(monkeypatch):
 
     monkeypatch.delenv(LANES_ENV, raising=False)
     try:
-        assert lanes() == (DEFAULT_LANES, "dfccl") == (1, "dfccl")
+        assert lanes() == (DEFAULT_LANES, "dfccl") == (2, "dfccl")
     except NetUnavailableError as exc:
         pytest.skip(f"no network proxy here: {exc}")
     monkeypatch.setenv(LANES_ENV, "3")
@@ -658,10 +668,11 @@ def test_remote_peer_lost_within_peer_timeout(how, op):
 
 @needs_ucx
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
-def test_remote_peer_lost_with_two_lanes(how, monkeypatch):
-    """With two lanes a killed rank's connections drop and a stopped one's
-    heartbeats stop on both; survivors see it within peer_timeout."""
-    monkeypatch.setenv("DFCCL_NET_LANES", "2")
+def test_remote_peer_lost_with_one_lane(how, monkeypatch):
+    """With one lane (the default is two) a killed rank's only connection
+    drops and a stopped one's heartbeat stops; survivors see it within
+    peer_timeout."""
+    monkeypatch.setenv("DFCCL_NET_LANES", "1")
     check_remote_loss(how, "all_reduce")
 
 

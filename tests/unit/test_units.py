@@ -453,7 +453,8 @@ def test_min_slice_bytes_cuts_small_channels_in_fewer_slices():
         for kind in (KIND_BROADCAST, KIND_REDUCE):
             assert plan_geometry(kind, 1024, f32, 2, 8, False, net).slice_bytes == 4096
             assert plan_geometry(kind, 1024, f32, 2, 8, False, old).slice_bytes == 1024
-            assert plan_geometry(kind, 1 << 18, f32, 2, 8, False, net).slice_bytes == 256 << 10
+            # A MiB: two channels of 512 KiB, each cut in ring_slots slices.
+            assert plan_geometry(kind, 1 << 18, f32, 2, 8, False, net).slice_bytes == 128 << 10
             assert plan_geometry(kind, 1 << 14, f32, 2, 8, False, net).slice_bytes == 64 << 10
             # Never more than the channel holds, rounded to whole packs.
             assert plan_geometry(kind, 3, f32, 2, 8, False, net).slice_bytes == 256

@@ -1,7 +1,7 @@
 """One communicator rank's side of the network (docs/multi-node.md): its
 mirrors of the remote peers' arenas, its net queues (one per daemon block)
-and its proxy thread (csrc/proxy.cpp, UCX), which carries what the daemon
-posts and lands what the peers send."""
+and its proxy (csrc/proxy.cpp, UCX; a thread per lane), which carries what
+the daemon posts and lands what the peers send."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ INLINE_BYTES_ENV = "DFCCL_NET_INLINE_BYTES"
 #: every remote peer); equal on every rank.
 LANES_ENV = "DFCCL_NET_LANES"
 #: Lanes when $DFCCL_NET_LANES is unset.  One TCP stream per peer moves
-#: what one core copies; more lanes spread the channels over more streams
-#: and cores (docs/multi-node.md, "The proxy").  One until more are
-#: measured on a GPU host (docs/performance-log.md, section 49).
-DEFAULT_LANES = 1
+#: what one core copies; two spread a collective's channels over two
+#: streams and cores (docs/multi-node.md, "The proxy"; measured in
+#: docs/performance-log.md, section 50).
+DEFAULT_LANES = 2
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
