@@ -112,7 +112,7 @@ if has net; then
 fi
 if [[ " $phases " == *" netbench "* ]]; then
   # The proxy's lanes alternated against ucx_perftest (docs/performance-log.md,
-  # section 49): NET_LANES lane counts x NET_BPC bytes per channel, two rounds.
+  # sections 49 and 50): NET_LANES lane counts x NET_BPC bytes per channel, two rounds.
   mps_on
   for round in 1 2; do
     for lanes in ${NET_LANES:-1 2}; do

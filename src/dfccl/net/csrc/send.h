@@ -50,24 +50,19 @@ inline void Proxy::take(Lane &l, const dfccl_net_entry &e) {
     out->msg.word = e.word;
     out->has_payload = e.len != 0;
     send(l, e.peer, std::move(out), peers[e.peer].mirror + e.offset);
-  } else if (e.kind == DFCCL_NET_LINES) {
+  } else if (e.kind == DFCCL_NET_LINES || e.kind == DFCCL_NET_SHARE) {
+    // Bytes without a word: LL lines the daemon wrote into its mirror of
+    // the peer's arena, or bytes of this rank's own arena the peer reads
+    // in its mirror of it.
+    const bool share = e.kind == DFCCL_NET_SHARE;
     if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
     std::unique_ptr<Outgoing> out(new Outgoing());
-    out->msg.kind = MSG_LINES;
+    out->msg.kind = share ? MSG_SHARE : MSG_LINES;
     out->msg.offset = e.offset;
     out->msg.len = e.len;
     out->msg.word_offset = DFCCL_NET_NO_WORD;
     out->has_payload = true;
-    send(l, e.peer, std::move(out), peers[e.peer].mirror + e.offset);
-  } else if (e.kind == DFCCL_NET_SHARE) {
-    if (e.peer >= nranks || !peers[e.peer].remote || e.len == 0 || e.offset + e.len > arena_bytes) return;
-    std::unique_ptr<Outgoing> out(new Outgoing());
-    out->msg.kind = MSG_SHARE;
-    out->msg.offset = e.offset;
-    out->msg.len = e.len;
-    out->msg.word_offset = DFCCL_NET_NO_WORD;
-    out->has_payload = true;
-    send(l, e.peer, std::move(out), arena + e.offset);
+    send(l, e.peer, std::move(out), (share ? arena : peers[e.peer].mirror) + e.offset);
   } else if (e.kind == DFCCL_NET_RECORD) {
     // What the owner publishes, read now (the latest state: a later
     // entry for the same channel only brings newer values).
