@@ -323,10 +323,10 @@ uint64_t dfccl_net_trace_read(void *h, void *out, uint64_t cap) {
   return n;
 }
 
-// Stops the thread after up to `linger_ns` spent sending what is queued
-// (the last status above all, so that peers see this rank leave before its
-// connection drops), then closes the connections and the worker.  The
-// handle stays readable (the hop trace, now complete) until
+// Stops the lanes' threads after up to `linger_ns` spent sending what is
+// queued (the last status above all, so that peers see this rank leave
+// before its connections drop), then closes the connections and workers.
+// The handle stays readable (the hop trace, now complete) until
 // dfccl_net_destroy.
 void dfccl_net_close(void *h, uint64_t linger_ns) {
   Proxy *px = static_cast<Proxy *>(h);
@@ -338,10 +338,16 @@ void dfccl_net_close(void *h, uint64_t linger_ns) {
     px->drain_queues(*l);
     px->push_status(*l, true);
   }
-  for (auto &l : px->lanes) {
-    while (!l->outgoing.empty() && now_ns() < until) {
+  // The lanes' last messages go out side by side: one lane's backlog must
+  // not spend the linger another's leave needs (a connection dropped
+  // before its lane brought the leave reads as a lost peer).
+  for (bool pending = true; pending && now_ns() < until;) {
+    pending = false;
+    for (auto &l : px->lanes) {
+      if (l->outgoing.empty()) continue;
       ucp_worker_progress(l->worker);
       Proxy::reap_sent(*l);
+      pending |= !l->outgoing.empty();
     }
   }
   for (auto &l : px->lanes) {
