@@ -175,7 +175,6 @@ class NetLink:
         for p in remote:
             self._mirrors[p] = device.alloc_mapped(arena_bytes)
         err = ctypes.create_string_buffer(_ERR_BYTES)
-        self.lanes = nlanes
         self._handle = lib.dfccl_net_create(rank, nranks, arena, arena_bytes, self._queues_host, nblocks, nlanes, err,
                                             _ERR_BYTES)
         if not self._handle:
