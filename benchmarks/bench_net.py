@@ -118,14 +118,15 @@ def _devices(backend: str) -> list[int]:
     return [4300, 4301] if backend == "sim" else [0, 0]
 
 
-def run_two_ranks(target, args_of, timeout: float = 1800.0) -> dict:
-    """Runs ``target(*args_of(rank), results)`` for ranks 0 and 1, each in a
-    spawned process that puts ``(rank, "ok", info)`` or ``(rank, "error",
-    text)`` on ``results``.
+def run_ranks(target, args_of, timeout: float = 1800.0, nranks: int = 2) -> dict:
+    """Runs ``target(*args_of(rank), results)`` for ranks 0 .. nranks - 1,
+    each in a spawned process that puts ``(rank, "ok", info)`` or ``(rank,
+    "error", text)`` on ``results``.
 
     Args:
-        timeout: seconds both ranks get to report; after them, or after
+        timeout: seconds the ranks get to report; after them, or after
             an error, the ranks still running are killed.
+        nranks: how many.
 
     Returns:
         Each rank's ``info`` by rank.
@@ -136,7 +137,7 @@ def run_two_ranks(target, args_of, timeout: float = 1800.0) -> dict:
     """
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
-    procs = [mp_context.Process(target=target, args=(*args_of(r), results)) for r in range(2)]
+    procs = [mp_context.Process(target=target, args=(*args_of(r), results)) for r in range(nranks)]
     for p in procs:
         p.start()
     got = {}
@@ -146,7 +147,7 @@ def run_two_ranks(target, args_of, timeout: float = 1800.0) -> dict:
             try:
                 rank, what, info = results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                missing = sorted(set(range(2)) - set(got))
+                missing = sorted(set(range(nranks)) - set(got))
                 raise RuntimeError(f"rank(s) {missing} did not report within {timeout:g} s (killed)") from None
             if what != "ok":
                 raise RuntimeError(f"rank {rank}: {info}")
@@ -166,7 +167,7 @@ def run_dfccl(backend: str, sizes: list[int], iters: int, warmup: int, options: 
     import dfccl
 
     uid = str(dfccl.UniqueId.create())
-    got = run_two_ranks(_rank, lambda r: (uid, r, backend, sizes, iters, warmup, options, seed))
+    got = run_ranks(_rank, lambda r: (uid, r, backend, sizes, iters, warmup, options, seed))
     return got[0]["rows"]
 
 

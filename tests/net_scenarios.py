@@ -24,7 +24,8 @@ from dfccl.scenarios import SENTINEL
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
            "takes_ll", "ll_divergent",
            "storage", "payload", "same_bytes", "send_recv_every_pair", "start_all_to_all", "all_to_all_checked",
-           "exchange", "split_children", "run_ranks", "check_remote_loss"]
+           "exchange", "split_children", "hierarchical_all_reduces", "HIER_MIN_BYTES", "run_ranks",
+           "check_remote_loss"]
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')
@@ -268,6 +269,82 @@ def split_children(comm, ctx: RankContext) -> dict:
     return {"children": children}
 
 
+#: hierarchy_min_bytes of the hierarchical scenarios: small, so that they
+#: run quickly on the simulator and still move several slices per part.
+HIER_MIN_BYTES = 64 << 10
+
+
+def _hier_input(rank: int, count: int, dtype: str, seed: int) -> np.ndarray:
+    """Small integers (exact in every dtype, and their sums and averages of
+    four), different on every rank."""
+    i = np.arange(count, dtype=np.int64)
+    return (((i * 7 + rank * 13 + seed * 29) % 101) - 50).astype(storage(dtype))
+
+
+def _hier_expected(nranks: int, count: int, dtype: str, op: str, seed: int) -> np.ndarray:
+    xs = np.stack([_hier_input(r, count, dtype, seed).astype(np.float64) for r in range(nranks)])
+    out = {"sum": xs.sum(0), "max": xs.max(0), "min": xs.min(0), "avg": xs.mean(0)}[op]
+    return out.astype(storage(dtype))
+
+
+def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
+    """Ranks 0, 1 on one host and 2, 3 on another (per_host 2), with
+    hierarchy_min_bytes HIER_MIN_BYTES: all-reduces above it whose count
+    divides by two run hierarchically (three parts), the others on the ring,
+    every one exact; in place and not; ops and dtypes; two hierarchical
+    ones issued in opposite orders on even and odd ranks, a ring broadcast
+    between them; then a tagged one whose parts a peer joins late."""
+    from dfccl.bench import arrays
+
+    info = comm.hierarchy
+    assert info is not None and (info.hosts, info.per_host) == (2, comm.world_size // 2), info
+    dev, n, r = comm.device, comm.world_size, comm.rank
+    cases = []   # (count, dtype, op, in_place, hierarchical)
+    per = info.per_host
+    big = 3 * HIER_MIN_BYTES // 4   # elements of 4 bytes: 3 x min_bytes, a multiple of 2 and 3
+    for j, (dtype, op) in enumerate([("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("int64", "min")]):
+        cases.append((big + per * j, dtype, op, j % 2 == 0, True))
+    cases.append((big + 1, "float32", "sum", True, False))      # odd count: the ring
+    cases.append((1000, "float32", "sum", False, False))         # below min_bytes: the ring
+    checked = 0
+    for k, (count, dtype, op, in_place, hier) in enumerate(cases):
+        before = comm.hierarchy.all_reduces
+        x = arrays.from_numpy(ctx.backend, dev, _hier_input(r, count, dtype, k))
+        y = x if in_place else arrays.empty(ctx.backend, dev, count, storage(dtype), fill=SENTINEL)
+        work = comm.all_reduce(x, None if in_place else y, op=op)
+        assert work.kind == "all_reduce" and work.rank == r, work
+        work.synchronize(timeout=TIMEOUT)
+        want = _hier_expected(n, count, dtype, op, k)
+        if op == "avg" and per & (per - 1):
+            # Thirds of the host's sum, then halves: rounded, unlike 1/6 of the sum.
+            assert np.allclose(arrays.to_numpy(y), want, rtol=1e-12, atol=0), f"case {k}"
+        else:
+            same_bytes(arrays.to_numpy(y), want, f"case {k}")
+        assert comm.hierarchy.all_reduces == before + hier, (k, hier, comm.hierarchy)
+        checked += 1
+    # Opposite orders: A then B on even ranks, B then A on odd ones.
+    xa = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 50))
+    xb = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big + per, "float32", 51))
+    root_data = np.arange(5000, dtype=np.float32)
+    bc = arrays.from_numpy(ctx.backend, dev, root_data if r == 0 else np.zeros(5000, np.float32))
+    first, second = (("a", xa), ("b", xb)) if r % 2 == 0 else (("b", xb), ("a", xa))
+    works = [comm.all_reduce(first[1], tag=first[0]), comm.broadcast(bc, root=0, tag="bc"),
+             comm.all_reduce(second[1], tag=second[0])]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    same_bytes(arrays.to_numpy(xa), _hier_expected(n, big, "float32", "sum", 50), "divergent a")
+    same_bytes(arrays.to_numpy(xb), _hier_expected(n, big + per, "float32", "sum", 51), "divergent b")
+    same_bytes(arrays.to_numpy(bc), root_data, "broadcast between")
+    # A peer comes late: the last rank submits after the others are well
+    # into their parts (a part waits, preempted, like any collective).
+    xl = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 52))
+    if r == n - 1:
+        time.sleep(0.3)
+    comm.all_reduce(xl, tag="late").synchronize(timeout=TIMEOUT)
+    same_bytes(arrays.to_numpy(xl), _hier_expected(n, big, "float32", "sum", 52), "late")
+    return {"checked": checked + 3, "hierarchical": comm.hierarchy.all_reduces}
+
+
 def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int, env: dict) -> None:
     try:
         os.environ.update(UCX_ENV)
@@ -337,14 +414,14 @@ def run_ranks(scenario, nranks: int, per_host: int = 1, backend: str = "sim", ra
 # -- peer loss -------------------------------------------------------------------
 
 def _loss_worker(uid: str, rank: int, nranks: int, victim: int, backend: str, peer_timeout: float, queue, leave,
-                 op: str, options: dict) -> None:
+                 op: str, per_host: int, options: dict) -> None:
     """``leave``: set once every survivor reported (a survivor that left
     earlier would itself be a lost peer to a slower one)."""
     try:
         os.environ.update(UCX_ENV)
         from dfccl.bench import arrays
 
-        comm = net_comm(uid, rank, nranks, f"host-{rank}", backend, peer_timeout=peer_timeout, **options)
+        comm = net_comm(uid, rank, nranks, f"host-{rank // per_host}", backend, peer_timeout=peer_timeout, **options)
         x = arrays.from_numpy(backend, comm.device, np.ones(1 << 16, np.float32))
         comm.all_reduce(x, tag="warm").synchronize(timeout=TIMEOUT)
         if rank == victim:
@@ -370,10 +447,14 @@ def _loss_worker(uid: str, rank: int, nranks: int, victim: int, backend: str, pe
             queue.put((rank, "error", "completed without the lost rank"))
             leave.wait(60)
             return
-        except dfccl.PeerLostError as exc:
+        except dfccl.PeerAbortedError as exc:
+            # A hierarchical all-reduce: a rank whose own parts' peers live
+            # learns it from the rank that gave its part up.
             elapsed, message = time.monotonic() - t0, str(exc)
-            assert exc.origin == victim, exc
-        queue.put((rank, "ok", {"detected_s": elapsed, "message": message}))
+            if per_host == 1 or isinstance(exc, dfccl.PeerLostError):
+                assert isinstance(exc, dfccl.PeerLostError) and exc.origin == victim, exc
+            error, origin = type(exc).__name__, exc.origin
+        queue.put((rank, "ok", {"detected_s": elapsed, "message": message, "error": error, "origin": origin}))
         queue.close()
         queue.join_thread()
         leave.wait(60)
@@ -384,17 +465,19 @@ def _loss_worker(uid: str, rank: int, nranks: int, victim: int, backend: str, pe
 
 
 def check_remote_loss(how: str, op: str, backend: str = "sim", nranks: int = 3, peer_timeout: float = 3.0,
-                      **options) -> dict:
-    """The last rank, each rank on a host of its own, is killed (its
+                      per_host: int = 1, **options) -> dict:
+    """The last rank, ``per_host`` ranks on each host, is killed (its
     connection drops: seen at once) or stopped (its heartbeat stops: seen
     within ``peer_timeout``) while the others wait for it in ``op``;
-    asserts each survivor's PeerLostError and returns what they reported."""
+    asserts each survivor's PeerLostError naming it (with several ranks per
+    host, a hierarchical all-reduce: a PeerAbortedError, PeerLostError on
+    some) and returns what they reported."""
     victim = nranks - 1
     uid = dfccl.UniqueId.create()
     mp_context = mp.get_context("spawn")
     queue, leave = mp_context.Queue(), mp_context.Event()
     procs = [mp_context.Process(target=_loss_worker, args=(str(uid), r, nranks, victim, backend, peer_timeout, queue,
-                                                           leave, op, options), daemon=True)
+                                                           leave, op, per_host, options), daemon=True)
              for r in range(nranks)]
     for p in procs:
         p.start()
@@ -419,6 +502,7 @@ def check_remote_loss(how: str, op: str, backend: str = "sim", nranks: int = 3, 
     for r in range(nranks - 1):
         what, info = results[r]
         assert what == "ok", f"rank {r}: {info}"
-        assert f"rank {victim} is lost" in info["message"], info
+        if per_host == 1 or info["error"] == "PeerLostError":
+            assert f"rank {victim} is lost" in info["message"], info
         assert info["detected_s"] < (2.0 if how == "sigkill" else peer_timeout + 2.0), info
     return {r: info for r, (_what, info) in results.items()}

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_two_ranks, batch_seconds, run_perftest)
+import bench_net  # noqa: E402  (benchmarks/: UCX_ENV, run_ranks, batch_seconds, run_perftest)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from dfccl_support.profile import profile_delta  # noqa: E402
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         if a.trace:
             env["DFCCL_NET_TRACE"] = trace_dirs[ii]
         with _environment(**env):
-            got = bench_net.run_two_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup,
+            got = bench_net.run_ranks(_rank, lambda r: (uids, r, a.backend, configs, sizes, depths, a.warmup,
                                                             rounds))
         for row, other in zip(got[0], got[1]):  # the ranks ran the same rows in the same order
             if "daemon" in other:

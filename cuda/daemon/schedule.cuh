@@ -77,7 +77,8 @@ DFCCL_DEV uint64_t preemption_window(const PolicyCache &p, const dfccl_task_ctx 
 // The leader: may this task run now?  It must be armed (a stream-ordered
 // submission is armed when its stream gets there), and past its `after`.
 // Earlier instances of its tag on this channel are done: it entered the
-// active list only then (chain_behind_pending in submit.cuh).
+// active list only then (chain_behind_pending in submit.cuh).  A task that
+// follows a failed one (DFCCL_TASK_FOLLOWS) is doomed: it runs only to fail.
 DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
   if (ctx->state == DFCCL_CTX_PULLED) {
     // Device memory, written by the submitting stream's cuStreamWriteValue32.
@@ -92,6 +93,10 @@ DFCCL_DEV bool runnable(const BlockEnv &env, dfccl_task_ctx *ctx) {
     const uint32_t slot = (uint32_t)(ctx->desc.after >> 32) - 1u;
     const uint32_t gen = (uint32_t)ctx->desc.after;
     if ((int32_t)(load_acquire(&env.args->done[slot]) - gen) < 0) return false;
+    // The host keeps a followed slot until its follower retired, so its
+    // result is still the one it published before the word just read.
+    if ((ctx->desc.flags & DFCCL_TASK_FOLLOWS) && load_relaxed(&env.args->results[slot].status) != DFCCL_STATUS_OK)
+      ctx->state = DFCCL_CTX_DOOMED;
     ctx->desc.after = 0;
   }
   return true;
@@ -250,7 +255,16 @@ DFCCL_DEV void run_one(BlockEnv &env, const PolicyCache &policy, dfccl_block_pro
     else ctx->resumes += 1;  // every later run follows a preemption
   }
 
-  int rc = run_transfer(env, run);
+  int rc;
+  if (ctx->state == DFCCL_CTX_DOOMED) {
+    // Gives the instance up before taking part: peers that wait for this
+    // rank find the mark (push_abort) and fail as well.
+    run.status = DFCCL_STATUS_PEER_ABORTED;
+    run.detail = (int32_t)run.ep->rank;
+    rc = RUN_FAILED;
+  } else {
+    rc = run_transfer(env, run);
+  }
   if (rc == RUN_FAILED) {
     push_abort(env, run, run.d->path == DFCCL_PATH_DIRECT);
     if (is_leader()) record_failure(env, run);

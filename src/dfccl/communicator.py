@@ -29,6 +29,7 @@ from dfccl.diagnostics import EndpointDiagnostics
 from dfccl.endpoint import Endpoint
 from dfccl.errors import DfcclError, InvalidArgumentError
 from dfccl.flight import CommStatus, FlightRecorder, PendingStatus
+from dfccl.hierarchy import Hierarchy, HierarchyInfo, host_layout
 from dfccl.local_group import LocalGroup
 from dfccl.options import CommOptions, DaemonOptions
 from dfccl.planning import default_ll_max_bytes, ll_capable
@@ -135,6 +136,26 @@ class Communicator:
             raise
         # Every peer has mapped our arena: its name is no longer needed.
         self._endpoint.unlink_export()
+        self._build_hierarchy(deadline)
+
+    def _build_hierarchy(self, deadline: float) -> None:
+        """Across hosts with several ranks on each: the children that
+        hierarchical all-reduces run on (hierarchy.py), split off now, while
+        every rank is here (two splits, collective)."""
+        layout = host_layout(self._host_ids)
+        if layout is None or not self._options.hierarchy_min_bytes:
+            return
+        left = max(deadline - time.monotonic(), 1.0)
+        try:
+            local = self.split(layout.host[self._rank], timeout=left)
+            cross = self.split(layout.local[self._rank], timeout=max(deadline - time.monotonic(), 1.0))
+        except BaseException:
+            self.close()
+            raise
+        self._hierarchy = Hierarchy.create(rank=self._rank, layout=layout,
+                                           min_bytes=self._options.hierarchy_min_bytes, local=local, cross=cross,
+                                           local_submitter=local._submitter, cross_submitter=cross._submitter,
+                                           daemon=self._daemon)
 
     @classmethod
     @renamed_keywords(context_options="daemon_options")
@@ -219,10 +240,13 @@ class Communicator:
         self._state = RankState(rank=rank, comm_key=comm_key, where=f"{backend}:{device}", endpoint=self._endpoint,
                                 daemon=self._daemon, flight=self._flight, peer_timeout=self._options.peer_timeout)
         self._submitter: Submitter | None = None   # once the rank has met its peers (_finish_init)
+        self._host_ids: list | None = None        # every rank's host (_finish_init)
+        self._hierarchy: Hierarchy | None = None   # children for hierarchical all-reduces (_build_hierarchy)
         self._barrier_ptr = 0   # barrier()'s word in this rank's arena, taken at its first call
 
     def _finish_init(self, peers, exchange=None):
         self._channels, self._block_offset = daemon_share(peers, self._rank, self._channels)
+        self._host_ids = [info.get("host_id") for info in peers]
         mode = self._endpoint.connect(peers, self._comm_key, exchange)
         if self._endpoint.net is not None:
             self._options = (self._user_options or CommOptions()).resolved_for_network(self._options)
@@ -296,6 +320,14 @@ class Communicator:
         return tuple(self._endpoint.transports())
 
     @property
+    def hierarchy(self) -> HierarchyInfo | None:
+        """Where this communicator's ranks span hosts with the same number
+        (two or more) on each: how its all-reduces run hierarchically
+        (CommOptions.hierarchy_min_bytes, docs/multi-node.md); None where
+        none does."""
+        return None if self._hierarchy is None else self._hierarchy.info()
+
+    @property
     def ll_max_bytes(self) -> int:
         """Largest per-rank piece that takes the LL protocol (0: none)."""
         if not ll_capable(self._size, self._ll_reach) or self._options.protocol == "simple":
@@ -329,14 +361,20 @@ class Communicator:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
         sub = self._submitter
+        hier = self._hierarchy
         if recv is None and stream is None:
-            work = sub.all_reduce_kept(send, op, tag)
+            work = sub.all_reduce_kept(send, op, tag, None if hier is None else hier.min_bytes)
             if work is not None:
                 return work
         sub.check_tag(tag, "all_reduce")
         s, r = sub.pair(send, recv, "all_reduce")
         sub.same_shape(s, r, s.count, "all_reduce")
-        return sub.submit(KIND_ALL_REDUCE, s, r, s.count, sub.op(op, "all_reduce"), 0, tag, stream)
+        op = sub.op(op, "all_reduce")
+        if hier is not None and hier.takes(s.count, s.dtype.itemsize):
+            work = self._hierarchical_all_reduce(s, r, op, tag, stream)
+            if work is not None:
+                return work
+        return sub.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream)
 
     def barrier(self, *, tag=None, stream=None) -> Work:
         """Completes once every rank has reached its barrier of this tag
@@ -754,6 +792,8 @@ class Communicator:
         timeout = check_seconds("abort: timeout", timeout)
         if self._state.closed:
             return
+        if self._hierarchy is not None:
+            self._hierarchy.abort(timeout)
         if not self._state.aborted:
             self._state.aborted = True
             if not self._daemon.closed:
@@ -793,6 +833,9 @@ class Communicator:
         timeout = check_seconds("close: timeout", timeout)
         if self._state.closed:
             return
+        if self._hierarchy is not None:
+            # Their pending parts are this rank's collectives: they go first.
+            self._hierarchy.close(timeout)
         ep = self._endpoint
         pending = [] if ep.id is None or self._daemon.closed else self._daemon.pending_works(ep.id)
         pending = [w for w in pending if not w.done()]
@@ -837,7 +880,27 @@ class Communicator:
         ``tag`` (a simple tag: str, int or a tuple of them; None: untagged)
         (the torch backend's path for one contiguous tensor: no Buffer, no
         argument parsing; Submitter.all_reduce_at)."""
+        hier = self._hierarchy
+        if hier is not None and hier.takes(count, dtype.itemsize):
+            b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
+                       -1 if self._backend == "sim" else self._device, False, owner)
+            work = self._hierarchical_all_reduce(b, b, op, tag, stream)
+            if work is not None:
+                return work
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
+
+    def _hierarchical_all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work | None:
+        """The all-reduce through this rank's children (hierarchy.py); None
+        where it does not apply after all (a stream that captures a graph)."""
+        self._state.check_open()
+        try:
+            return self._hierarchy.all_reduce(s, r, op, tag, stream)
+        except DfcclError as exc:
+            exc.rank = self._rank
+            if self._hierarchy.broken:
+                # Its children gave up (hierarchy.py): so does this rank.
+                self.abort()
+            raise
 
     # -- diagnostics -------------------------------------------------------------------
     def status(self) -> CommStatus:

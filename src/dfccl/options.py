@@ -167,6 +167,9 @@ NET_MIN_SLICE_BYTES = 64 << 10
 #: ... and the shared staging goes to this many tags' FIFOs at once (the
 #: GPU's default; the simulator's 128 would cut its slices to 48 KiB).
 NET_RING_TAGS = 8
+#: Smallest all-reduce (bytes per rank) that runs hierarchically where a
+#: communicator spans hosts with several ranks on each (hierarchy.py).
+DEFAULT_HIERARCHY_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +234,14 @@ class CommOptions:
         (docs/architecture.md, "LL").  None: the largest
         multiple of 16 up to 4096 whose region fits ll_memory_bytes.
     ll_memory_bytes: budget of the LL region when ll_max_bytes is None.
+    hierarchy_min_bytes: on a communicator whose ranks span two hosts or
+        more with the same number (two or more) on each, all-reduces of at
+        least this many bytes per rank whose count divides by the ranks per
+        host run hierarchically: reduce-scatter within each host, all-reduce
+        across hosts, all-gather within each host (docs/multi-node.md,
+        "Hierarchical all-reduce").  Such a communicator builds two child
+        communicators at start-up for it; 0 builds none and never runs
+        one.  None: 4 MiB.
     """
 
     path: str = "auto"
@@ -249,6 +260,7 @@ class CommOptions:
     protocol: str = "auto"
     ll_max_bytes: int | None = None
     ll_memory_bytes: int | None = None
+    hierarchy_min_bytes: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -256,12 +268,14 @@ class CommOptions:
             raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
         _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
                            "min_slice_bytes", "one_shot_bytes", "bytes_per_channel", "ring_tags",
-                           "ll_max_bytes", "ll_memory_bytes"))
+                           "ll_max_bytes", "ll_memory_bytes", "hierarchy_min_bytes"))
         if self.protocol not in ("auto", "ll", "simple"):
             raise InvalidArgumentError(f"CommOptions.protocol must be 'auto', 'll' or 'simple', not {self.protocol!r}")
         if self.ll_max_bytes is not None and not 0 <= self.ll_max_bytes <= LL_MAX_BYTES_LIMIT:
             raise InvalidArgumentError(f"CommOptions.ll_max_bytes must be in 0..{LL_MAX_BYTES_LIMIT}, not "
                                        f"{self.ll_max_bytes}")
+        if self.hierarchy_min_bytes is not None and self.hierarchy_min_bytes < 0:
+            raise InvalidArgumentError(f"CommOptions.hierarchy_min_bytes must be >= 0, not {self.hierarchy_min_bytes}")
         if self.ll_memory_bytes is not None and self.ll_memory_bytes < 0:
             raise InvalidArgumentError(f"CommOptions.ll_memory_bytes must be >= 0, not {self.ll_memory_bytes}")
         # One slot deadlocks the ring: a step that receives and sends needs the
@@ -306,6 +320,8 @@ class CommOptions:
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
             staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
             ll_memory_bytes=self.ll_memory_bytes if self.ll_memory_bytes is not None else (128 << 20 if gpu else 8 << 20),
+            hierarchy_min_bytes=(self.hierarchy_min_bytes if self.hierarchy_min_bytes is not None
+                                 else DEFAULT_HIERARCHY_MIN_BYTES),
         )
 
     def resolved_for_network(self, resolved: "CommOptions") -> "CommOptions":

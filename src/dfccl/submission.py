@@ -253,7 +253,8 @@ class Submitter:
 
     # -- submission ------------------------------------------------------------------
     def submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-               geometry: Geometry | None = None, key=None) -> Work:
+               geometry: Geometry | None = None, key=None, after: Work | None = None, followed: bool = False
+               ) -> Work:
         """Submits one collective of checked arguments: a Work completed at
         once for no elements, else its shape's kept descriptor (a plain call)
         or a new one.
@@ -268,6 +269,9 @@ class Submitter:
             stream: the CUDA stream it follows; None: run now.
             geometry: its planned geometry (a plan's); None: planned here.
             key: its tag's key (a plan's); None: from ``tag``.
+            after, followed: the chain of a hierarchical collective's
+                parts (Daemon.submit; with a ``key`` whose instances all lay
+                their staging out alike: part_key).
 
         Returns:
             The Work of this rank's part, at once.
@@ -283,14 +287,23 @@ class Submitter:
                 return self.submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
                                                (s.owner, r.owner)))
         task = self.task(kind, s, r, count, op, root, tag, stream, geometry, key)
-        return self.submit_task(task)
+        return self.submit_task(task, after=after, followed=followed)
 
-    def all_reduce_kept(self, x, op, tag) -> Work | None:
+    def part_key(self, tag, part: int, count: int, dtype: DataType, op: ReduceOp) -> int:
+        """The key of part ``part`` of hierarchical collectives of this shape
+        and ``tag`` (hierarchy.py): one tag per shape, whose instances all
+        lay their staging out alike, so that the daemon's one predecessor
+        per collective is free for the part before."""
+        return tag_key(self._comm_key, ("#part", part, ("#seq",) if tag is None else ("#tag", tag), count,
+                                        int(dtype), int(op)))
+
+    def all_reduce_kept(self, x, op, tag, max_bytes: int | None = None) -> Work | None:
         """The plain call's common case, an in-place sum of one plain array
         (buffers.plain_array) whose shape and tag have a kept descriptor
         (plain_task), checked as the general path checks it and submitted
-        without a Buffer.  None where anything else holds: the general path
-        then does, and explains, everything."""
+        without a Buffer; below ``max_bytes`` only (None: any size).  None
+        where anything else holds: the general path then does, and explains,
+        everything."""
         state = self.state
         if state.closed or state.aborted or state.lost_rank is not None or state.forked_from:
             return None
@@ -302,6 +315,8 @@ class Submitter:
         if desc is None:
             return None
         ptr, count, dtype, device = desc
+        if max_bytes is not None and count * dtype.itemsize >= max_bytes:
+            return None
         if cuda and (device if device is not None else runtime.cuda_pointer_info(ptr)) != self._device:
             return None
         task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
@@ -435,11 +450,15 @@ class Submitter:
             recv_addr=r.ptr, count=count, flags=geometry.flags, stream=stream, owners=owners, aux_offset=aux,
             aux_bytes=aux_bytes)
 
-    def submit_task(self, task: TaskDescriptor, at: tuple | None = None) -> Work:
+    def submit_task(self, task: TaskDescriptor, at: tuple | None = None, after: Work | None = None,
+                    followed: bool = False) -> Work:
         """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
-        stream handle or None, owners) the same descriptor at those buffers."""
+        stream handle or None, owners) the same descriptor at those buffers;
+        ``after``, ``followed``: as submit() takes them."""
         try:
-            return self.daemon.submit(task) if at is None else self.daemon.submit_at(task, *at)
+            if at is None:
+                return self.daemon.submit(task, after=after, followed=followed)
+            return self.daemon.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:
                 exc.rank = self.rank

@@ -4,15 +4,15 @@ proxy over UCX (TCP on loopback), their arenas in host shared memory.  The
 simulator's network scenarios (tests/net_scenarios.py): every collective
 and dtype bit-identical to the ring on one host, opposite orders and a
 queue on one tag, LL's lines carried by the proxy, send / recv and
-all-to-all exact to the byte, and a remote rank killed or stopped is
-PeerLostError."""
+all-to-all exact to the byte, hierarchical all-reduces (four processes,
+two per host), and a remote rank killed or stopped is PeerLostError."""
 
 from __future__ import annotations
 
 import pytest
 
-from net_scenarios import (check_remote_loss, divergent, exchange, ll_divergent, needs_ucx, run_ranks,
-                           split_children, sweep, sweep_specs)
+from net_scenarios import (HIER_MIN_BYTES, check_remote_loss, divergent, exchange, hierarchical_all_reduces,
+                           ll_divergent, needs_ucx, run_ranks, split_children, sweep, sweep_specs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(300), needs_ucx]
 
@@ -66,3 +66,19 @@ def test_split_across_and_within_hosts_gpu():
 @pytest.mark.parametrize("how, op", [("sigkill", "all_reduce"), ("sigstop", "all_reduce"), ("sigkill", "ll_all_reduce")])
 def test_remote_peer_lost_gpu(how, op):
     check_remote_loss(how, op, backend="cuda", nranks=2, **OPTIONS)
+
+
+def test_hierarchical_all_reduce_gpu():
+    """Four processes, two per host id: all-reduces above hierarchy_min_bytes
+    run as three parts (within the host over CUDA IPC, across over UCX),
+    exact, in opposite orders and with a late peer."""
+    got = run_ranks(hierarchical_all_reduces, 4, per_host=2, backend="cuda", hierarchy_min_bytes=HIER_MIN_BYTES,
+                    **OPTIONS)
+    assert all(info["checked"] == 9 and info["hierarchical"] == 7 for info in got.values()), got
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_remote_peer_lost_in_hierarchical_all_reduce_gpu(how):
+    got = check_remote_loss(how, "all_reduce", backend="cuda", nranks=4, per_host=2,
+                            hierarchy_min_bytes=HIER_MIN_BYTES, **OPTIONS)
+    assert set(got) == {0, 1, 2}, got

@@ -508,7 +508,7 @@ def _stalls(pid_file: str, rank: int, results) -> None:
 
 
 def test_two_rank_launcher_kills_a_rank_that_stalls(tmp_path):
-    """bench_net.run_two_ranks names the rank that did not report in time
+    """bench_net.run_ranks names the rank that did not report in time
     and kills it, instead of waiting for it at exit."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "benchmarks"))
@@ -516,7 +516,7 @@ def test_two_rank_launcher_kills_a_rank_that_stalls(tmp_path):
 
     pid_file = str(tmp_path / "stalled.pid")
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not report within 5 s"):
-        bench_net.run_two_ranks(_stalls, lambda r: (pid_file, r), timeout=5)
+        bench_net.run_ranks(_stalls, lambda r: (pid_file, r), timeout=5)
     with open(pid_file) as f:
         pid = int(f.read())
     with pytest.raises(ProcessLookupError):

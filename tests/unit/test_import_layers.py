@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one rank's machinery", {
         "dfccl.runtime", "dfccl.buffers", "dfccl.endpoint", "dfccl.diagnostics", "dfccl.rank_state",
         "dfccl.liveness", "dfccl.bootstrap", "dfccl.local_group", "dfccl.registration", "dfccl.split",
-        "dfccl.arguments", "dfccl.sharing", "dfccl.submission"}),
+        "dfccl.arguments", "dfccl.sharing", "dfccl.submission", "dfccl.hierarchy"}),
     ("the API", {"dfccl.communicator", "dfccl.plans", "dfccl.environment", "dfccl.capi", "dfccl.trace"}),
     ("the package", {"dfccl"}),
     ("tools and integrations", {

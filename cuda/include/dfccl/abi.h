@@ -112,6 +112,12 @@ enum dfccl_status {
 #define DFCCL_TASK_GRAPH 64u        /* one replay of a collective captured in a CUDA graph
                                        (cuda/daemon/graph.cuh): pushed by the graph's arm node, not
                                        the host; its slot belongs to the graph node */
+#define DFCCL_TASK_FOLLOWS 128u     /* `after` names another collective of this daemon that this one
+                                       runs after (the part before it of a hierarchical collective),
+                                       not an earlier instance of its tag: if that one failed, this
+                                       one fails at its first run without moving data and marks its
+                                       record, so its peers fail too (PEER_ABORTED from this rank).
+                                       The host keeps that slot's result until this one retired */
 
 /* ---- CUDA graphs (docs/architecture.md, "CUDA graphs") ------------------ */
 /* A replay's completion word: the replay count with this bit set, so that
@@ -148,10 +154,11 @@ typedef struct dfccl_task_desc {
                              ranks of one device over the blocks) */
   uint64_t aux_offset;    /* all-to-all: this instance's split table in its arena
                              (dfccl_a2a_table); zero otherwise */
-  uint64_t after;         /* ((slot + 1) << 32) | gen of an earlier instance of this tag that must
-                             be complete on every channel before this one runs on any: they
-                             share the tag's staging but lay it out differently (tags.py);
-                             zero = none */
+  uint64_t after;         /* ((slot + 1) << 32) | gen of a collective that must be complete on every
+                             channel before this one runs on any: an earlier instance of this tag
+                             (they share the tag's staging but lay it out differently: tags.py)
+                             or, with DFCCL_TASK_FOLLOWS, the part before it of a hierarchical
+                             collective; zero = none */
 } dfccl_task_desc;  /* 112 bytes */
 
 /* One entry of the host's submission ring: the descriptor, its position and
@@ -257,6 +264,7 @@ typedef struct dfccl_task_ctx {
 #define DFCCL_CTX_PULLED 1u   /* in the active list, not yet armed */
 #define DFCCL_CTX_ARMED 2u    /* may run */
 #define DFCCL_CTX_DONE 3u
+#define DFCCL_CTX_DOOMED 4u   /* may run, and fails at once: the collective it follows failed */
 
 /* Where one daemon block's time goes (its leader adds, the host reads the
  * totals: Daemon.daemon_profile).  Accumulated across launches. */

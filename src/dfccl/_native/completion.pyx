@@ -50,6 +50,11 @@ cdef void unlink(daemon_core *c, uint32_t s, const dfccl_result *result, retired
     cdef slot_rec *r = &c.slots[s]
     cdef uint32_t last = c.outstanding[c.n_outstanding - 1]
     drop_stream_wait(c, s)
+    if r.follows:
+        # The daemon has read the followed one's result: it may go.
+        if c.slots[r.follows - 1].gen == r.follows_gen:
+            c.slots[r.follows - 1].followed = 0
+        r.follows = 0
     c.outstanding[r.position] = last
     c.slots[last].position = r.position
     c.n_outstanding -= 1
@@ -90,9 +95,10 @@ cdef void _observe(daemon_core *c, const dfccl_result *res, uint64_t now) noexce
 
 cdef bint unlink_completed(daemon_core *c, uint32_t s, uint32_t gen, uint64_t now, retired_t *out) noexcept nogil:
     """Under the lock: unlinks slot ``s`` if it holds generation ``gen``, the
-    daemon completed it and (for a Work's) its Work is attached."""
+    daemon completed it, (for a Work's) its Work is attached and no pending
+    collective follows it (its follower's unlink lets it go)."""
     cdef slot_rec *r = &c.slots[s]
-    if r.state != SLOT_BUSY or r.gen != gen or (r.by_work and r.work == NULL):
+    if r.state != SLOT_BUSY or r.gen != gen or (r.by_work and r.work == NULL) or r.followed:
         return False
     if dfccl_load_acquire_u32(&c.done[s]) != gen:
         return False

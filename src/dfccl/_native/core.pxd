@@ -82,6 +82,10 @@ cdef struct plan_t:
     uint64_t aux_offset        # staging this instance has alone (an all-to-all's split table)
     uint64_t aux_bytes
     uint64_t stream
+    uint64_t follows           # ((slot + 1) << 32) | gen of a collective of this daemon this instance runs
+                               # after (a hierarchical collective's part before it: hierarchy.py); 0: none
+    uint8_t followed           # a collective will follow this instance (its slot is kept for it)
+                               # (both set for one submission by Daemon.submit, never kept)
     tag_layout layout
     uint8_t has_stream
     uint8_t transient
@@ -109,6 +113,10 @@ cdef struct slot_rec:
     uint8_t abandoned          # failed on the host; the daemon still holds it
     uint8_t stream_waited      # a stream waits for it and it is not seen complete
     uint8_t retire_soon        # retire at first sight (it has done-callbacks)
+    uint8_t followed           # a collective runs after this one (DFCCL_TASK_FOLLOWS): not unlinked before
+                               # that one is, so that the daemon reads this one's result, not a successor's
+    uint32_t follows           # slot + 1 of the followed collective this one runs after (0: none) ...
+    uint32_t follows_gen       # ... and its generation
     PyObject *work             # the Work (a strong reference); NULL until attached
     tag_core *tags             # a reference, dropped when the tag's instance is released
     tag_state *tag

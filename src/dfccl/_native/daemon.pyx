@@ -45,7 +45,7 @@ from dfccl._native.work cimport Work
 
 from dfccl._native.progress import progress as _progress
 from dfccl._native.retire import warn_relaunch_failed
-from dfccl.errors import BackendError, ClosedError, ResourceError
+from dfccl.errors import BackendError, ClosedError, InvalidArgumentError, NotSupportedError, ResourceError
 
 __all__ = ["Daemon"]
 
@@ -144,15 +144,53 @@ cdef class Daemon(DaemonEndpoints):
         return abandon_handles(self.c, endpoint)
 
     # -- submit --------------------------------------------------------------
-    def submit(self, TaskDescriptor task, dict raw_fields=None):
+    def submit(self, TaskDescriptor task, dict raw_fields=None, Work after=None, bint followed=False):
         """Publishes one instance of ``task`` to the daemon (the host half of
         submit) and returns its Work.  Takes the tag's next instance and its
         record (and staging) from the endpoint's tag table; nothing waits for
-        peers.  ``raw_fields`` (tests only) overwrites fields of the
-        descriptor as the daemon receives it, after every host check: the
-        way to show that the daemon rejects a corrupt one."""
-        return self._submit(task, raw_fields, task.plan.desc.send_addr, task.plan.desc.recv_addr,
-                            task.plan.has_stream, task.plan.stream, task.owners)
+        peers.
+
+        The parts of a hierarchical collective (hierarchy.py) chain: one
+        submitted with ``followed`` keeps its slot until the collective
+        submitted next with it as ``after`` retired (or ``unfollow``); the
+        daemon runs that one only after it completed, and fails it,
+        telling its peers, if it failed (DFCCL_TASK_FOLLOWS).  A task given
+        ``after`` needs a tag whose instances all lay their staging out
+        alike (the daemon takes one predecessor per collective).
+
+        ``raw_fields`` (tests only) overwrites fields of the descriptor as
+        the daemon receives it, after every host check: the way to show that
+        the daemon rejects a corrupt one."""
+        cdef slot_rec *r
+        cdef bint ok
+        if after is not None:
+            ok = after._daemon is self and not after.captured
+            if ok:
+                lock_gil(self.c)
+                r = &self.c.slots[after._slot]
+                ok = r.state == SLOT_BUSY and r.gen == after._gen and r.followed
+                PyThread_release_lock(self.c.lock)
+            if not ok:
+                raise InvalidArgumentError("submit: `after` must be a collective of this daemon submitted with "
+                                           "followed=True that no other collective follows yet")
+            # For this submission only: the plan is the descriptor's, and the
+            # submit lock makes this thread's submission the one that reads it.
+            task.plan.follows = ((<uint64_t>after._slot + 1) << 32) | after._gen
+        task.plan.followed = followed
+        try:
+            return self._submit(task, raw_fields, task.plan.desc.send_addr, task.plan.desc.recv_addr,
+                                task.plan.has_stream, task.plan.stream, task.owners)
+        finally:
+            task.plan.follows = 0
+            task.plan.followed = 0
+
+    def unfollow(self, Work work):
+        """``work`` was submitted with followed=True and nothing will follow
+        it after all (the next part's submission failed): its slot may go."""
+        lock_gil(self.c)
+        if self.c.slots[work._slot].gen == work._gen:
+            self.c.slots[work._slot].followed = 0
+        PyThread_release_lock(self.c.lock)
 
     def submit_at(self, TaskDescriptor task, uint64_t send_addr, uint64_t recv_addr, object stream,
                   object owners):
@@ -189,6 +227,9 @@ cdef class Daemon(DaemonEndpoints):
             # A capture publishes nothing, so it checks for failed replays here.
             if check_graph_failures(self.c, task.plan.desc.endpoint) < 0:
                 raise take_error()
+            if task.plan.follows != 0 or task.plan.followed:
+                raise NotSupportedError("a collective that follows another cannot be captured in a CUDA graph "
+                                        "(each replay would need its predecessor's)")
             return self._capture(task, send_addr, recv_addr, stream, owners)
         with nogil:
             rc = submit(self.c, &task.plan, send_addr, recv_addr, has_stream, stream, True, raw, &out)

@@ -73,9 +73,10 @@ cdef void lock_gil(daemon_core *c) noexcept:
 # ---------------------------------------------------------------------------
 cdef inline bint _due(daemon_core *c, uint32_t s) noexcept nogil:
     """A completed slot the progress thread should retire: the watcher saw it
-    completed at its previous look as well, or it is wanted soon."""
+    completed at its previous look as well, or it is wanted soon; not one
+    that a pending collective follows (unlink_completed)."""
     cdef slot_rec *r = &c.slots[s]
-    return r.retire_soon or r.seen_done == r.gen
+    return (r.retire_soon or r.seen_done == r.gen) and not r.followed
 
 
 cdef int retire_work(daemon_core *c, object policy, uint32_t s, uint32_t gen) except -1:
@@ -104,7 +105,7 @@ cdef int after_retire(daemon_core *c, object policy, Work work, retired_t *r) ex
     if not r.abandoned and work._status != DFCCL_STATUS_MISMATCH:
         # A mismatch is explained from every rank's record when first asked
         # for (Work._get_error), by when the peers have published theirs.
-        work._error = work._make_error()
+        work._error = work._final_error()
     release_tag_of(r, held)
     if r.abandoned:
         return 0   # failed earlier (abandon); the daemon has let go of it only now
@@ -218,7 +219,7 @@ cdef bint abandon_work(daemon_core *c, Work work) except -1:
         c.slots[work._slot].abandoned = 1
     finally:
         PyThread_release_lock(c.lock)
-    work._error = work._make_error()
+    work._error = work._final_error()
     run_callbacks(work)
     return True
 
@@ -295,7 +296,7 @@ cdef list close_slots(daemon_core *c, bint daemon_exited):
                 continue
             held, work._keepalive = work._keepalive, None
             if not rs[k].abandoned and work._status != DFCCL_STATUS_MISMATCH:
-                work._error = work._make_error()
+                work._error = work._final_error()
             release_tag_of(&rs[k], held)
             if not rs[k].abandoned:
                 run_callbacks(work)

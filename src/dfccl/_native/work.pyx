@@ -258,7 +258,38 @@ cdef class Work:
         waiting = <int>word - 1
         return waiting if 0 <= waiting < 0xfff0 else None
 
+    def _as_whole(self, chain, str kind, object tag, int rank):
+        """Makes this Work, the last part of a hierarchical collective,
+        stand for the whole (hierarchy.py): named as ``kind`` of ``tag`` on
+        ``rank`` of the communicator it was called on, and failed with the
+        first error of any part (``chain.error``)."""
+        self._chain = chain
+        self._part_names = (self.kind, self.tag, self.rank)
+        self.kind = kind
+        self.tag = tag
+        self.rank = rank
+
+    def _describe_timeout(self, timeout):
+        """What this pending part waits for, as a CollectiveTimeoutError
+        (the Chain of the whole words its own from the first pending part's)."""
+        return self._own_timeout_error(timeout) if self._chain is None else self._as_part(timeout, True)
+
+    cdef object _as_part(self, object timeout, bint timing_out):
+        """The last part's own error (or what it waits for), named as the
+        part: the Chain rewords it for the whole."""
+        whole = (self.kind, self.tag, self.rank)
+        self.kind, self.tag, self.rank = self._part_names
+        try:
+            return self._own_timeout_error(timeout) if timing_out else self._make_error()
+        finally:
+            self.kind, self.tag, self.rank = whole
+
     cdef object _timeout_error(self, timeout):
+        if self._chain is not None:
+            return self._chain.timeout_error(timeout)
+        return self._own_timeout_error(timeout)
+
+    cdef object _own_timeout_error(self, timeout):
         # Written live by the daemon into host memory (wait.cuh).
         waiting = self.waiting_for()
         what = f"rank {self.rank}: {self.kind} {self.name} did not complete within {timeout} s"
@@ -320,9 +351,17 @@ cdef class Work:
         self._keepalive = None
 
     cdef object _get_error(self):
-        if self._error is None and self._retired and self._status != DFCCL_STATUS_OK:
-            self._error = self._make_error()
+        if self._error is None and self._retired:
+            self._error = self._final_error()
         return self._error
+
+    cdef object _final_error(self):
+        """The error of this retired Work (None: it succeeded).  The last part
+        of a hierarchical collective fails if any part did, with the
+        earliest's error, worded for the whole (hierarchy.Chain)."""
+        if self._chain is not None:
+            return self._chain.error(self._as_part(None, False) if self._status != DFCCL_STATUS_OK else None)
+        return self._make_error() if self._status != DFCCL_STATUS_OK else None
 
     cdef object _make_error(self):
         cdef uint32_t status = self._status

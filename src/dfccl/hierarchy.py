@@ -1,0 +1,244 @@
+"""Hierarchical all-reduce across hosts (docs/multi-node.md, "Hierarchical
+all-reduce").
+
+A communicator whose ranks span two hosts or more, the same number L >= 2
+on each, builds two children at start-up: the ranks of its host (``local``,
+the direct path) and the ranks of equal local index on every host
+(``cross``, one per host: the network).  An all-reduce of at least
+CommOptions.hierarchy_min_bytes whose count divides by L then runs as three
+collectives of those children:
+
+  1. reduce-scatter within the host: local rank j holds piece j reduced
+     over its host;
+  2. all-reduce of piece j across hosts, among the ranks of local index j;
+  3. all-gather within the host: every rank holds every piece.
+
+so each host sends 2 (H - 1) / H of the bytes over the network, spread over
+L connections, where the ring sends 2 (n - 1) / n through one.  The three
+are submitted together; the daemon runs the second after the first and the
+third after the second (Daemon.submit's ``after``), as a task that is not
+ready yet: gating them on the stream instead could deadlock two all-reduces
+issued in opposite orders.  The last part's Work stands for the whole
+(Work._as_whole): it fails with the first error of any part (Chain).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER
+from dfccl._native.work import Work
+from dfccl.buffers import Buffer
+from dfccl.errors import DfcclError, PeerAbortedError, PeerLostError
+from dfccl.streams import stream_handle
+from dfccl.types import ReduceOp
+
+__all__ = ["HostLayout", "host_layout", "HierarchyInfo", "Hierarchy", "Chain"]
+
+#: How long a rank that could not submit every part waits for its children's
+#: pending collectives to fail before it fails them on the host.
+_GIVE_UP_S = 5.0
+
+#: The parts, in the order the daemon runs them.
+_PHASES = ("reduce-scatter within the host", "all-reduce across hosts", "all-gather within the host")
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Where the ranks of a communicator are: ``host[r]`` numbers rank r's
+    host (by its lowest rank), ``local[r]`` is r's place among its host's
+    ranks (by rank), ``per_host`` the ranks each host holds."""
+
+    host: tuple[int, ...]
+    local: tuple[int, ...]
+    per_host: int
+
+    @property
+    def hosts(self) -> int:
+        return len(self.host) // self.per_host
+
+
+@dataclass(frozen=True)
+class HierarchyInfo:
+    """What Communicator.hierarchy reports: ``hosts`` x ``per_host`` ranks;
+    all-reduces of at least ``min_bytes`` per rank (whose count divides by
+    ``per_host``) run hierarchically; ``all_reduces`` have so far on this
+    rank."""
+
+    hosts: int
+    per_host: int
+    min_bytes: int
+    all_reduces: int
+
+
+def host_layout(host_ids: Sequence[object]) -> HostLayout | None:
+    """The layout of ranks whose hosts are ``host_ids`` (by rank) where a
+    hierarchy pays and works: two hosts or more, the same number of ranks
+    (two or more) on each; None otherwise."""
+    first: dict[object, int] = {}
+    members: list[list[int]] = []
+    host, local = [], []
+    for r, h in enumerate(host_ids):
+        if h not in first:
+            first[h] = len(members)
+            members.append([])
+        i = first[h]
+        host.append(i)
+        local.append(len(members[i]))
+        members[i].append(r)
+    sizes = {len(m) for m in members}
+    if len(members) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    return HostLayout(tuple(host), tuple(local), sizes.pop())
+
+
+class Chain:
+    """The parts of one hierarchical all-reduce, as its last part's Work
+    reports them: its error is the first error of any part, reworded for
+    the communicator it was called on (which ranks the part's numbers are)."""
+
+    __slots__ = ("_parts", "_rank", "_whole")
+
+    def __init__(self, parts: tuple, rank: int, whole: str) -> None:
+        self._parts = parts   # (phase, Work, parent rank of each rank of the part's child)
+        self._rank = rank
+        self._whole = whole
+
+    def error(self, last: BaseException | None) -> BaseException | None:
+        """The whole's error, given the last part's own (None: it succeeded)."""
+        # Complete (the last part ran after them); each is kept until the
+        # one after it retired (Daemon.submit's followed), so from the last.
+        for _phase, work, _ranks in reversed(self._parts[:-1]):
+            work.done()
+        for phase, work, ranks in self._parts[:-1]:
+            e = work.exception()
+            if e is not None:
+                return self._reword(phase, ranks, e)
+        return None if last is None else self._reword(self._parts[-1][0], self._parts[-1][2], last)
+
+    def timeout_error(self, timeout) -> BaseException:
+        """What the first part that has not completed waits for."""
+        for phase, work, ranks in self._parts:
+            if not work.done():
+                return self._reword(phase, ranks, work._describe_timeout(timeout))
+        phase, work, ranks = self._parts[-1]
+        return self._reword(phase, ranks, work._describe_timeout(timeout))
+
+    def _reword(self, phase: str, ranks: tuple[int, ...], e: BaseException) -> BaseException:
+        """``e`` (a part's, in its child's rank numbers) as the whole's."""
+        def parent(r):
+            return ranks[r] if isinstance(r, int) and 0 <= r < len(ranks) else r
+        numbering = ", ".join(f"{i} is rank {p}" for i, p in enumerate(ranks))
+        why = ""
+        origin = getattr(e, "origin", None)
+        if isinstance(e, PeerLostError) and origin is not None:
+            why = f"rank {parent(origin)} is lost; "
+        elif isinstance(e, PeerAbortedError) and origin is not None:
+            why = f"rank {parent(origin)} gave its part up; "
+        out = copy.copy(e)
+        out.args = (f"rank {self._rank}: {self._whole} failed in its {phase}: {why}that part said: {e} (its ranks: "
+                    f"{numbering})",)
+        if isinstance(out, DfcclError):
+            out.rank = self._rank
+        # Instance attributes only (``peer`` of PeerLostError is ``origin``'s alias).
+        for name, value in vars(out).items():
+            if name in ("origin", "peer", "waiting_on") and value is not None:
+                setattr(out, name, parent(value))
+            elif name in ("missing_ranks", "joined_ranks") and value is not None:
+                setattr(out, name, [parent(r) for r in value])
+        out.__cause__ = e
+        return out
+
+
+class Hierarchy:
+    """The children of a communicator that spans hosts and the all-reduces
+    it runs through them.  Built by the communicator (``Hierarchy.create``),
+    closed with it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise TypeError("Hierarchy is built by its communicator (Hierarchy.create)")
+
+    @classmethod
+    def create(cls, *, rank: int, layout: HostLayout, min_bytes: int, local, cross, local_submitter,
+               cross_submitter, daemon) -> "Hierarchy":
+        """Args:
+            rank: this rank in the communicator.
+            layout: where its ranks are (host_layout).
+            min_bytes: smallest all-reduce (bytes per rank) that takes it.
+            local, cross: the children (this host's ranks; the ranks of this
+                rank's local index), ranked by parent rank.
+            local_submitter, cross_submitter: their submitters.
+            daemon: the daemon every rank of this process on this device
+                shares (the children's too).
+        """
+        self = object.__new__(cls)
+        self._rank = rank
+        self._per_host = layout.per_host
+        self._hosts = layout.hosts
+        self._runs = 0
+        self._local_index = layout.local[rank]
+        self._min_bytes = min_bytes
+        self.local, self.cross = local, cross
+        self._local_sub, self._cross_sub = local_submitter, cross_submitter
+        self._daemon = daemon
+        self.broken = False   # a part could not be submitted: the children were aborted
+        n = len(layout.host)
+        self._local_ranks = tuple(r for r in range(n) if layout.host[r] == layout.host[rank])
+        self._cross_ranks = tuple(r for r in range(n) if layout.local[r] == layout.local[rank])
+        return self
+
+    @property
+    def min_bytes(self) -> int:
+        return self._min_bytes
+
+    def info(self) -> HierarchyInfo:
+        return HierarchyInfo(self._hosts, self._per_host, self._min_bytes, self._runs)
+
+    def takes(self, count: int, itemsize: int) -> bool:
+        """Whether an all-reduce of ``count`` elements runs hierarchically
+        (the stream is checked at submission: all_reduce)."""
+        return count * itemsize >= self._min_bytes and count % self._per_host == 0
+
+    def all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work | None:
+        """Submits the three parts of recv = op(send) (takes() holds); the
+        last part's Work, standing for the whole.  None where the stream
+        captures a CUDA graph (each replay would need its own chain): the
+        ring takes it."""
+        if stream is not None and self._daemon.device.stream_capturing(stream_handle(stream)):
+            return None
+        piece = s.count // self._per_host
+        mine = r.view(self._local_index * piece, piece)
+        loc, crs = self._local_sub, self._cross_sub
+        dtype = s.dtype
+        w1 = loc.submit(KIND_REDUCE_SCATTER, s, mine, piece, op, 0, tag, stream,
+                        key=loc.part_key(tag, 1, piece, dtype, op), followed=True)
+        last = w1
+        try:
+            w2 = crs.submit(KIND_ALL_REDUCE, mine, mine, piece, op, 0, tag, stream,
+                            key=crs.part_key(tag, 2, piece, dtype, op), after=w1, followed=True)
+            last = w2
+            w3 = loc.submit(KIND_ALL_GATHER, mine, r, piece, op, 0, tag, stream,
+                            key=loc.part_key(tag, 3, piece, dtype, op), after=w2)
+        except BaseException:
+            # Peers would wait for ever for the parts this rank could not
+            # submit: it gives up on both children, which fails theirs
+            # (PeerAbortedError), and the caller aborts the communicator.
+            self._daemon.unfollow(last)
+            self.broken = True
+            self.abort(_GIVE_UP_S)
+            raise
+        chain = Chain(((_PHASES[0], w1, self._local_ranks), (_PHASES[1], w2, self._cross_ranks),
+                       (_PHASES[2], w3, self._local_ranks)), self._rank, f"all_reduce {w3.name}")
+        w3._as_whole(chain, "all_reduce", tag, self._rank)
+        self._runs += 1
+        return w3
+
+    def abort(self, timeout: float) -> None:
+        for child in (self.cross, self.local):
+            child.abort(timeout)
+
+    def close(self, timeout: float) -> None:
+        for child in (self.cross, self.local):
+            child.close(timeout)
