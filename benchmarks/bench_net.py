@@ -100,12 +100,12 @@ def _rank(uid: str, rank: int, backend: str, sizes: list[int], iters: int, warmu
         results.put((rank, "error", f"{exc}\n{traceback.format_exc()}"))
 
 
-def batch_seconds(submit, iters: int) -> float:
+def batch_seconds(submit, iters: int, batches: int = BATCHES) -> float:
     """Seconds per collective back to back, as ucx_perftest streams its
     messages: ``iters`` of ``submit()`` queued, then waited for; the median
-    of BATCHES such batches."""
+    of ``batches`` such batches."""
     times = []
-    for _ in range(BATCHES):
+    for _ in range(batches):
         t0 = time.perf_counter()
         works = [submit() for _ in range(iters)]
         for w in works:

@@ -340,7 +340,15 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
     xl = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 52))
     if r == n - 1:
         time.sleep(0.3)
-    comm.all_reduce(xl, tag="late").synchronize(timeout=TIMEOUT)
+    late = comm.all_reduce(xl, tag="late")
+    st = comm.status()
+    if not late.done():
+        # Pending during the status: its parts are listed, in this
+        # communicator's rank numbers.
+        parts = [p for p in st.pending if "part of a hierarchical all_reduce" in p.kind]
+        assert parts and all(p.tag == "late" for p in parts), st.pending
+        assert all(w is None or 0 <= w < n for p in parts for w in [p.waiting_for]), parts
+    late.synchronize(timeout=TIMEOUT)
     same_bytes(arrays.to_numpy(xl), _hier_expected(n, big, "float32", "sum", 52), "late")
     return {"checked": checked + 3, "hierarchical": comm.hierarchy.all_reduces}
 

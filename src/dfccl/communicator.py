@@ -945,6 +945,8 @@ class Communicator:
                                                 joined_ranks=joined, missing_ranks=missing))
             st.captured = [{"kind": n["kind"], "tag": n["tag"], "error": n["error"]}
                            for n in self._daemon.captured if n["endpoint"] == ep.id]
+            if self._hierarchy is not None:
+                st.pending.extend(self._hierarchy.pending())
         st.recent = self._flight.events()[-20:]
         return st
 

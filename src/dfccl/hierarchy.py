@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER
 from dfccl._native.work import Work
 from dfccl.buffers import Buffer
 from dfccl.errors import DfcclError, PeerAbortedError, PeerLostError
+from dfccl.flight import PendingStatus
 from dfccl.streams import stream_handle
 from dfccl.types import ReduceOp
 
@@ -234,6 +235,22 @@ class Hierarchy:
         w3._as_whole(chain, "all_reduce", tag, self._rank)
         self._runs += 1
         return w3
+
+    def pending(self) -> list[PendingStatus]:
+        """The parts pending on this rank, as Communicator.status() lists
+        them: named as parts, their ranks given in the parent's numbers."""
+        out = []
+        for child, ranks, where in ((self.local, self._local_ranks, "within the host"),
+                                    (self.cross, self._cross_ranks, "across hosts")):
+            def parent(r, ranks=ranks):
+                return ranks[r] if r is not None and 0 <= r < len(ranks) else r
+            for p in child.status().pending:
+                out.append(replace(p, kind=f"{p.kind} {where} (part of a hierarchical all_reduce)",
+                                   waiting_for=parent(p.waiting_for),
+                                   joined_ranks=None if p.joined_ranks is None else [parent(r) for r in p.joined_ranks],
+                                   missing_ranks=None if p.missing_ranks is None
+                                   else [parent(r) for r in p.missing_ranks]))
+        return out
 
     def abort(self, timeout: float) -> None:
         for child in (self.cross, self.local):

@@ -168,8 +168,11 @@ NET_MIN_SLICE_BYTES = 64 << 10
 #: GPU's default; the simulator's 128 would cut its slices to 48 KiB).
 NET_RING_TAGS = 8
 #: Smallest all-reduce (bytes per rank) that runs hierarchically where a
-#: communicator spans hosts with several ranks on each (hierarchy.py).
-DEFAULT_HIERARCHY_MIN_BYTES = 4 << 20
+#: communicator spans hosts with several ranks on each (hierarchy.py): two
+#: hosts of two ranks on one H200 over TCP loopback, the hierarchy took
+#: 1.14-1.66x the ring's time at 1-8 MiB and 0.63-0.70x at 16-64 MiB
+#: (docs/performance-log.md, section 51).
+DEFAULT_HIERARCHY_MIN_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +244,7 @@ class CommOptions:
         across hosts, all-gather within each host (docs/multi-node.md,
         "Hierarchical all-reduce").  Such a communicator builds two child
         communicators at start-up for it; 0 builds none and never runs
-        one.  None: 4 MiB.
+        one.  None: 16 MiB.
     """
 
     path: str = "auto"

@@ -11,6 +11,7 @@ import pytest
 
 import dfccl
 from dfccl.hierarchy import host_layout
+from dfccl.options import DEFAULT_HIERARCHY_MIN_BYTES
 from net_scenarios import (HIER_MIN_BYTES, TIMEOUT, check_remote_loss, hierarchical_all_reduces, needs_ucx,
                            run_ranks)
 
@@ -49,7 +50,8 @@ def test_no_hierarchy_where_it_does_not_apply():
 
 
 def test_hierarchy_min_bytes_option():
-    assert dfccl.CommOptions().resolved("sim").hierarchy_min_bytes == 4 << 20
+    assert dfccl.CommOptions().resolved("sim").hierarchy_min_bytes == DEFAULT_HIERARCHY_MIN_BYTES
+    assert dfccl.CommOptions(hierarchy_min_bytes=0).resolved("cuda").hierarchy_min_bytes == 0
     with pytest.raises(dfccl.InvalidArgumentError, match="hierarchy_min_bytes"):
         dfccl.CommOptions(hierarchy_min_bytes=-1)
 
