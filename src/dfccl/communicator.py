@@ -152,6 +152,10 @@ class Communicator:
         except BaseException:
             self.close()
             raise
+        local._speak_as_part(layout.host_ranks(self._rank), "in the communicator of its host's ranks, which runs "
+                             "parts of hierarchical all-reduces")
+        cross._speak_as_part(layout.index_ranks(self._rank), "in the communicator of the ranks of its place on every "
+                             "host, which runs parts of hierarchical all-reduces")
         self._hierarchy = Hierarchy.create(rank=self._rank, layout=layout,
                                            min_bytes=self._options.hierarchy_min_bytes, local=local, cross=cross,
                                            local_submitter=local._submitter, cross_submitter=cross._submitter,
@@ -888,6 +892,12 @@ class Communicator:
             if work is not None:
                 return work
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
+
+    def _speak_as_part(self, parent_ranks: tuple[int, ...], role: str) -> None:
+        """This child of a hierarchy (hierarchy.py) names its parent's ranks
+        in what it logs."""
+        self._state.parent_ranks = parent_ranks
+        self._state.role = role
 
     def _hierarchical_all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work | None:
         """The all-reduce through this rank's children (hierarchy.py); None

@@ -60,6 +60,14 @@ class HostLayout:
     def hosts(self) -> int:
         return len(self.host) // self.per_host
 
+    def host_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s host (its local child, by rank)."""
+        return tuple(r for r in range(len(self.host)) if self.host[r] == self.host[rank])
+
+    def index_ranks(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s place on every host (its cross child, by rank)."""
+        return tuple(r for r in range(len(self.local)) if self.local[r] == self.local[rank])
+
 
 @dataclass(frozen=True)
 class HierarchyInfo:
@@ -185,9 +193,8 @@ class Hierarchy:
         self._local_sub, self._cross_sub = local_submitter, cross_submitter
         self._daemon = daemon
         self.broken = False   # a part could not be submitted: the children were aborted
-        n = len(layout.host)
-        self._local_ranks = tuple(r for r in range(n) if layout.host[r] == layout.host[rank])
-        self._cross_ranks = tuple(r for r in range(n) if layout.local[r] == layout.local[rank])
+        self._local_ranks = layout.host_ranks(rank)
+        self._cross_ranks = layout.index_ranks(rank)
         return self
 
     @property

@@ -50,6 +50,11 @@ class RankState:
         self.fault_reported = False   # its device failed and its peers were told (liveness.py)
         self.forked_from = 0          # in a forked child: the pid of the process this rank belongs to
         self.diagnostics: "EndpointDiagnostics | None" = None
+        # A child a hierarchy split off (hierarchy.py): its parent's rank of
+        # each of its ranks, and what it is, so that its messages speak of
+        # the ranks the application knows.
+        self.parent_ranks: tuple[int, ...] | None = None
+        self.role = ""
 
     def check_open(self) -> None:
         """Raises unless the rank takes new collectives: PeerLostError once
@@ -85,7 +90,11 @@ class RankState:
         if self.diagnostics is not None:
             self.diagnostics.lost_why[peer] = why   # what the daemon's PeerLostErrors say
         self.flight.note("peer_lost", detail=f"rank {peer} lost: {why}")
-        _log.warning("rank %d: peer rank %d is lost: %s", self.rank, peer, why)
+        if self.parent_ranks is not None:
+            _log.warning("rank %d: peer rank %d is lost (%s): %s", self.parent_ranks[self.rank],
+                         self.parent_ranks[peer], self.role, why)
+        else:
+            _log.warning("rank %d: peer rank %d is lost: %s", self.rank, peer, why)
         if not self.aborted and not self.daemon.closed:
             self.endpoint.abort(lost_rank=peer)
         self.aborted = True

@@ -55,6 +55,10 @@ struct Proxy {
 
   static bool tracing(const Lane &l) { return l.traced.load(std::memory_order_relaxed) < l.trace.size(); }
 
+  // Where the bytes of a PUT or SHARE from `peer` land: a slice in this
+  // rank's arena, what all-to-all peers read in the sender's mirror.
+  uint8_t *landing(const Msg &m, uint32_t peer) const { return m.kind == MSG_PUT ? arena : peers[peer].mirror; }
+
   void note_event(Lane &l, uint64_t t_ns, uint32_t what, uint32_t kind, uint32_t p, uint64_t seq, uint64_t word,
                   uint64_t len) {
     const uint64_t n = l.traced.load(std::memory_order_relaxed);

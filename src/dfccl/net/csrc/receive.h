@@ -93,8 +93,7 @@ inline void Proxy::post_payload(Incoming *in) {
   if (in->payload_posted || !in->header.done.load(std::memory_order_acquire)) return;
   in->payload_posted = true;
   const Msg &m = in->msg;
-  if (in->header.status != UCS_OK || (m.kind != MSG_PUT && m.kind != MSG_SHARE && m.kind != MSG_LINES) ||
-      m.len == 0) {
+  if (in->header.status != UCS_OK || !carries_bytes(m.kind) || m.len == 0) {
     in->payload.done.store(1);
     return;
   }
@@ -119,8 +118,8 @@ inline void Proxy::post_payload(Incoming *in) {
     post_recv(*in->lane, in->peer, in->lines.data(), m.len, make_tag(in->peer, in->seq, true), &in->payload);
     return;
   }
-  uint8_t *into = m.kind == MSG_PUT ? arena : peers[in->peer].mirror;
-  post_recv(*in->lane, in->peer, into + m.offset, m.len, make_tag(in->peer, in->seq, true), &in->payload);
+  post_recv(*in->lane, in->peer, landing(m, in->peer) + m.offset, m.len, make_tag(in->peer, in->seq, true),
+            &in->payload);
 }
 
 inline bool Proxy::receive(Lane &l, uint32_t p) {
@@ -134,8 +133,7 @@ inline bool Proxy::receive(Lane &l, uint32_t p) {
     if (in->header.status == UCS_OK && in->payload.status == UCS_OK) {
       apply(p, l, *in);
       note(l, TRACE_APPLIED, p, in->seq, in->msg);
-      if (in->msg.kind == MSG_PUT || in->msg.kind == MSG_SHARE || in->msg.kind == MSG_LINES)
-        bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
+      if (carries_bytes(in->msg.kind)) bytes_received.fetch_add(in->msg.len, std::memory_order_relaxed);
     } else {
       fail_peer(p, "receive", in->payload.status != UCS_OK ? in->payload.status : in->header.status);
     }
@@ -161,7 +159,7 @@ inline void Proxy::apply(uint32_t p, const Lane &l, const Incoming &in) {
     return;
   }
   if (m.inlined && (m.kind == MSG_PUT || m.kind == MSG_SHARE))  // checked in post_payload, as the lines
-    memcpy((m.kind == MSG_PUT ? arena : peers[p].mirror) + m.offset, in.wire.bytes, m.len);
+    memcpy(landing(m, p) + m.offset, in.wire.bytes, m.len);
   if (m.kind == MSG_PUT) {
     if (m.word_offset != DFCCL_NET_NO_WORD && m.word_offset + 8 <= arena_bytes) {
       __atomic_thread_fence(__ATOMIC_RELEASE);  // the slice before the word

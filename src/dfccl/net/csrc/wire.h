@@ -42,6 +42,10 @@ struct Msg {
   uint64_t data[1 + kChanWords];  // RECORD: the header's key, then the channel; STATUS: its words
 };
 
+// Whether a message of this kind carries bytes (inline or as a second
+// message): a slice (PUT), what all-to-all peers read (SHARE), LL lines.
+inline bool carries_bytes(uint32_t kind) { return kind == MSG_PUT || kind == MSG_SHARE || kind == MSG_LINES; }
+
 // A header as it travels: the message, then the bytes it carries inline.
 struct Wire {
   Msg msg;
