@@ -350,7 +350,18 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
         assert all(w is None or 0 <= w < n for p in parts for w in [p.waiting_for]), parts
     late.synchronize(timeout=TIMEOUT)
     same_bytes(arrays.to_numpy(xl), _hier_expected(n, big, "float32", "sum", 52), "late")
-    return {"checked": checked + 3, "hierarchical": comm.hierarchy.all_reduces}
+    # One tag's all-reduces on one buffer, not waited for in between: a
+    # hierarchical one, one on the ring over its first elements, another
+    # hierarchical one.  They run in order, as a tag's instances do.
+    xs = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 53))
+    works = [comm.all_reduce(xs, tag="seq"), comm.all_reduce(xs[:1000], tag="seq"), comm.all_reduce(xs, tag="seq")]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    want = _hier_expected(n, big, "float32", "sum", 53)
+    want[:1000] *= n
+    want *= n
+    same_bytes(arrays.to_numpy(xs), want, "in order on one tag")
+    return {"checked": checked + 4, "hierarchical": comm.hierarchy.all_reduces}
 
 
 def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int, env: dict) -> None:

@@ -58,6 +58,10 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 _UNUSED = object()
 
 
+#: Tags whose last all-reduce a communicator with a hierarchy remembers
+#: before it forgets those that completed (_all_reduce_across_hosts).
+_LAST_ALL_REDUCES_KEPT = 1024
+
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -246,6 +250,7 @@ class Communicator:
         self._submitter: Submitter | None = None   # once the rank has met its peers (_finish_init)
         self._host_ids: list | None = None        # every rank's host (_finish_init)
         self._hierarchy: Hierarchy | None = None   # children for hierarchical all-reduces (_build_hierarchy)
+        self._last_all_reduce: dict[int, tuple[Work, bool]] = {}   # with a hierarchy: by tag key, (Work, hierarchical)
         self._barrier_ptr = 0   # barrier()'s word in this rank's arena, taken at its first call
 
     def _finish_init(self, peers, exchange=None):
@@ -365,19 +370,16 @@ class Communicator:
             The Work of this rank's part, at once (nothing here waits for peers).
         """
         sub = self._submitter
-        hier = self._hierarchy
-        if recv is None and stream is None:
-            work = sub.all_reduce_kept(send, op, tag, None if hier is None else hier.min_bytes)
+        if recv is None and stream is None and self._hierarchy is None:
+            work = sub.all_reduce_kept(send, op, tag)
             if work is not None:
                 return work
         sub.check_tag(tag, "all_reduce")
         s, r = sub.pair(send, recv, "all_reduce")
         sub.same_shape(s, r, s.count, "all_reduce")
         op = sub.op(op, "all_reduce")
-        if hier is not None and hier.takes(s.count, s.dtype.itemsize):
-            work = self._hierarchical_all_reduce(s, r, op, tag, stream)
-            if work is not None:
-                return work
+        if self._hierarchy is not None:
+            return self._all_reduce_across_hosts(s, r, op, tag, stream)
         return sub.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream)
 
     def barrier(self, *, tag=None, stream=None) -> Work:
@@ -884,14 +886,35 @@ class Communicator:
         ``tag`` (a simple tag: str, int or a tuple of them; None: untagged)
         (the torch backend's path for one contiguous tensor: no Buffer, no
         argument parsing; Submitter.all_reduce_at)."""
-        hier = self._hierarchy
-        if hier is not None and hier.takes(count, dtype.itemsize):
+        if self._hierarchy is not None:
+            self._state.check_open()
+            if count == 0:
+                return Work.completed("all_reduce", None, self._rank)
             b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
                        -1 if self._backend == "sim" else self._device, False, owner)
-            work = self._hierarchical_all_reduce(b, b, op, tag, stream)
-            if work is not None:
-                return work
+            return self._all_reduce_across_hosts(b, b, op, tag, stream)
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
+
+    def _all_reduce_across_hosts(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work:
+        """An all-reduce on a communicator with a hierarchy: hierarchical
+        where it takes it, else on the ring.  A tag's instances run in
+        order, and a hierarchical one's parts have the children's tags: so
+        it runs after the last all-reduce of its tag here, and an all-reduce
+        on the ring after the last one of its tag when that was
+        hierarchical (ring after ring is the tag's own order)."""
+        key = self._submitter.key(tag)
+        last, last_hierarchical = self._last_all_reduce.get(key, (None, False))
+        work = None
+        if self._hierarchy.takes(s.count, s.dtype.itemsize):
+            work = self._hierarchical_all_reduce(s, r, op, tag, stream, last)
+        hierarchical = work is not None
+        if not hierarchical:
+            work = self._submitter.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream,
+                                          order_after=last if last_hierarchical else None)
+        if len(self._last_all_reduce) >= _LAST_ALL_REDUCES_KEPT:
+            self._last_all_reduce = {k: v for k, v in self._last_all_reduce.items() if not v[0].done()}
+        self._last_all_reduce[key] = (work, hierarchical)
+        return work
 
     def _speak_as_part(self, parent_ranks: tuple[int, ...], role: str) -> None:
         """This child of a hierarchy (hierarchy.py) names its parent's ranks
@@ -899,12 +922,14 @@ class Communicator:
         self._state.parent_ranks = parent_ranks
         self._state.role = role
 
-    def _hierarchical_all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work | None:
-        """The all-reduce through this rank's children (hierarchy.py); None
-        where it does not apply after all (a stream that captures a graph)."""
+    def _hierarchical_all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream,
+                                 order_after: Work | None) -> Work | None:
+        """The all-reduce through this rank's children (hierarchy.py), after
+        ``order_after``; None where it does not apply after all (a stream
+        that captures a graph)."""
         self._state.check_open()
         try:
-            return self._hierarchy.all_reduce(s, r, op, tag, stream)
+            return self._hierarchy.all_reduce(s, r, op, tag, stream, order_after)
         except DfcclError as exc:
             exc.rank = self._rank
             if self._hierarchy.broken:

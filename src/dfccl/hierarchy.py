@@ -19,7 +19,10 @@ are submitted together; the daemon runs the second after the first and the
 third after the second (Daemon.submit's ``after``), as a task that is not
 ready yet: gating them on the stream instead could deadlock two all-reduces
 issued in opposite orders.  The last part's Work stands for the whole
-(Work._as_whole): it fails with the first error of any part (Chain).
+(Work._as_whole): it fails with the first error of any part (Chain).  The
+first part runs after the last all-reduce of the caller's tag
+(``order_after``: a tag's instances run in order, and the parts' tags are
+the children's; Communicator._all_reduce_across_hosts keeps that order).
 """
 
 from __future__ import annotations
@@ -209,11 +212,14 @@ class Hierarchy:
         (the stream is checked at submission: all_reduce)."""
         return count * itemsize >= self._min_bytes and count % self._per_host == 0
 
-    def all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work | None:
+    def all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream, order_after: Work | None = None
+                   ) -> Work | None:
         """Submits the three parts of recv = op(send) (takes() holds); the
-        last part's Work, standing for the whole.  None where the stream
-        captures a CUDA graph (each replay would need its own chain): the
-        ring takes it."""
+        last part's Work, standing for the whole.  ``order_after``: the last
+        collective of the tag before it, which its first part runs after (a
+        tag's instances run in order; the parts' tags are the children's).
+        None where the stream captures a CUDA graph (each replay would need
+        its own chain): the ring takes it."""
         if stream is not None and self._daemon.device.stream_capturing(stream_handle(stream)):
             return None
         piece = s.count // self._per_host
@@ -221,7 +227,7 @@ class Hierarchy:
         loc, crs = self._local_sub, self._cross_sub
         dtype = s.dtype
         w1 = loc.submit(KIND_REDUCE_SCATTER, s, mine, piece, op, 0, tag, stream,
-                        key=loc.part_key(tag, 1, piece, dtype, op), followed=True)
+                        key=loc.part_key(tag, 1, piece, dtype, op), followed=True, order_after=order_after)
         last = w1
         try:
             w2 = crs.submit(KIND_ALL_REDUCE, mine, mine, piece, op, 0, tag, stream,

@@ -253,8 +253,8 @@ class Submitter:
 
     # -- submission ------------------------------------------------------------------
     def submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream,
-               geometry: Geometry | None = None, key=None, after: Work | None = None, followed: bool = False
-               ) -> Work:
+               geometry: Geometry | None = None, key=None, after: Work | None = None, followed: bool = False,
+               order_after: Work | None = None) -> Work:
         """Submits one collective of checked arguments: a Work completed at
         once for no elements, else its shape's kept descriptor (a plain call)
         or a new one.
@@ -272,6 +272,8 @@ class Submitter:
             after, followed: the chain of a hierarchical collective's
                 parts (Daemon.submit; with a ``key`` whose instances all lay
                 their staging out alike: part_key).
+            order_after: a Work the daemon runs this one after (the tag's
+                order across a hierarchical collective: Daemon.submit).
 
         Returns:
             The Work of this rank's part, at once.
@@ -281,13 +283,13 @@ class Submitter:
         if count == 0:
             return Work.completed(name, tag, self.rank)
         check_overlap(kind, s, r, count, self.rank, self.world_size, name)
-        if key is None and is_simple_tag(tag):
+        if key is None and is_simple_tag(tag) and order_after is None:
             task = self.plain_task(kind, s, r, count, op, root, tag)
             if task is not None:
                 return self.submit_task(task, (s.ptr, r.ptr, None if stream is None else stream_handle(stream),
                                                (s.owner, r.owner)))
         task = self.task(kind, s, r, count, op, root, tag, stream, geometry, key)
-        return self.submit_task(task, after=after, followed=followed)
+        return self.submit_task(task, after=after, followed=followed, order_after=order_after)
 
     def part_key(self, tag, part: int, count: int, dtype: DataType, op: ReduceOp) -> int:
         """The key of part ``part`` of hierarchical collectives of this shape
@@ -297,13 +299,12 @@ class Submitter:
         return tag_key(self._comm_key, ("#part", part, ("#seq",) if tag is None else ("#tag", tag), count,
                                         int(dtype), int(op)))
 
-    def all_reduce_kept(self, x, op, tag, max_bytes: int | None = None) -> Work | None:
+    def all_reduce_kept(self, x, op, tag) -> Work | None:
         """The plain call's common case, an in-place sum of one plain array
         (buffers.plain_array) whose shape and tag have a kept descriptor
         (plain_task), checked as the general path checks it and submitted
-        without a Buffer; below ``max_bytes`` only (None: any size).  None
-        where anything else holds: the general path then does, and explains,
-        everything."""
+        without a Buffer.  None where anything else holds: the general path
+        then does, and explains, everything."""
         state = self.state
         if state.closed or state.aborted or state.lost_rank is not None or state.forked_from:
             return None
@@ -315,8 +316,6 @@ class Submitter:
         if desc is None:
             return None
         ptr, count, dtype, device = desc
-        if max_bytes is not None and count * dtype.itemsize >= max_bytes:
-            return None
         if cuda and (device if device is not None else runtime.cuda_pointer_info(ptr)) != self._device:
             return None
         task = self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, ReduceOp.SUM, 0, tag))
@@ -451,13 +450,13 @@ class Submitter:
             aux_bytes=aux_bytes)
 
     def submit_task(self, task: TaskDescriptor, at: tuple | None = None, after: Work | None = None,
-                    followed: bool = False) -> Work:
+                    followed: bool = False, order_after: Work | None = None) -> Work:
         """Submits ``task``, or with ``at`` = (send pointer, recv pointer,
         stream handle or None, owners) the same descriptor at those buffers;
-        ``after``, ``followed``: as submit() takes them."""
+        ``after``, ``followed``, ``order_after``: as submit() takes them."""
         try:
             if at is None:
-                return self.daemon.submit(task, after=after, followed=followed)
+                return self.daemon.submit(task, after=after, followed=followed, order_after=order_after)
             return self.daemon.submit_at(task, *at)
         except DfcclError as exc:
             if exc.rank is None:

@@ -84,8 +84,11 @@ cdef struct plan_t:
     uint64_t stream
     uint64_t follows           # ((slot + 1) << 32) | gen of a collective of this daemon this instance runs
                                # after (a hierarchical collective's part before it: hierarchy.py); 0: none
+    uint8_t chained            # `follows` is the part before in one hierarchical collective: fail if it
+                               # failed (DFCCL_TASK_FOLLOWS); else only an order (the last collective of
+                               # the tag before this one, hierarchy.py)
     uint8_t followed           # a collective will follow this instance (its slot is kept for it)
-                               # (both set for one submission by Daemon.submit, never kept)
+                               # (the three set for one submission by Daemon.submit, never kept)
     tag_layout layout
     uint8_t has_stream
     uint8_t transient

@@ -144,7 +144,8 @@ cdef class Daemon(DaemonEndpoints):
         return abandon_handles(self.c, endpoint)
 
     # -- submit --------------------------------------------------------------
-    def submit(self, TaskDescriptor task, dict raw_fields=None, Work after=None, bint followed=False):
+    def submit(self, TaskDescriptor task, dict raw_fields=None, Work after=None, bint followed=False,
+               Work order_after=None):
         """Publishes one instance of ``task`` to the daemon (the host half of
         submit) and returns its Work.  Takes the tag's next instance and its
         record (and staging) from the endpoint's tag table; nothing waits for
@@ -157,6 +158,10 @@ cdef class Daemon(DaemonEndpoints):
         telling its peers, if it failed (DFCCL_TASK_FOLLOWS).  A task given
         ``after`` needs a tag whose instances all lay their staging out
         alike (the daemon takes one predecessor per collective).
+        ``order_after``: instead, any collective of this daemon that ran
+        after this tag's earlier instances here; the daemon runs this one
+        after it, whatever became of it (a tag's order across a
+        hierarchical collective and the others of its tag, hierarchy.py).
 
         ``raw_fields`` (tests only) overwrites fields of the descriptor as
         the daemon receives it, after every host check: the way to show that
@@ -176,12 +181,18 @@ cdef class Daemon(DaemonEndpoints):
             # For this submission only: the plan is the descriptor's, and the
             # submit lock makes this thread's submission the one that reads it.
             task.plan.follows = ((<uint64_t>after._slot + 1) << 32) | after._gen
+            task.plan.chained = 1
+        elif order_after is not None and not order_after._retired:
+            if order_after._daemon is not self or order_after.captured:
+                raise InvalidArgumentError("submit: `order_after` must be a collective submitted to this daemon")
+            task.plan.follows = ((<uint64_t>order_after._slot + 1) << 32) | order_after._gen
         task.plan.followed = followed
         try:
             return self._submit(task, raw_fields, task.plan.desc.send_addr, task.plan.desc.recv_addr,
                                 task.plan.has_stream, task.plan.stream, task.owners)
         finally:
             task.plan.follows = 0
+            task.plan.chained = 0
             task.plan.followed = 0
 
     def unfollow(self, Work work):

@@ -122,13 +122,17 @@ cdef int _write_entry(daemon_core *c, plan_t *p, uint32_t slot, uint32_t gen, co
     fill_instance(d, p, g, send_addr, recv_addr, slot)
     d.gen = gen
     d.after = g.after
-    if p.follows != 0:
+    if p.follows != 0 and p.chained:
         # One `after` per descriptor: a part of a hierarchical collective has
         # a tag per shape, so its instances never need their tag's.
         if g.after != 0:
             return _two_afters()
         d.after = p.follows
         d.flags = d.flags | DFCCL_TASK_FOLLOWS
+    elif p.follows != 0:
+        # An order: the collective named ran after this tag's earlier
+        # instances here (hierarchy.py), so it stands for g.after too.
+        d.after = p.follows
     if p.staging_bytes:
         tag_note_slot(p.tags, p.tag, ((<uint64_t>slot + 1) << 32) | gen)
     if has_stream:
@@ -190,7 +194,7 @@ cdef int _submit_locked(daemon_core *c, plan_t *p, uint64_t send_addr, uint64_t 
     r.by_work = by_work
     r.released = r.abandoned = r.stream_waited = r.retire_soon = 0
     r.followed = p.followed
-    r.follows = <uint32_t>(p.follows >> 32)
+    r.follows = <uint32_t>(p.follows >> 32) if p.chained else 0
     r.follows_gen = <uint32_t>p.follows
     r.work = NULL
     r.tags = p.tags
