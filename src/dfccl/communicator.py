@@ -62,6 +62,7 @@ _UNUSED = object()
 #: before it forgets those that completed (_all_reduce_across_hosts).
 _LAST_ALL_REDUCES_KEPT = 1024
 
+
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -911,6 +912,8 @@ class Communicator:
         if not hierarchical:
             work = self._submitter.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream,
                                           order_after=last if last_hierarchical else None)
+        if work.captured:
+            return work   # a captured collective has a tag of its own (docs/architecture.md, "CUDA graphs")
         if len(self._last_all_reduce) >= _LAST_ALL_REDUCES_KEPT:
             self._last_all_reduce = {k: v for k, v in self._last_all_reduce.items() if not v[0].done()}
         self._last_all_reduce[key] = (work, hierarchical)

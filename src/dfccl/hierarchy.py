@@ -3,7 +3,7 @@ all-reduce").
 
 A communicator whose ranks span two hosts or more, the same number L >= 2
 on each, builds two children at start-up: the ranks of its host (``local``,
-the direct path) and the ranks of equal local index on every host
+the paths within a host) and the ranks of equal local index on every host
 (``cross``, one per host: the network).  An all-reduce of at least
 CommOptions.hierarchy_min_bytes whose count divides by L then runs as three
 collectives of those children:
@@ -175,7 +175,9 @@ class Hierarchy:
     @classmethod
     def create(cls, *, rank: int, layout: HostLayout, min_bytes: int, local, cross, local_submitter,
                cross_submitter, daemon) -> "Hierarchy":
-        """Args:
+        """The hierarchy of one rank of a communicator that spans hosts.
+
+        Args:
             rank: this rank in the communicator.
             layout: where its ranks are (host_layout).
             min_bytes: smallest all-reduce (bytes per rank) that takes it.
@@ -199,10 +201,6 @@ class Hierarchy:
         self._local_ranks = layout.host_ranks(rank)
         self._cross_ranks = layout.index_ranks(rank)
         return self
-
-    @property
-    def min_bytes(self) -> int:
-        return self._min_bytes
 
     def info(self) -> HierarchyInfo:
         return HierarchyInfo(self._hosts, self._per_host, self._min_bytes, self._runs)

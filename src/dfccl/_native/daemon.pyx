@@ -238,7 +238,9 @@ cdef class Daemon(DaemonEndpoints):
             # A capture publishes nothing, so it checks for failed replays here.
             if check_graph_failures(self.c, task.plan.desc.endpoint) < 0:
                 raise take_error()
-            if task.plan.follows != 0 or task.plan.followed:
+            # An order (order_after) does not apply: a captured collective
+            # has a tag of its own.  A chain's part has no meaning alone.
+            if task.plan.chained or task.plan.followed:
                 raise NotSupportedError("a collective that follows another cannot be captured in a CUDA graph "
                                         "(each replay would need its predecessor's)")
             return self._capture(task, send_addr, recv_addr, stream, owners)
