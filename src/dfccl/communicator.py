@@ -157,14 +157,14 @@ class Communicator:
         except BaseException:
             self.close()
             raise
-        local._speak_as_part(layout.host_ranks(self._rank), "in the communicator of its host's ranks, which runs "
-                             "parts of hierarchical all-reduces")
-        cross._speak_as_part(layout.index_ranks(self._rank), "in the communicator of the ranks of its place on every "
-                             "host, which runs parts of hierarchical all-reduces")
         self._hierarchy = Hierarchy.create(rank=self._rank, layout=layout,
                                            min_bytes=self._options.hierarchy_min_bytes, local=local, cross=cross,
                                            local_submitter=local._submitter, cross_submitter=cross._submitter,
                                            daemon=self._daemon)
+        local._speak_as_part(self._hierarchy.local_ranks, "in the communicator of its host's ranks, which runs "
+                             "parts of hierarchical all-reduces")
+        cross._speak_as_part(self._hierarchy.cross_ranks, "in the communicator of the ranks of its place on every "
+                             "host, which runs parts of hierarchical all-reduces")
 
     @classmethod
     @renamed_keywords(context_options="daemon_options")
@@ -888,11 +888,7 @@ class Communicator:
         (the torch backend's path for one contiguous tensor: no Buffer, no
         argument parsing; Submitter.all_reduce_at)."""
         if self._hierarchy is not None:
-            self._state.check_open()
-            if count == 0:
-                return Work.completed("all_reduce", None, self._rank)
-            b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
-                       -1 if self._backend == "sim" else self._device, False, owner)
+            b = self._submitter.buffer_at(ptr, count, dtype, owner)
             return self._all_reduce_across_hosts(b, b, op, tag, stream)
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
 

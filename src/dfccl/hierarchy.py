@@ -198,8 +198,8 @@ class Hierarchy:
         self._local_sub, self._cross_sub = local_submitter, cross_submitter
         self._daemon = daemon
         self.broken = False   # a part could not be submitted: the children were aborted
-        self._local_ranks = layout.host_ranks(rank)
-        self._cross_ranks = layout.index_ranks(rank)
+        self.local_ranks = layout.host_ranks(rank)   # the parent's rank of each rank of `local`
+        self.cross_ranks = layout.index_ranks(rank)   # ... and of `cross`
         return self
 
     def info(self) -> HierarchyInfo:
@@ -241,8 +241,8 @@ class Hierarchy:
             self.broken = True
             self.abort(_GIVE_UP_S)
             raise
-        chain = Chain(((_PHASES[0], w1, self._local_ranks), (_PHASES[1], w2, self._cross_ranks),
-                       (_PHASES[2], w3, self._local_ranks)), self._rank, f"all_reduce {w3.name}")
+        chain = Chain(((_PHASES[0], w1, self.local_ranks), (_PHASES[1], w2, self.cross_ranks),
+                       (_PHASES[2], w3, self.local_ranks)), self._rank, f"all_reduce {w3.name}")
         w3._as_whole(chain, "all_reduce", tag, self._rank)
         self._runs += 1
         return w3
@@ -251,8 +251,8 @@ class Hierarchy:
         """The parts pending on this rank, as Communicator.status() lists
         them: named as parts, their ranks given in the parent's numbers."""
         out = []
-        for child, ranks, where in ((self.local, self._local_ranks, "within the host"),
-                                    (self.cross, self._cross_ranks, "across hosts")):
+        for child, ranks, where in ((self.local, self.local_ranks, "within the host"),
+                                    (self.cross, self.cross_ranks, "across hosts")):
             def parent(r, ranks=ranks):
                 return ranks[r] if r is not None and 0 <= r < len(ranks) else r
             for p in child.status().pending:

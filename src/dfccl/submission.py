@@ -338,10 +338,15 @@ class Submitter:
         task = None if self.has_registered_memory() else self._plain_tasks.get((KIND_ALL_REDUCE, count, dtype, op, 0,
                                                                                 tag))
         if task is None:
-            b = Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
-                       -1 if self._backend == "sim" else self._device, False, owner)
+            b = self.buffer_at(ptr, count, dtype, owner)
             return self.submit(KIND_ALL_REDUCE, b, b, count, op, 0, tag, stream)
         return self.submit_task(task, (ptr, ptr, stream, (owner, owner)))
+
+    def buffer_at(self, ptr: int, count: int, dtype: DataType, owner: object) -> Buffer:
+        """``count`` elements at ``ptr``, memory the caller has checked is
+        this communicator's kind and device (all_reduce_at)."""
+        return Buffer(ptr, count, dtype, CPU if self._backend == "sim" else CUDA,
+                      -1 if self._backend == "sim" else self._device, False, owner)
 
     def p2p(self, kind: int, buf, peer, tag, stream) -> Work:
         """Checks and submits a send or a recv (Communicator.send, .recv).
