@@ -17,7 +17,7 @@ import numpy as np
 
 from dfccl._native.layout import (ARENA_STATUS_BYTES, CHAN_INSTANCE_OFFSET, RANK_LIVE, RECORD_BYTES,
                                   RECORD_HEADER_BYTES, instance_token)
-from dfccl.errors import ClosedError, MismatchError
+from dfccl.errors import ClosedError, MismatchError, collective_name
 from dfccl.tags import home_bucket
 from dfccl.types import KIND_NAMES, DataType, ReduceOp
 
@@ -165,10 +165,12 @@ class EndpointDiagnostics:
             (joined if ready in tokens else missing).append(p)
         return joined, missing
 
-    def mismatch_error(self, work) -> MismatchError | None:
-        """The MismatchError of a failed instance, naming the first field that
-        differs, every rank's value of it and the ranks out of line; None if
-        the records no longer show the difference (they moved on)."""
+    def mismatch_error(self, key: int, instance: int, kind: str, tag: object, rank: int) -> MismatchError | None:
+        """The MismatchError of failed instance ``instance`` of tag ``key``
+        (a ``kind`` of ``tag`` on ``rank``, as the message names it), naming
+        the first field that differs, every rank's value of it and the ranks
+        out of line; None if the records no longer show the difference (they
+        moved on)."""
         n = len(self._arenas)
         seen: dict[int, dict] = {}
         # Peers that have submitted the instance publish it at their first
@@ -177,7 +179,7 @@ class EndpointDiagnostics:
         while True:
             for p in range(n):
                 if p not in seen:
-                    s = self.published(p, work.key, work.instance)
+                    s = self.published(p, key, instance)
                     if s is not None:
                         seen[p] = s
             if len(seen) == n or time.monotonic() >= deadline:
@@ -201,15 +203,15 @@ class EndpointDiagnostics:
             who = f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {ranks} have"
             parts.append(f"{who} {v}")
         not_yet = [p for p in range(len(self._arenas)) if p not in seen]
-        msg = (f"rank {work.rank}: {work.kind} {work.name}: ranks submitted it with "
+        msg = (f"rank {rank}: {kind} {collective_name(tag, instance)}: ranks submitted it with "
                f"different {field}: {', '.join(parts)}; out of line: ranks {out}")
         if len(differing) > 1:
             msg += f" (also differ: {', '.join(differing[1:])})"
         if not_yet:
             msg += f"; ranks {not_yet} had not submitted it"
         # peer: a rank whose value differs from this rank's.
-        mine = values.get(work.rank)
+        mine = values.get(rank)
         peer = next((p for p in out + in_line if values[p] != mine), None)
-        return MismatchError(msg, rank=work.rank, tag=work.tag, peer=peer, field=field,
+        return MismatchError(msg, rank=rank, tag=tag, peer=peer, field=field,
                              values=values, ranks=out)
 

@@ -35,13 +35,14 @@ cdef class Work:
     cdef object _chain                # the last part of a hierarchical collective: its Chain (hierarchy.py), which
                                       # says what the whole failed of; None otherwise
     cdef tuple _part_names            # with a chain: the part's own (kind, tag, rank), which its own errors name
+                                      # (_own_names)
 
     cdef int _check_submitted(self) except -1
     cdef int _refuse_captured(self, str what) except -1
     cdef bint _device_done(self)
     cdef object _timeout_error(self, timeout)
     cdef object _own_timeout_error(self, timeout)
-    cdef object _as_part(self, object timeout, bint timing_out)
+    cdef tuple _own_names(self)
     cdef void _finish(self, const dfccl_result *res, uint64_t now)
     cdef void _fail_on_host(self, uint64_t now)
     cdef void _fail_closed(self, uint64_t now)

@@ -270,19 +270,17 @@ cdef class Work:
         self.rank = rank
 
     def _describe_timeout(self, timeout):
-        """What this pending part waits for, as a CollectiveTimeoutError
-        (the Chain of the whole words its own from the first pending part's)."""
-        return self._own_timeout_error(timeout) if self._chain is None else self._as_part(timeout, True)
+        """What this pending collective waits for, as a CollectiveTimeoutError
+        named as itself (for the last part of a hierarchical collective: as
+        the part; the Chain of the whole words its own from the first
+        pending part's)."""
+        return self._own_timeout_error(timeout)
 
-    cdef object _as_part(self, object timeout, bint timing_out):
-        """The last part's own error (or what it waits for), named as the
-        part: the Chain rewords it for the whole."""
-        whole = (self.kind, self.tag, self.rank)
-        self.kind, self.tag, self.rank = self._part_names
-        try:
-            return self._own_timeout_error(timeout) if timing_out else self._make_error()
-        finally:
-            self.kind, self.tag, self.rank = whole
+    cdef tuple _own_names(self):
+        """(kind, tag, rank) its own errors name: a part's as submitted,
+        also where it stands for a hierarchical whole (the Chain rewords
+        them for the whole)."""
+        return (self.kind, self.tag, self.rank) if self._part_names is None else self._part_names
 
     cdef object _timeout_error(self, timeout):
         if self._chain is not None:
@@ -291,8 +289,9 @@ cdef class Work:
 
     cdef object _own_timeout_error(self, timeout):
         # Written live by the daemon into host memory (wait.cuh).
+        kind, tag, rank = self._own_names()
         waiting = self.waiting_for()
-        what = f"rank {self.rank}: {self.kind} {self.name} did not complete within {timeout} s"
+        what = f"rank {rank}: {kind} {collective_name(tag, self.instance)} did not complete within {timeout} s"
         diag = self._daemon.diagnostics.get(self.endpoint) if not self._daemon.closed else None
         joined = missing = None
         if diag is not None:
@@ -315,7 +314,7 @@ cdef class Work:
             what += f"; it is waiting for rank {waiting}, which has not joined this instance or has not sent its data"
         else:
             what += "; every peer has joined, the transfer is still in progress"
-        return CollectiveTimeoutError(what, rank=self.rank, tag=self.tag, waiting_on=waiting,
+        return CollectiveTimeoutError(what, rank=rank, tag=tag, waiting_on=waiting,
                                       missing_ranks=missing, joined_ranks=joined)
 
     cdef void _finish(self, const dfccl_result *res, uint64_t now):
@@ -360,7 +359,7 @@ cdef class Work:
         of a hierarchical collective fails if any part did, with the
         earliest's error, worded for the whole (hierarchy.Chain)."""
         if self._chain is not None:
-            return self._chain.error(self._as_part(None, False) if self._status != DFCCL_STATUS_OK else None)
+            return self._chain.error(self._make_error() if self._status != DFCCL_STATUS_OK else None)
         return self._make_error() if self._status != DFCCL_STATUS_OK else None
 
     cdef object _make_error(self):
@@ -368,10 +367,12 @@ cdef class Work:
         cdef int32_t detail = self._detail
         if status == DFCCL_STATUS_OK:
             return None
+        kind, tag, rank = self._own_names()
+        name = collective_name(tag, self.instance)
         diag = self._daemon.diagnostics.get(self.endpoint) if self._daemon is not None else None
         if status == DFCCL_STATUS_MISMATCH and diag is not None:
             try:
-                err = diag.mismatch_error(self)
+                err = diag.mismatch_error(self._key, self.instance, kind, tag, rank)
             except Exception:
                 err = None
             if err is not None:
@@ -382,35 +383,35 @@ cdef class Work:
                 diag.peer_lost(detail)   # the communicator takes no more collectives
                 why = diag.lost_why.get(detail)
             return PeerLostError(
-                f"rank {self.rank}: {self.kind} {self.name} failed: rank {detail} "
+                f"rank {rank}: {kind} {name} failed: rank {detail} "
                 + (f"is lost: {why}" if why else "is lost (its process died or stopped, or its device failed)"),
-                rank=self.rank, tag=self.tag, origin=detail)
+                rank=rank, tag=tag, origin=detail)
         if status == DFCCL_STATUS_BAD_TASK:
             return BackendError(
-                f"rank {self.rank}: {self.kind} {self.name} was rejected by the "
+                f"rank {rank}: {kind} {name} was rejected by the "
                 "daemon: its descriptor failed the device-side checks (DFCCL_STATUS_BAD_TASK)")
-        if status == DFCCL_STATUS_PEER_ABORTED and detail == self.rank:
+        if status == DFCCL_STATUS_PEER_ABORTED and detail == rank:
             # This rank's own abort, relayed back by a peer that saw it first.
             status = DFCCL_STATUS_ABORTED
         if status == DFCCL_STATUS_PEER_ABORTED and detail >= 0 and diag is not None and diag.rank_left(detail):
             return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} {self.name} was abandoned: rank "
-                f"{detail} was aborted or closed before it took part", rank=self.rank, tag=self.tag, origin=detail)
+                f"rank {rank}: {kind} {name} was abandoned: rank "
+                f"{detail} was aborted or closed before it took part", rank=rank, tag=tag, origin=detail)
         if status == DFCCL_STATUS_MISMATCH:
             return MismatchError(
-                f"rank {self.rank}: {self.kind} {self.name} does not match rank "
+                f"rank {rank}: {kind} {name} does not match rank "
                 f"{detail}'s submission of the same tag (kind, count, dtype, op or root differ)",
-                rank=self.rank, tag=self.tag, peer=detail)
+                rank=rank, tag=tag, peer=detail)
         if status == DFCCL_STATUS_PEER_ABORTED:
             return PeerAbortedError(
-                f"rank {self.rank}: {self.kind} {self.name} was abandoned: rank "
-                f"{detail} failed it (signature mismatch or abort)", rank=self.rank, tag=self.tag, origin=detail)
+                f"rank {rank}: {kind} {name} was abandoned: rank "
+                f"{detail} failed it (signature mismatch or abort)", rank=rank, tag=tag, origin=detail)
         if status == DFCCL_STATUS_ABORTED:
             return AbortedError(
-                f"rank {self.rank}: {self.kind} {self.name} was aborted",
-                rank=self.rank, tag=self.tag)
-        return DfcclError(f"rank {self.rank}: {self.kind} {self.name} failed with status {status}",
-                          rank=self.rank, tag=self.tag)
+                f"rank {rank}: {kind} {name} was aborted",
+                rank=rank, tag=tag)
+        return DfcclError(f"rank {rank}: {kind} {name} failed with status {status}",
+                          rank=rank, tag=tag)
 
     def __repr__(self):
         state = "done" if self._retired else "pending"
