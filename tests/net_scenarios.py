@@ -350,16 +350,21 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
         assert all(w is None or 0 <= w < n for p in parts for w in [p.waiting_for]), parts
     late.synchronize(timeout=TIMEOUT)
     same_bytes(arrays.to_numpy(xl), _hier_expected(n, big, "float32", "sum", 52), "late")
-    # One tag's all-reduces on one buffer, not waited for in between: a
-    # hierarchical one, one on the ring over its first elements, another
-    # hierarchical one.  They run in order, as a tag's instances do.
+    # One tag's collectives on one buffer, not waited for in between: a
+    # hierarchical all-reduce, one on the ring over its first elements,
+    # a hierarchical one over its first half (its parts lay their staging
+    # out anew), a reduce to rank 0 (the ring) and a last hierarchical
+    # all-reduce.  They run in order, as a tag's instances do.
     xs = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 53))
-    works = [comm.all_reduce(xs, tag="seq"), comm.all_reduce(xs[:1000], tag="seq"), comm.all_reduce(xs, tag="seq")]
+    half = big // 2   # a multiple of 2 and 3, above min_bytes
+    works = [comm.all_reduce(xs, tag="seq"), comm.all_reduce(xs[:1000], tag="seq"),
+             comm.all_reduce(xs[:half], tag="seq"), comm.reduce(xs, root=0, tag="seq"), comm.all_reduce(xs, tag="seq")]
     for w in works:
         w.synchronize(timeout=TIMEOUT)
     want = _hier_expected(n, big, "float32", "sum", 53)
     want[:1000] *= n
-    want *= n
+    want[:half] *= n
+    want *= 2 * n - 1   # rank 0 holds n x, the others x
     same_bytes(arrays.to_numpy(xs), want, "in order on one tag")
     return {"checked": checked + 4, "hierarchical": comm.hierarchy.all_reduces}
 

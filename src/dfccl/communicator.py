@@ -58,11 +58,6 @@ DEFAULT_STARTUP_TIMEOUT = 120.0
 _UNUSED = object()
 
 
-#: Tags whose last all-reduce a communicator with a hierarchy remembers
-#: before it forgets those that completed (_all_reduce_across_hosts).
-_LAST_ALL_REDUCES_KEPT = 1024
-
-
 class Communicator:
     """A group of ranks that run collectives together.
 
@@ -158,7 +153,8 @@ class Communicator:
             self.close()
             raise
         self._hierarchy = Hierarchy.create(rank=self._rank, layout=layout,
-                                           min_bytes=self._options.hierarchy_min_bytes, local=local, cross=cross,
+                                           min_bytes=self._options.hierarchy_min_bytes, submitter=self._submitter,
+                                           local=local, cross=cross,
                                            local_submitter=local._submitter, cross_submitter=cross._submitter,
                                            daemon=self._daemon)
         local._speak_as_part(self._hierarchy.local_ranks, "in the communicator of its host's ranks, which runs "
@@ -251,7 +247,6 @@ class Communicator:
         self._submitter: Submitter | None = None   # once the rank has met its peers (_finish_init)
         self._host_ids: list | None = None        # every rank's host (_finish_init)
         self._hierarchy: Hierarchy | None = None   # children for hierarchical all-reduces (_build_hierarchy)
-        self._last_all_reduce: dict[int, tuple[Work, bool]] = {}   # with a hierarchy: by tag key, (Work, hierarchical)
         self._barrier_ptr = 0   # barrier()'s word in this rank's arena, taken at its first call
 
     def _finish_init(self, peers, exchange=None):
@@ -379,9 +374,7 @@ class Communicator:
         s, r = sub.pair(send, recv, "all_reduce")
         sub.same_shape(s, r, s.count, "all_reduce")
         op = sub.op(op, "all_reduce")
-        if self._hierarchy is not None:
-            return self._all_reduce_across_hosts(s, r, op, tag, stream)
-        return sub.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream)
+        return self._submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream)
 
     def barrier(self, *, tag=None, stream=None) -> Work:
         """Completes once every rank has reached its barrier of this tag
@@ -409,7 +402,7 @@ class Communicator:
         sim = self._backend == "sim"
         word = Buffer(self._barrier_ptr, 1, DataType.INT32, CPU if sim else CUDA, -1 if sim else self._device, False,
                       None)
-        return self._submitter.submit(KIND_ALL_REDUCE, word, word, 1, ReduceOp.MAX, 0, tag, stream)
+        return self._submit(KIND_ALL_REDUCE, word, word, 1, ReduceOp.MAX, 0, tag, stream)
 
     def all_gather(self, send, recv, *, tag=None, stream=None) -> Work:
         """recv[rank * n : (rank + 1) * n] = send of every rank (n = send size).
@@ -426,7 +419,7 @@ class Communicator:
         sub.check_tag(tag, "all_gather")
         s, r = sub.pair(send, recv, "all_gather")
         sub.same_shape(s, r, s.count * self._size, "all_gather", recv_scale=f"{self._size} x send")
-        return sub.submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
+        return self._submit(KIND_ALL_GATHER, s, r, s.count, ReduceOp.SUM, 0, tag, stream)
 
     def reduce_scatter(self, send, recv, *, op: str | ReduceOp = "sum", tag=None, stream=None) -> Work:
         """recv = op over ranks of send[rank * n : (rank + 1) * n] (n = recv size).
@@ -447,7 +440,7 @@ class Communicator:
             raise InvalidArgumentError(f"reduce_scatter: send has {s.count} elements, expected {self._size} x recv "
                                        f"({r.count}) = {r.count * self._size}", rank=self._rank, tag=tag)
         sub.check_dtype(s, r, "reduce_scatter")
-        return sub.submit(KIND_REDUCE_SCATTER, s, r, r.count, sub.op(op, "reduce_scatter"), 0, tag, stream)
+        return self._submit(KIND_REDUCE_SCATTER, s, r, r.count, sub.op(op, "reduce_scatter"), 0, tag, stream)
 
     def broadcast(self, send, recv=None, *, root: int = 0, tag=None, stream=None) -> Work:
         """recv = send of ``root``.
@@ -466,7 +459,7 @@ class Communicator:
         sub.check_tag(tag, "broadcast")
         s, r = sub.pair(send, recv, "broadcast")
         sub.same_shape(s, r, s.count, "broadcast")
-        return sub.submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
+        return self._submit(KIND_BROADCAST, s, r, s.count, ReduceOp.SUM, root, tag, stream)
 
     def reduce(self, send, recv=None, *, op: str | ReduceOp = "sum", root: int = 0, tag=None, stream=None) -> Work:
         """recv on ``root`` = op over ranks of send.
@@ -488,7 +481,7 @@ class Communicator:
         # Only the root's recv is written: another rank's may be read-only.
         s, r = sub.pair(send, recv, "reduce", writes_recv=root == self._rank)
         sub.same_shape(s, r, s.count, "reduce")
-        return sub.submit(KIND_REDUCE, s, r, s.count, sub.op(op, "reduce"), root, tag, stream)
+        return self._submit(KIND_REDUCE, s, r, s.count, sub.op(op, "reduce"), root, tag, stream)
 
     # -- registration --------------------------------------------------------------------
     def register(self, buf, *, timeout: float = DEFAULT_STARTUP_TIMEOUT) -> RegistrationHandle:
@@ -889,52 +882,30 @@ class Communicator:
         argument parsing; Submitter.all_reduce_at)."""
         if self._hierarchy is not None:
             b = self._submitter.buffer_at(ptr, count, dtype, owner)
-            return self._all_reduce_across_hosts(b, b, op, tag, stream)
+            return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, tag, stream)
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
 
-    def _all_reduce_across_hosts(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream) -> Work:
-        """An all-reduce on a communicator with a hierarchy: hierarchical
-        where it takes it, else on the ring.  A tag's instances run in
-        order, and a hierarchical one's parts have the children's tags: so
-        it runs after the last all-reduce of its tag here, and an all-reduce
-        on the ring after the last one of its tag when that was
-        hierarchical (ring after ring is the tag's own order)."""
-        key = self._submitter.key(tag)
-        last, last_hierarchical = self._last_all_reduce.get(key, (None, False))
-        work = None
-        if self._hierarchy.takes(s.count, s.dtype.itemsize):
-            work = self._hierarchical_all_reduce(s, r, op, tag, stream, last)
-        hierarchical = work is not None
-        if not hierarchical:
-            work = self._submitter.submit(KIND_ALL_REDUCE, s, r, s.count, op, 0, tag, stream,
-                                          order_after=last if last_hierarchical else None)
-        if work.captured:
-            return work   # a captured collective has a tag of its own (docs/architecture.md, "CUDA graphs")
-        if len(self._last_all_reduce) >= _LAST_ALL_REDUCES_KEPT:
-            self._last_all_reduce = {k: v for k, v in self._last_all_reduce.items() if not v[0].done()}
-        self._last_all_reduce[key] = (work, hierarchical)
-        return work
-
-    def _speak_as_part(self, parent_ranks: tuple[int, ...], role: str) -> None:
-        """This child of a hierarchy (hierarchy.py) names its parent's ranks
-        in what it logs."""
-        self._state.parent_ranks = parent_ranks
-        self._state.role = role
-
-    def _hierarchical_all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream,
-                                 order_after: Work | None) -> Work | None:
-        """The all-reduce through this rank's children (hierarchy.py), after
-        ``order_after``; None where it does not apply after all (a stream
-        that captures a graph)."""
+    def _submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream) -> Work:
+        """Submits one collective of checked arguments (Submitter.submit's):
+        through the hierarchy where this communicator has one, which keeps
+        a tag's order across its children (hierarchy.py)."""
+        if self._hierarchy is None:
+            return self._submitter.submit(kind, s, r, count, op, root, tag, stream)
         self._state.check_open()
         try:
-            return self._hierarchy.all_reduce(s, r, op, tag, stream, order_after)
+            return self._hierarchy.submit(kind, s, r, count, op, root, tag, stream)
         except DfcclError as exc:
             exc.rank = self._rank
             if self._hierarchy.broken:
                 # Its children gave up (hierarchy.py): so does this rank.
                 self.abort()
             raise
+
+    def _speak_as_part(self, parent_ranks: tuple[int, ...], role: str) -> None:
+        """This child of a hierarchy (hierarchy.py) names its parent's ranks
+        in what it logs."""
+        self._state.parent_ranks = parent_ranks
+        self._state.role = role
 
     # -- diagnostics -------------------------------------------------------------------
     def status(self) -> CommStatus:

@@ -19,10 +19,14 @@ are submitted together; the daemon runs the second after the first and the
 third after the second (Daemon.submit's ``after``), as a task that is not
 ready yet: gating them on the stream instead could deadlock two all-reduces
 issued in opposite orders.  The last part's Work stands for the whole
-(Work._as_whole): it fails with the first error of any part (Chain).  The
-first part runs after the last all-reduce of the caller's tag
-(``order_after``: a tag's instances run in order, and the parts' tags are
-the children's; Communicator._all_reduce_across_hosts keeps that order).
+(Work._as_whole): it fails with the first error of any part (Chain).  
+
+Every collective of such a communicator goes through Hierarchy.submit,
+which keeps its tag's order across both ways: a tag's instances run in
+order, but the parts have the children's tags, so the first part runs
+after the tag's last collective here (of any kind), and a collective on
+the communicator's own path runs after the tag's last hierarchical
+all-reduce (``order_after``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ __all__ = ["HostLayout", "host_layout", "HierarchyInfo", "Hierarchy", "Chain"]
 #: How long a rank that could not submit every part waits for its children's
 #: pending collectives to fail before it fails them on the host.
 _GIVE_UP_S = 5.0
+
+#: Tags whose last collective a hierarchy remembers before it forgets
+#: those that completed (Hierarchy.submit).
+_LAST_KEPT = 1024
 
 #: The parts, in the order the daemon runs them.
 _PHASES = ("reduce-scatter within the host", "all-reduce across hosts", "all-gather within the host")
@@ -132,9 +140,15 @@ class Chain:
 
     def timeout_error(self, timeout) -> BaseException:
         """What the first part that has not completed waits for."""
-        for phase, work, ranks in self._parts:
+        for i, (phase, work, ranks) in enumerate(self._parts):
             if not work.done():
-                return self._reword(phase, ranks, work._describe_timeout(timeout))
+                out = self._reword(phase, ranks, work._describe_timeout(timeout))
+                if i == 0 and getattr(out, "missing_ranks", None):
+                    # The likeliest reason besides a rank that has not called it yet.
+                    out.args = (f"{out.args[0]}; a rank that called this all-reduce with another size or dtype "
+                                "may be running it on the ring instead (below hierarchy_min_bytes, or a count its "
+                                "host's rank count does not divide), waiting for this rank there",)
+                return out
         phase, work, ranks = self._parts[-1]
         return self._reword(phase, ranks, work._describe_timeout(timeout))
 
@@ -173,7 +187,7 @@ class Hierarchy:
         raise TypeError("Hierarchy is built by its communicator (Hierarchy.create)")
 
     @classmethod
-    def create(cls, *, rank: int, layout: HostLayout, min_bytes: int, local, cross, local_submitter,
+    def create(cls, *, rank: int, layout: HostLayout, min_bytes: int, submitter, local, cross, local_submitter,
                cross_submitter, daemon) -> "Hierarchy":
         """The hierarchy of one rank of a communicator that spans hosts.
 
@@ -181,6 +195,7 @@ class Hierarchy:
             rank: this rank in the communicator.
             layout: where its ranks are (host_layout).
             min_bytes: smallest all-reduce (bytes per rank) that takes it.
+            submitter: the communicator's own (its path for the rest).
             local, cross: the children (this host's ranks; the ranks of this
                 rank's local index), ranked by parent rank.
             local_submitter, cross_submitter: their submitters.
@@ -195,7 +210,9 @@ class Hierarchy:
         self._local_index = layout.local[rank]
         self._min_bytes = min_bytes
         self.local, self.cross = local, cross
+        self._sub = submitter
         self._local_sub, self._cross_sub = local_submitter, cross_submitter
+        self._last: dict[int, tuple[Work, bool]] = {}   # by tag key: its last collective, whether hierarchical
         self._daemon = daemon
         self.broken = False   # a part could not be submitted: the children were aborted
         self.local_ranks = layout.host_ranks(rank)   # the parent's rank of each rank of `local`
@@ -210,29 +227,54 @@ class Hierarchy:
         (the stream is checked at submission: all_reduce)."""
         return count * itemsize >= self._min_bytes and count % self._per_host == 0
 
-    def all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream, order_after: Work | None = None
-                   ) -> Work | None:
+    def submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream) -> Work:
+        """Submits one collective of the communicator (checked arguments,
+        as Submitter.submit takes them): an all-reduce that takes() it as
+        three parts, anything else on the communicator's own path, in its
+        tag's order either way (the module docstring).
+
+        Returns:
+            Its Work (a hierarchical one's: the last part's, standing for
+            the whole).
+        """
+        key = self._sub.key(tag)
+        last, last_hierarchical = self._last.get(key, (None, False))
+        work = None
+        if kind == KIND_ALL_REDUCE and self.takes(count, s.dtype.itemsize):
+            work = self._all_reduce(s, r, op, tag, stream, last)
+        hierarchical = work is not None
+        if not hierarchical:
+            # After its own path's last of the tag, the tag's order holds as is.
+            work = self._sub.submit(kind, s, r, count, op, root, tag, stream,
+                                    order_after=last if last_hierarchical else None)
+        if work.captured:
+            return work   # a captured collective has a tag of its own (docs/architecture.md, "CUDA graphs")
+        if len(self._last) >= _LAST_KEPT:
+            self._last = {k: v for k, v in self._last.items() if not v[0].done()}
+        self._last[key] = (work, hierarchical)
+        return work
+
+    def _all_reduce(self, s: Buffer, r: Buffer, op: ReduceOp, tag, stream, order_after: Work | None
+                    ) -> Work | None:
         """Submits the three parts of recv = op(send) (takes() holds); the
         last part's Work, standing for the whole.  ``order_after``: the last
-        collective of the tag before it, which its first part runs after (a
-        tag's instances run in order; the parts' tags are the children's).
+        collective of the tag before it, which its first part runs after.
         None where the stream captures a CUDA graph (each replay would need
-        its own chain): the ring takes it."""
+        its own chain): the communicator's own path takes it."""
         if stream is not None and self._daemon.device.stream_capturing(stream_handle(stream)):
             return None
         piece = s.count // self._per_host
         mine = r.view(self._local_index * piece, piece)
         loc, crs = self._local_sub, self._cross_sub
-        dtype = s.dtype
         w1 = loc.submit(KIND_REDUCE_SCATTER, s, mine, piece, op, 0, tag, stream,
-                        key=loc.part_key(tag, 1, piece, dtype, op), followed=True, order_after=order_after)
+                        key=loc.part_key(tag, 1), followed=True, order_after=order_after)
         last = w1
         try:
             w2 = crs.submit(KIND_ALL_REDUCE, mine, mine, piece, op, 0, tag, stream,
-                            key=crs.part_key(tag, 2, piece, dtype, op), after=w1, followed=True)
+                            key=crs.part_key(tag, 2), after=w1, followed=True)
             last = w2
             w3 = loc.submit(KIND_ALL_GATHER, mine, r, piece, op, 0, tag, stream,
-                            key=loc.part_key(tag, 3, piece, dtype, op), after=w2)
+                            key=loc.part_key(tag, 3), after=w2)
         except BaseException:
             # Peers would wait for ever for the parts this rank could not
             # submit: it gives up on both children, which fails theirs

@@ -207,7 +207,7 @@ class CommOptions:
         every peer's whole input in one phase instead of two.
     bytes_per_channel: a collective uses one channel per this many bytes
         (at least one, at most `channels`).  None: 128 KiB on GPUs, 256 KiB
-        on the simulator, 1 MiB where the communicator spans hosts (each
+        on the simulator, 512 KiB where the communicator spans hosts (each
         ring slice is then a network message: fewer, larger ones).
     staged_max_bytes: largest collective (bytes one rank moves) that takes
         the direct path across processes; larger ones take the ring.  Each

@@ -270,8 +270,7 @@ class Submitter:
             geometry: its planned geometry (a plan's); None: planned here.
             key: its tag's key (a plan's); None: from ``tag``.
             after, followed: the chain of a hierarchical collective's
-                parts (Daemon.submit; with a ``key`` whose instances all lay
-                their staging out alike: part_key).
+                parts (Daemon.submit; with a part's ``key``: part_key).
             order_after: a Work the daemon runs this one after (the tag's
                 order across a hierarchical collective: Daemon.submit).
 
@@ -291,13 +290,13 @@ class Submitter:
         task = self.task(kind, s, r, count, op, root, tag, stream, geometry, key)
         return self.submit_task(task, after=after, followed=followed, order_after=order_after)
 
-    def part_key(self, tag, part: int, count: int, dtype: DataType, op: ReduceOp) -> int:
-        """The key of part ``part`` of hierarchical collectives of this shape
-        and ``tag`` (hierarchy.py): one tag per shape, whose instances all
-        lay their staging out alike, so that the daemon's one predecessor
-        per collective is free for the part before."""
-        return tag_key(self._comm_key, ("#part", part, ("#seq",) if tag is None else ("#tag", tag), count,
-                                        int(dtype), int(op)))
+    def part_key(self, tag, part: int) -> int:
+        """The key of part ``part`` of hierarchical collectives of ``tag``
+        on this child (hierarchy.py): a tag of its own, so that the parts
+        of one call meet each other whatever their shape, and ranks that
+        disagree on the call's shape fail on its signature (MismatchError)
+        rather than wait for each other under different tags."""
+        return tag_key(self._comm_key, ("#part", part, ("#seq",) if tag is None else ("#tag", tag)))
 
     def all_reduce_kept(self, x, op, tag) -> Work | None:
         """The plain call's common case, an in-place sum of one plain array

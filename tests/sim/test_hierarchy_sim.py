@@ -1,8 +1,8 @@
 """Hierarchical all-reduce (dfccl.hierarchy) on the simulator: ranks in
 separate processes on two "hosts" (DFCCL_HOST_ID), two or more on each:
 exact results, in place and not, the ring where it does not apply, opposite
-orders, a late peer, the parts' failures reaching every rank, and the
-layouts that build no hierarchy."""
+orders, a late peer, the parts' failures reaching every rank, how a part's
+failure is reported, and the layouts that build no hierarchy."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dfccl.hierarchy import host_layout
 from dfccl.options import DEFAULT_HIERARCHY_MIN_BYTES
 from net_scenarios import (HIER_MIN_BYTES, TIMEOUT, check_remote_loss, hierarchical_all_reduces, needs_ucx,
                            run_ranks)
+from dfccl.bench import arrays
 
 
 def test_host_layout():
@@ -33,8 +34,8 @@ def test_hierarchical_all_reduce_exact_and_deadlock_free(nranks):
     got = run_ranks(hierarchical_all_reduces, nranks, per_host=nranks // 2, hierarchy_min_bytes=HIER_MIN_BYTES)
     for r in range(nranks):
         assert got[r]["checked"] == 10, got[r]
-        # 4 cases + 2 opposite-order + the late one + 2 in order on one tag.
-        assert got[r]["hierarchical"] == 9, got[r]
+        # 4 cases + 2 opposite-order + the late one + 3 in order on one tag.
+        assert got[r]["hierarchical"] == 10, got[r]
 
 
 def _no_hierarchy(comm, ctx) -> dict:
@@ -64,3 +65,60 @@ def test_remote_peer_lost_in_hierarchical_all_reduce(how):
     naming it), whichever part it was in."""
     got = check_remote_loss(how, "all_reduce", nranks=4, per_host=2, hierarchy_min_bytes=HIER_MIN_BYTES)
     assert set(got) == {0, 1, 2}, got
+
+
+def _mismatched_ops(comm, ctx) -> dict:
+    """Rank 0 sums where the others take the max: its host's reduce-scatter
+    fails on signature, and the parts after it fail on every rank."""
+    x = arrays.from_numpy(ctx.backend, comm.device, np.ones(3 * HIER_MIN_BYTES // 4, np.float32))
+    work = comm.all_reduce(x, op="sum" if comm.rank == 0 else "max", tag="mm")
+    named = (work.kind, work.tag, work.rank)
+    try:
+        work.synchronize(timeout=TIMEOUT)
+    except dfccl.DfcclError as exc:
+        return {"named": named, "after": (work.kind, work.tag, work.rank), "error": type(exc).__name__,
+                "rank": exc.rank, "message": str(exc), "cause": str(exc.__cause__)}
+    return {"named": named, "error": None}
+
+
+@needs_ucx
+def test_a_part_failure_is_reported_for_the_whole():
+    got = run_ranks(_mismatched_ops, 4, per_host=2, hierarchy_min_bytes=HIER_MIN_BYTES)
+    for r, info in got.items():
+        assert info["error"] is not None, (r, info)
+        # The Work is named as the call, before and after its error was built.
+        assert info["named"] == info["after"] == ("all_reduce", "mm", r), (r, info)
+        assert info["rank"] == r and info["message"].startswith(f"rank {r}: all_reduce tag 'mm'"), (r, info)
+    for r in (0, 1):
+        # Its own part's error names the part, in its child's numbers.
+        assert got[r]["error"] == "MismatchError", got[r]
+        assert "in its reduce-scatter within the host" in got[r]["message"], got[r]
+        assert got[r]["cause"].startswith(f"rank {r}: reduce_scatter tag 'mm'"), got[r]
+        assert "different op" in got[r]["cause"], got[r]
+
+
+def _one_rank_below(comm, ctx) -> dict:
+    """Rank 0 all-reduces fewer elements than the others, below the
+    threshold: it takes the ring, they take the parts; every rank times
+    out, and those waiting in their first part are told why it may be."""
+    big = 3 * HIER_MIN_BYTES // 4
+    x = arrays.from_numpy(ctx.backend, comm.device, np.ones(1000 if comm.rank == 0 else big, np.float32))
+    work = comm.all_reduce(x, tag="sizes")
+    try:
+        work.synchronize(timeout=2.0)
+        out = {"error": None}
+    except dfccl.CollectiveTimeoutError as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    comm.abort()
+    return out
+
+
+@needs_ucx
+def test_ranks_that_disagree_on_the_size_are_told_why():
+    got = run_ranks(_one_rank_below, 4, per_host=2, hierarchy_min_bytes=HIER_MIN_BYTES)
+    assert all(info["error"] == "CollectiveTimeoutError" for info in got.values()), got
+    # Rank 1 waits for rank 0 in its host's reduce-scatter.
+    assert "in its reduce-scatter within the host" in got[1]["message"], got[1]
+    assert "waiting for rank 0 to join" in got[1]["message"], got[1]
+    assert "running it on the ring instead" in got[1]["message"], got[1]
+    assert "running it on the ring instead" not in got[0]["message"], got[0]

@@ -28,7 +28,7 @@ from dfccl._native.descriptor cimport TaskDescriptor, fill_instance, override_fi
 from dfccl._native.launch cimport ensure_running, record_error, refusal, wake_watch
 from dfccl._native.tag_instances cimport tag_acquire_fast, tag_core_incref, tag_note_slot
 
-from dfccl.errors import BackendError, ResourceError
+from dfccl.errors import ResourceError
 
 __all__ = []   # C only: submit (hotpath.pxd)
 cdef enum:
@@ -77,12 +77,6 @@ cdef int _write_slow(daemon_core *c, PyObject *raw, dfccl_task_desc *d, bint has
         return record_error(exc)
 
 
-cdef int _two_afters() noexcept with gil:
-    return record_error(BackendError("a collective that follows another was given a tag whose earlier instance "
-                                     "lays its staging out differently: the daemon takes one predecessor per "
-                                     "collective (a part of a hierarchical collective has a tag per shape)"))
-
-
 cdef int _ring_full(uint64_t position) noexcept with gil:
     return record_error(ResourceError(f"the daemon has not taken submission {position} for a second (a block is "
                                       "held by one long run); the submission ring cannot take more"))
@@ -122,17 +116,15 @@ cdef int _write_entry(daemon_core *c, plan_t *p, uint32_t slot, uint32_t gen, co
     fill_instance(d, p, g, send_addr, recv_addr, slot)
     d.gen = gen
     d.after = g.after
-    if p.follows != 0 and p.chained:
-        # One `after` per descriptor: a part of a hierarchical collective has
-        # a tag per shape, so its instances never need their tag's.
-        if g.after != 0:
-            return _two_afters()
+    if p.follows != 0:
+        # A chain's part (chained) or an order: the collective named ran
+        # after this tag's earlier instances here, so it stands for g.after
+        # too.  A part's predecessor is the part before it, which runs after
+        # its tag's last collective, which ran after the last call's parts
+        # (hierarchy.py, Hierarchy.submit).
         d.after = p.follows
-        d.flags = d.flags | DFCCL_TASK_FOLLOWS
-    elif p.follows != 0:
-        # An order: the collective named ran after this tag's earlier
-        # instances here (hierarchy.py), so it stands for g.after too.
-        d.after = p.follows
+        if p.chained:
+            d.flags = d.flags | DFCCL_TASK_FOLLOWS
     if p.staging_bytes:
         tag_note_slot(p.tags, p.tag, ((<uint64_t>slot + 1) << 32) | gen)
     if has_stream:
