@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["_all_reduce_fast_path", "_all_reduce_ops", "_all_to_all", "_async_and_futures", "_ddp_default", "_ddp_hook", "_divergent_groups",
-           "_fsdp2", "_functional", "_gather_scatter", "_graph_capture_sim", "_point_to_point", "_timeouts_entry",
-           "_unsupported"]
+           "_fsdp2", "_functional", "_gather_scatter", "_graph_capture_sim", "_hierarchical_all_reduce",
+           "_point_to_point", "_timeouts_entry", "_unsupported"]
 
 
 def _inputs(rank: int, n: int, dtype):
@@ -107,6 +107,64 @@ def _all_reduce_fast_path(rank, ws):
             assert general() == 2
     finally:
         restore()
+
+
+def _hierarchical_all_reduce(rank, ws):
+    """Ranks on two "hosts", two on each (the harness sets DFCCL_HOST_ID):
+    an all-reduce of hierarchy_min_bytes or more runs as three parts
+    (dfccl.hierarchy), through pg.allreduce (DDP's call) and through a
+    tagged all-reduce, in place, exact; with the compiled backend each such
+    call is handed to the Python side, and the smaller ones still are not."""
+    import dfccl.torch as dt
+    from dfccl.options import DEFAULT_HIERARCHY_MIN_BYTES
+
+    pg = dist.group.WORLD
+    comm = dt.backend_of(pg, torch.get_default_device())
+    group = comm if isinstance(comm, dt.ProcessGroupDfccl) else comm.group
+    info = group.communicator(torch.get_default_device()).hierarchy
+    assert info is not None and (info.hosts, info.per_host) == (2, 2), info
+    before = info.all_reduces
+    n = DEFAULT_HIERARCHY_MIN_BYTES // 4
+    general, restore = _general_path_counter(pg)
+    try:
+        for it in range(2):
+            t = _inputs(rank, n, torch.float32) * (it + 1)
+            work = pg.allreduce([t], dist.AllreduceOptions())
+            work.wait()
+            torch.testing.assert_close(t.to(torch.float64), _reference(ws, n, torch.float32, "sum") * (it + 1),
+                                       msg=f"call {it}")
+        small = _inputs(rank, 4096, torch.float32)
+        dist.all_reduce(small)
+        torch.testing.assert_close(small.to(torch.float64), _reference(ws, 4096, torch.float32, "sum"))
+        # One tag, both ways, not waited for in between: in order.
+        t = _inputs(rank, n, torch.float32)
+        works = [dt.tagged_allreduce(t, "grads", group=pg), dt.tagged_allreduce(t[:4096], "grads", group=pg),
+                 dt.tagged_allreduce(t, "grads", group=pg)]
+        for w in works:
+            w.wait()
+        want = _reference(ws, n, torch.float32, "sum") * ws
+        want[:4096] *= ws
+        torch.testing.assert_close(t.to(torch.float64), want)
+        info = group.communicator(torch.get_default_device()).hierarchy
+        assert info.all_reduces == before + 4, info
+        if not isinstance(comm, dt.ProcessGroupDfccl):
+            # The large shape's pg.allreduce calls and every tagged one.
+            assert general() == 5, general()
+    finally:
+        restore()
+    # A group's communicators take the CommOptions given as pg_options.
+    import dfccl
+
+    g = dist.new_group(backend="dfccl", pg_options=dfccl.CommOptions(hierarchy_min_bytes=1 << 20))
+    device = torch.get_default_device()
+    assert dt.communicator(g, device).hierarchy.min_bytes == 1 << 20
+    t = _inputs(rank, (1 << 20) // 4, torch.float32)
+    dist.all_reduce(t, group=g)
+    torch.testing.assert_close(t.to(torch.float64), _reference(ws, (1 << 20) // 4, torch.float32, "sum"))
+    assert dt.communicator(g, device).hierarchy.all_reduces == 1
+    dist.destroy_process_group(g)
+    with pytest.raises(dfccl.InvalidArgumentError, match="pg_options must be a dfccl.CommOptions"):
+        dt.ProcessGroupDfccl(dist.HashStore(), rank, ws, options={"hierarchy_min_bytes": 1 << 20})
 
 
 def _reduce_all(xs, name):

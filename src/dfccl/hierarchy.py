@@ -92,6 +92,16 @@ class HierarchyInfo:
     min_bytes: int
     all_reduces: int
 
+    def takes(self, count: int, itemsize: int) -> bool:
+        """Whether an all-reduce of ``count`` elements of ``itemsize``
+        bytes runs hierarchically (unless its stream captures a graph)."""
+        return _takes(count, itemsize, self.min_bytes, self.per_host)
+
+
+def _takes(count: int, itemsize: int, min_bytes: int, per_host: int) -> bool:
+    """The rule: at least ``min_bytes`` per rank, a count L divides."""
+    return count * itemsize >= min_bytes and count % per_host == 0
+
 
 def host_layout(host_ids: Sequence[object]) -> HostLayout | None:
     """The layout of ranks whose hosts are ``host_ids`` (by rank) where a
@@ -225,7 +235,7 @@ class Hierarchy:
     def takes(self, count: int, itemsize: int) -> bool:
         """Whether an all-reduce of ``count`` elements runs hierarchically
         (the stream is checked at submission: all_reduce)."""
-        return count * itemsize >= self._min_bytes and count % self._per_host == 0
+        return _takes(count, itemsize, self._min_bytes, self._per_host)
 
     def submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream) -> Work:
         """Submits one collective of the communicator (checked arguments,

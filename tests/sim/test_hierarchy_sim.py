@@ -91,23 +91,26 @@ def test_a_part_failure_is_reported_for_the_whole():
         assert info["rank"] == r and info["message"].startswith(f"rank {r}: all_reduce tag 'mm'"), (r, info)
     for r in (0, 1):
         # Its own part's error names the part, in its child's numbers.
-        assert got[r]["error"] == "MismatchError", got[r]
         assert "in its reduce-scatter within the host" in got[r]["message"], got[r]
         assert got[r]["cause"].startswith(f"rank {r}: reduce_scatter tag 'mm'"), got[r]
-        assert "different op" in got[r]["cause"], got[r]
+    # One that compared the signatures first says what differs (the other
+    # may find its give-up mark first: PeerAbortedError).
+    mismatched = [r for r in (0, 1) if got[r]["error"] == "MismatchError"]
+    assert mismatched and all("different op" in got[r]["cause"] for r in mismatched), got
 
 
 def _one_rank_below(comm, ctx) -> dict:
     """Rank 0 all-reduces fewer elements than the others, below the
-    threshold: it takes the ring, they take the parts; every rank times
-    out, and those waiting in their first part are told why it may be."""
+    threshold: it takes the ring, they take the parts, and nobody
+    completes.  Rank 1 gives up first (a timeout; then its abort fails the
+    others' waits): waiting in its first part, it is told why it may be."""
     big = 3 * HIER_MIN_BYTES // 4
     x = arrays.from_numpy(ctx.backend, comm.device, np.ones(1000 if comm.rank == 0 else big, np.float32))
     work = comm.all_reduce(x, tag="sizes")
     try:
-        work.synchronize(timeout=2.0)
+        work.synchronize(timeout=1.0 if comm.rank == 1 else 4.0)
         out = {"error": None}
-    except dfccl.CollectiveTimeoutError as exc:
+    except dfccl.DfcclError as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     comm.abort()
     return out
@@ -116,8 +119,9 @@ def _one_rank_below(comm, ctx) -> dict:
 @needs_ucx
 def test_ranks_that_disagree_on_the_size_are_told_why():
     got = run_ranks(_one_rank_below, 4, per_host=2, hierarchy_min_bytes=HIER_MIN_BYTES)
-    assert all(info["error"] == "CollectiveTimeoutError" for info in got.values()), got
+    assert all(info["error"] is not None for info in got.values()), got
     # Rank 1 waits for rank 0 in its host's reduce-scatter.
+    assert got[1]["error"] == "CollectiveTimeoutError", got[1]
     assert "in its reduce-scatter within the host" in got[1]["message"], got[1]
     assert "waiting for rank 0 to join" in got[1]["message"], got[1]
     assert "running it on the ring instead" in got[1]["message"], got[1]

@@ -22,9 +22,10 @@ if not dist.is_available():
 # Builds the compiled backend now, if it is not cached, rather than inside a
 # timed test (a minute or two).
 import dfccl.torch as dt  # noqa: E402
+from net_scenarios import UCX_ENV, needs_ucx  # noqa: E402
 from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures, _ddp_default,  # noqa: E402
                              _ddp_hook, _divergent_groups, _fsdp2, _functional, _gather_scatter, _graph_capture_sim,
-                             _point_to_point, _timeouts_entry, _unsupported)
+                             _hierarchical_all_reduce, _point_to_point, _timeouts_entry, _unsupported)
 
 # A test's first use of a pool includes starting it (torch's import in four
 # processes: seconds, more on a busy machine).
@@ -39,9 +40,14 @@ pytestmark = pytest.mark.timeout(180)
 POOL_SIZE = 4
 
 
-def _pool_worker(rank, commands, results, impl):
+def _pool_worker(rank, commands, results, impl, per_host):
     os.environ["DFCCL_TORCH_BACKEND"] = "sim"
     os.environ["DFCCL_TORCH_IMPL"] = impl
+    if per_host:
+        # Ranks on "different hosts" of this machine: the network path (UCX
+        # over TCP on loopback), per_host ranks on each.
+        os.environ.update(UCX_ENV)
+        os.environ["DFCCL_HOST_ID"] = f"torch-host-{rank // per_host}"
     import dfccl.torch  # noqa: F401  (registers the backend)
 
     results.put((rank, "ready"))
@@ -71,12 +77,12 @@ def _pool_worker(rank, commands, results, impl):
 
 
 class _Pool:
-    def __init__(self, impl: str):
+    def __init__(self, impl: str, per_host: int = 0):
         self.mp_context = mp.get_context("spawn")
         self.results = self.mp_context.Queue()
         self.commands = [self.mp_context.Queue() for _ in range(POOL_SIZE)]
-        self.procs = [self.mp_context.Process(target=_pool_worker, args=(r, self.commands[r], self.results, impl),
-                                       daemon=True)
+        self.procs = [self.mp_context.Process(target=_pool_worker,
+                                              args=(r, self.commands[r], self.results, impl, per_host), daemon=True)
                       for r in range(POOL_SIZE)]
         for p in self.procs:
             p.start()
@@ -103,8 +109,9 @@ class _Pool:
                 p.join()
 
 
-# The pools by implementation ("compiled", "python").
-_pools: dict[str, _Pool] = {}
+# The pools by implementation ("compiled", "python") and ranks per "host"
+# (0: all on this one).
+_pools: dict[tuple[str, int], _Pool] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,13 +122,14 @@ def _pool_lifetime():
     _pools.clear()
 
 
-def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 40.0, impl: str = "compiled") -> None:
+def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 40.0, impl: str = "compiled",
+              per_host: int = 0) -> None:
     """Runs fn(rank, world_size) on world_size ranks of a fresh dfccl default
-    process group made by the ``impl`` backend; fails with the ranks'
-    tracebacks."""
-    pool = _pools.get(impl)
+    process group made by the ``impl`` backend (``per_host`` ranks on each
+    "host"; 0: one host); fails with the ranks' tracebacks."""
+    pool = _pools.get((impl, per_host))
     if pool is None:
-        pool = _pools[impl] = _Pool(impl)
+        pool = _pools[impl, per_host] = _Pool(impl, per_host)
     pool.wait_ready()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
@@ -138,7 +146,7 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 20.0, join_s: float = 
     if errors:
         # A failed rank may leave collectives pending: start the next test afresh.
         pool.close(force=True)
-        del _pools[impl]
+        del _pools[impl, per_host]
     assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items(), key=str))
 
 
@@ -182,6 +190,15 @@ def _compiled_paths(rank, ws):
 
 def test_compiled_paths_meet():
     run_ranks(_compiled_paths, 2)
+
+
+@needs_ucx
+@pytest.mark.parametrize("impl", ["compiled", "python"])
+def test_hierarchical_all_reduce_across_hosts(impl):
+    """Four ranks, two per "host": a large all-reduce runs hierarchically
+    (the compiled backend hands its shape to the Python side), the others
+    as before."""
+    run_ranks(_hierarchical_all_reduce, 4, timeout_s=60.0, join_s=120.0, impl=impl, per_host=2)
 
 
 @pytest.mark.parametrize("scenario", [_all_reduce_ops, _all_reduce_fast_path, _ddp_hook, _point_to_point,

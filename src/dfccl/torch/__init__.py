@@ -20,7 +20,6 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -86,12 +85,25 @@ def implementation() -> str:
     return "python" if _compiled is None else "compiled"
 
 
-def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
-    """The creator torch calls for ``backend="dfccl"`` (registered on import):
-    the compiled backend over a Python side, or the Python process group."""
+def create_process_group(backend_options: Any, pg_options: Any = None) -> Any:
+    """The creator torch calls for ``backend="dfccl"`` (registered on import,
+    with torch's extended creator arguments): the compiled backend over a
+    Python side, or the Python process group.
+
+    Args:
+        backend_options: torch's (store, group rank and size, timeout).
+        pg_options: ``init_process_group`` / ``new_group``'s ``pg_options``:
+            a :class:`dfccl.CommOptions` for the group's communicators
+            (for example ``hierarchy_min_bytes``, ``peer_timeout``), or None.
+
+    Returns:
+        The group's backend.
+    """
+    store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
+    timeout = backend_options.timeout
     if _compiled is None:
-        return ProcessGroupDfccl(store, rank, size, timeout)
-    group = ProcessGroupDfccl(store, rank, size, timeout, compiled=True)
+        return ProcessGroupDfccl(store, rank, size, timeout, options=pg_options)
+    group = ProcessGroupDfccl(store, rank, size, timeout, compiled=True, options=pg_options)
     return _compiled.Backend(rank, size, group, group.timeout.total_seconds())
 
 
@@ -130,4 +142,4 @@ def cpu_stream(stream: Any, group: Any = None) -> Iterator[None]:
             backend.cpu_stream = compiled_before
 
 
-dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICE_TYPES))
+dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=list(DEVICE_TYPES))

@@ -237,10 +237,14 @@ class ProcessGroupDfccl(dist.ProcessGroup):
     other backend's on first use."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta | None = None, *,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, options: dfccl.CommOptions | None = None) -> None:
         # The (store, rank, size) constructor refuses Python subclasses in
         # torch 2.13 ("not an alias instance"); the store is kept here instead.
         super().__init__(rank, size)
+        if options is not None and not isinstance(options, dfccl.CommOptions):
+            raise InvalidArgumentError(f"the dfccl backend's pg_options must be a dfccl.CommOptions (the options of "
+                                       f"the group's communicators), not {type(options).__name__}", rank=rank)
+        self._options = options
         self._rank = rank
         self._size = size
         self._store = store
@@ -338,7 +342,7 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             if comm is None:
                 uid = self._uid if backend == self._default_backend else _derived_uid(self._uid, backend)
                 comm = dfccl.Communicator(uid, self._rank, self._size, device=device, backend=backend,
-                                          timeout=self._timeout.total_seconds())
+                                          timeout=self._timeout.total_seconds(), options=self._options)
                 self._comms[key] = comm
         if comm.device != device:
             raise InvalidArgumentError(f"process group {self._group_name!r} runs on {backend}:{comm.device}; got a "
@@ -431,8 +435,17 @@ class ProcessGroupDfccl(dist.ProcessGroup):
                 tag_id: int) -> tuple[int, Any]:
         """(address, owner) of the C API plan of a collective of this shape:
         the compiled backend submits it at each call's tensors.  Bound to
-        no memory of its own (every submission names its buffers)."""
+        no memory of its own (every submission names its buffers).  (0,
+        None) for an all-reduce that runs hierarchically (its communicator
+        spans hosts: dfccl.hierarchy): the backend hands each call of the
+        shape to this side, which chains its parts; on such a communicator
+        also for every tagged one (``tag_id``), whose tag may carry shapes
+        of both ways, which only this side keeps in order."""
         count = recv.numel() if kind == "reduce_scatter" else send.numel()
+        if kind == "all_reduce":
+            hierarchy = self._comm_for(send).hierarchy
+            if hierarchy is not None and (tag_id or hierarchy.takes(count, send.element_size())):
+                return 0, None
         name = op_name(dist.ReduceOp.RedOpType(op)) if kind in ("all_reduce", "reduce", "reduce_scatter") \
             else "sum"
         tag = self._tags[tag_id] if tag_id else shape_tag(kind, send, count, name, root)
@@ -843,7 +856,3 @@ class ProcessGroupDfccl(dist.ProcessGroup):
             c.abort()
         self.shutdown()
 
-
-def create_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupDfccl:
-    """The creator torch calls for ``backend="dfccl"`` (registered on import)."""
-    return ProcessGroupDfccl(store, rank, size, timeout)

@@ -22,6 +22,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -111,8 +112,8 @@ struct PlanKeyHash {
 };
 
 struct Plan {
-  const dfccl_plan *plan;
-  py::object bound;   // the BoundPlan that keeps `plan` valid
+  const dfccl_plan *plan;   // nullptr: the group runs this shape itself (a hierarchical all-reduce)
+  py::object bound;         // the BoundPlan that keeps `plan` valid
 };
 
 // Shapes kept at most (a program with ever new sizes starts again, as the
@@ -544,7 +545,9 @@ class DfcclBackend : public c10d::Backend {
     if (tensors.size() != 1 || op < 0 || !plain_tensor(tensors[0]))
       return hand_over("allreduce", tensors, opts);
     at::Tensor &t = tensors[0];
-    auto h = submit("all_reduce", t, t, t.numel(), op, 0, 0);
+    const dfccl_plan *plan = plan_of("all_reduce", t, t, t.numel(), op, 0, 0);
+    if (plan == nullptr) return hand_over("allreduce", tensors, opts);
+    auto h = submit(plan, "all_reduce", t, t);
     return make_work(OpType::ALLREDUCE, "allreduce", tensors, {}, {h}, t.device(), opts.timeout);
   }
 
@@ -553,8 +556,14 @@ class DfcclBackend : public c10d::Backend {
     int op = plain_op(opts.reduceOp);
     if (op < 0 || tensors.empty() || !same_device_plain(tensors))
       return hand_over("allreduce_coalesced", tensors, opts);
+    std::vector<const dfccl_plan *> plans;
+    for (auto &t : tensors) {
+      plans.push_back(plan_of("all_reduce", t, t, t.numel(), op, 0, 0));
+      if (plans.back() == nullptr) return hand_over("allreduce_coalesced", tensors, opts);
+    }
     std::vector<dfccl_handle> hs;
-    for (auto &t : tensors) push(hs, [&] { return submit("all_reduce", t, t, t.numel(), op, 0, 0); });
+    for (size_t i = 0; i < tensors.size(); i++)
+      push(hs, [&] { return submit(plans[i], "all_reduce", tensors[i], tensors[i]); });
     return make_work(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, {}, std::move(hs),
                      tensors[0].device(), opts.timeout);
   }
@@ -623,11 +632,12 @@ class DfcclBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> tagged_allreduce(at::Tensor &t, int64_t tag_id, const c10d::ReduceOp &reduce_op) {
     std::vector<at::Tensor> tensors{t};
     int op = plain_op(reduce_op);
-    if (op < 0 || !plain_tensor(t)) {
+    const dfccl_plan *plan = op < 0 || !plain_tensor(t) ? nullptr : plan_of("all_reduce", t, t, t.numel(), op, 0, tag_id);
+    if (plan == nullptr) {
       py::gil_scoped_acquire gil;
       return handed(shared_->group.attr("_tagged_allreduce_by_id")(t, tag_id, reduce_op));
     }
-    auto h = submit("all_reduce", t, t, t.numel(), op, 0, tag_id);
+    auto h = submit(plan, "all_reduce", t, t);
     return make_work(OpType::ALLREDUCE, "tagged_allreduce", tensors, {}, {h}, t.device(), c10d::kUnsetTimeout);
   }
 
@@ -797,15 +807,32 @@ class DfcclBackend : public c10d::Backend {
     return handed(shared_->group.attr(name)(std::forward<Args>(args)...));
   }
 
-  // Submits the plan of this shape at `send` / `recv` (and the current
-  // stream): the per-call path, without Python once the shape is known.
-  dfccl_handle submit(const char *kind, const at::Tensor &send, const at::Tensor &recv, int64_t count, int op,
-                      int root, int64_t tag) {
+  // The plan of this shape (bound on its first call); nullptr where the
+  // group runs the shape itself: an all-reduce its communicator runs
+  // hierarchically (three collectives chained, which a plan is not).
+  const dfccl_plan *plan_of(const char *kind, const at::Tensor &send, const at::Tensor &recv, int64_t count, int op,
+                            int root, int64_t tag) {
     const c10::Device device = send.device();
     PlanKey key{kind, count, static_cast<int>(send.scalar_type()), op, root, device.is_cuda() ? device.index() : -1,
                 tag};
-    const dfccl_plan *plan = lookup(key);
-    if (plan == nullptr) plan = bind(key, send, recv);
+    std::optional<const dfccl_plan *> known = lookup(key);
+    return known ? *known : bind(key, send, recv);
+  }
+
+  // Submits the plan of this shape (plan_of) at `send` / `recv` (and the
+  // current stream): the per-call path, without Python once the shape is known.
+  dfccl_handle submit(const char *kind, const at::Tensor &send, const at::Tensor &recv, int64_t count, int op,
+                      int root, int64_t tag) {
+    const dfccl_plan *plan = plan_of(kind, send, recv, count, op, root, tag);
+    if (plan == nullptr) {
+      py::gil_scoped_acquire gil;
+      throw_python(shared_->group.attr("_api_error")(kind, "the group runs this shape itself; it has no plan"));
+    }
+    return submit(plan, kind, send, recv);
+  }
+
+  dfccl_handle submit(const dfccl_plan *plan, const char *kind, const at::Tensor &send, const at::Tensor &recv) {
+    const c10::Device device = send.device();
     dfccl_submit_at at{};
     at.send_addr = reinterpret_cast<uint64_t>(send.data_ptr());
     at.recv_addr = reinterpret_cast<uint64_t>(recv.data_ptr());
@@ -822,14 +849,18 @@ class DfcclBackend : public c10d::Backend {
     return h;
   }
 
-  const dfccl_plan *lookup(const PlanKey &key) {
+  // The plan of a shape seen before (which may be nullptr: plan_of); none
+  // for a new shape.
+  std::optional<const dfccl_plan *> lookup(const PlanKey &key) {
     std::lock_guard<std::mutex> lock(plans_mu_);
     auto it = plans_.find(key);
-    return it == plans_.end() ? nullptr : it->second.plan;
+    if (it == plans_.end()) return std::nullopt;
+    return it->second.plan;
   }
 
   // A shape seen for the first time: the group binds its plan (a
-  // rendezvous for a memory kind's first communicator).
+  // rendezvous for a memory kind's first communicator), or says it runs
+  // the shape itself (address 0).
   const dfccl_plan *bind(const PlanKey &key, const at::Tensor &send, const at::Tensor &recv) {
     py::gil_scoped_acquire gil;
     py::tuple made = shared_->group.attr("_c_plan")(key.kind, send, recv, key.op, key.root, key.tag);
