@@ -25,8 +25,10 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from net_scenarios import UCX_ENV, needs_ucx  # noqa: E402
 from torch_scenarios import (_all_reduce_fast_path, _all_reduce_ops, _all_to_all, _async_and_futures,  # noqa: E402
-                             _ddp_default, _ddp_hook, _fsdp2, _functional, _gather_scatter, _point_to_point, _unsupported)
+                             _ddp_default, _ddp_hook, _fsdp2, _functional, _gather_scatter, _hierarchical_all_reduce,
+                             _point_to_point, _unsupported)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU visible to torch")]
@@ -34,11 +36,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(18
 WORLD = 2
 
 
-def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_path, impl):
+def _worker(fn, rank, world_size, store_path, results, stacks_after_s, stacks_path, impl, per_host):
     import faulthandler
 
     if impl is not None:
         os.environ["DFCCL_TORCH_IMPL"] = impl   # read when dfccl.torch is imported, below
+    if per_host:
+        # Ranks on "different hosts" of this machine: the network path (UCX
+        # over TCP on loopback), per_host ranks on each.
+        os.environ.update(UCX_ENV)
+        os.environ["DFCCL_HOST_ID"] = f"torch-host-{rank // per_host}"
 
     # A stuck rank shows where: every thread's stack, written without the GIL
     # to a file the harness reads back (pytest's capture of a child's stderr
@@ -136,15 +143,17 @@ def _rank_environment():
         del os.environ["CUDA_MODULE_LOADING"]
 
 
-def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0, impl: str | None = None) -> None:
+def run_gpus(fn, world_size: int = WORLD, join_s: float = 90.0, impl: str | None = None, per_host: int = 0) -> None:
     """Runs fn(rank, world_size) in one process per rank; ``impl``: the
-    backend implementation ("compiled", "python"; None: dfccl.torch's default)."""
+    backend implementation ("compiled", "python"; None: dfccl.torch's
+    default); ``per_host``: ranks on each "host" (0: all on this one)."""
     mp_context = mp.get_context("spawn")
     results = mp_context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "store")
         stacks = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
-        procs = [mp_context.Process(target=_worker, args=(fn, r, world_size, path, results, join_s - 30, stacks[r], impl))
+        procs = [mp_context.Process(target=_worker,
+                                    args=(fn, r, world_size, path, results, join_s - 30, stacks[r], impl, per_host))
                  for r in range(world_size)]
         with _rank_environment():
             for p in procs:
@@ -377,6 +386,14 @@ def test_point_to_point_gpu():
 
 def test_all_to_all_gpu():
     run_gpus(_all_to_all)
+
+
+@needs_ucx
+@pytest.mark.parametrize("impl", ["compiled", "python"])
+def test_hierarchical_all_reduce_across_hosts_gpu(impl):
+    """Four processes, two per "host": a large all-reduce runs
+    hierarchically through either implementation (test_torch_sim.py's)."""
+    run_gpus(_hierarchical_all_reduce, world_size=4, join_s=150.0, impl=impl, per_host=2)
 
 
 _DEVICE_ID = r"""
