@@ -19,14 +19,14 @@ are submitted together; the daemon runs the second after the first and the
 third after the second (Daemon.submit's ``after``), as a task that is not
 ready yet: gating them on the stream instead could deadlock two all-reduces
 issued in opposite orders.  The last part's Work stands for the whole
-(Work._as_whole): it fails with the first error of any part (Chain).  
+(Work._as_whole): it fails with the first error of any part (Chain).
 
 Every collective of such a communicator goes through Hierarchy.submit,
-which keeps its tag's order across both ways: a tag's instances run in
-order, but the parts have the children's tags, so the first part runs
-after the tag's last collective here (of any kind), and a collective on
-the communicator's own path runs after the tag's last hierarchical
-all-reduce (``order_after``).
+which keeps its tag's order whichever way each call runs: a tag's
+instances run in order, but the parts have the children's tags, so the
+first part runs after the tag's last collective here (of any kind), and a
+collective on the communicator's own path runs after the tag's last
+hierarchical all-reduce (``order_after``).
 """
 
 from __future__ import annotations
