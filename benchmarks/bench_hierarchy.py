@@ -10,7 +10,9 @@ Per size: time per all-reduce back to back (`--iters` queued, then waited
 for; the median of three batches per repeat), its bus bandwidth (2 (n-1)/n
 x bytes / time) and the ring's time over the hierarchy's (above 1: the
 hierarchy is faster).  Each side's result is checked once per size on fresh
-random inputs, against a float64 sum.  Times in us, bandwidths in MiB/s.
+random inputs, against a float64 sum, and every timed batch's (its calls
+run in place on one buffer, which ends at n^calls x its start only if they
+ran in order).  Times in us, bandwidths in MiB/s.
 
 On one machine both "hosts" share the cores and the loopback device: the
 figure says what the hierarchy saves in network bytes and proxy work, not
@@ -71,15 +73,24 @@ def _rank(uids: dict, rank: int, nranks: int, backend: str, sizes: list[int], it
                 want = data.astype(np.float64).sum(0)
                 if not np.allclose(arrays.to_numpy(y), want, rtol=1e-5, atol=1e-5):
                     raise AssertionError(f"{side} all_reduce of {size} B: rank {rank} got a wrong sum")
-            x = arrays.from_numpy(backend, device, rng.standard_normal(count, dtype=np.float32))
             times = {side: [] for side in SIDES}
+            calls = warmup + iters * bench_net.BATCHES
             for rep in range(repeats):
                 for side in (SIDES if rep % 2 == 0 else SIDES[::-1]):
+                    # The same fresh input on every rank, in place: each call
+                    # multiplies it by n, so the batch's end shows that its
+                    # calls ran in order (started small, to end in range).
+                    x0 = rng.standard_normal(count).astype(np.float32) * np.float32(nranks ** -(calls // 2))
+                    x = arrays.from_numpy(backend, device, x0)
                     comm = comms[side]
-                    run = lambda comm=comm: comm.all_reduce(x, tag=("bw", size))  # noqa: E731
+                    run = lambda comm=comm, x=x: comm.all_reduce(x, tag=("bw", size))  # noqa: E731
                     for _ in range(warmup):
                         run().synchronize(timeout=120)
                     times[side].append(bench_net.batch_seconds(run, iters))
+                    want = x0.astype(np.float64) * float(nranks) ** calls
+                    if not np.allclose(arrays.to_numpy(x), want, rtol=1e-3, atol=0):
+                        raise AssertionError(f"{side}: {calls} all_reduces of {size} B in place on one buffer: rank "
+                                             f"{rank} got other than {nranks}^{calls} x its input")
             runs_before = comms["hierarchy"].hierarchy.all_reduces
             for side in SIDES:
                 t = sorted(times[side])

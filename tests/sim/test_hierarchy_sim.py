@@ -6,6 +6,11 @@ failure is reported, and the layouts that build no hierarchy."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -126,3 +131,16 @@ def test_ranks_that_disagree_on_the_size_are_told_why():
     assert "waiting for rank 0 to join" in got[1]["message"], got[1]
     assert "running it on the ring instead" in got[1]["message"], got[1]
     assert "running it on the ring instead" not in got[0]["message"], got[0]
+
+
+@needs_ucx
+def test_benchmark_checks_its_batches(tmp_path):
+    """benchmarks/bench_hierarchy.py on the simulator: each timed batch of
+    in-place all-reduces ends at n^calls x its input on both sides (the
+    script fails otherwise), and its record names both."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hierarchy.py"
+    proc = subprocess.run([sys.executable, str(script), "--sizes", "262144", "--iters", "3", "--warmup", "1",
+                           "--repeats", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads(proc.stdout.splitlines()[0])
+    assert row["size"] == 262144 and row["hierarchical_runs"] > 0 and row["ring_over_hierarchy"] > 0, row
