@@ -353,19 +353,24 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
     # One tag's collectives on one buffer, not waited for in between: a
     # hierarchical all-reduce, one on the ring over its first elements,
     # a hierarchical one over its first half (its parts lay their staging
-    # out anew), a reduce to rank 0 (the ring) and a last hierarchical
-    # all-reduce.  They run in order, as a tag's instances do.
+    # out anew), a reduce to rank 0 (the ring), a hierarchical all-reduce,
+    # an all-to-all out of the buffer and a last hierarchical all-reduce.
+    # They run in order, as a tag's instances do.
     xs = arrays.from_numpy(ctx.backend, dev, _hier_input(r, big, "float32", 53))
+    out = arrays.empty(ctx.backend, dev, big, np.float32, fill=SENTINEL)
     half = big // 2   # a multiple of 2 and 3, above min_bytes
     works = [comm.all_reduce(xs, tag="seq"), comm.all_reduce(xs[:1000], tag="seq"),
-             comm.all_reduce(xs[:half], tag="seq"), comm.reduce(xs, root=0, tag="seq"), comm.all_reduce(xs, tag="seq")]
+             comm.all_reduce(xs[:half], tag="seq"), comm.reduce(xs, root=0, tag="seq"), comm.all_reduce(xs, tag="seq"),
+             comm.all_to_all(xs, out, tag="seq"), comm.all_reduce(xs, tag="seq")]
     for w in works:
         w.synchronize(timeout=TIMEOUT)
     want = _hier_expected(n, big, "float32", "sum", 53)
     want[:1000] *= n
     want[:half] *= n
     want *= 2 * n - 1   # rank 0 holds n x, the others x
-    same_bytes(arrays.to_numpy(xs), want, "in order on one tag")
+    m = big // n   # every rank held `want`: its part r, from each rank
+    same_bytes(arrays.to_numpy(out), np.tile(want[r * m:(r + 1) * m], n), "all-to-all in order on one tag")
+    same_bytes(arrays.to_numpy(xs), want * n, "in order on one tag")
     return {"checked": checked + 4, "hierarchical": comm.hierarchy.all_reduces}
 
 

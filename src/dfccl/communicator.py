@@ -657,7 +657,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._submitter.all_to_all(send, recv, None, None, tag, stream, "all_to_all")
+        return self._all_to_all(send, recv, None, None, tag, stream, "all_to_all")
 
     def all_to_all_single(self, send, recv, *, send_splits: Sequence[int] | None = None,
                           recv_splits: Sequence[int] | None = None, tag=None, stream=None) -> Work:
@@ -680,7 +680,7 @@ class Communicator:
         Returns:
             The Work of this rank's part, at once.
         """
-        return self._submitter.all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
+        return self._all_to_all(send, recv, send_splits, recv_splits, tag, stream, "all_to_all_single")
 
     # -- plans -------------------------------------------------------------------------
     def prepare_all_reduce(self, count: int, dtype, *, op: str | ReduceOp = "sum", tag=None) -> "Plan":
@@ -884,6 +884,16 @@ class Communicator:
             b = self._submitter.buffer_at(ptr, count, dtype, owner)
             return self._submit(KIND_ALL_REDUCE, b, b, count, op, 0, tag, stream)
         return self._submitter.all_reduce_at(ptr, count, dtype, op, stream, owner, tag)
+
+    def _all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
+        """Submitter.all_to_all, in its tag's order across this
+        communicator's hierarchy where it has one (hierarchy.py)."""
+        sub = self._submitter
+        if self._hierarchy is None:
+            return sub.all_to_all(send, recv, send_splits, recv_splits, tag, stream, what)
+        sub.check_tag(tag, what)
+        return self._hierarchy.in_order(tag, lambda order_after: sub.all_to_all(
+            send, recv, send_splits, recv_splits, tag, stream, what, order_after=order_after))
 
     def _submit(self, kind: int, s: Buffer, r: Buffer, count: int, op: ReduceOp, root: int, tag, stream) -> Work:
         """Submits one collective of checked arguments (Submitter.submit's):

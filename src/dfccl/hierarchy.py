@@ -32,7 +32,7 @@ hierarchical all-reduce (``order_after``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dfccl._native.layout import KIND_ALL_GATHER, KIND_ALL_REDUCE, KIND_REDUCE_SCATTER
@@ -247,16 +247,30 @@ class Hierarchy:
             Its Work (a hierarchical one's: the last part's, standing for
             the whole).
         """
+        if kind == KIND_ALL_REDUCE and self.takes(count, s.dtype.itemsize):
+            key = self._sub.key(tag)
+            work = self._all_reduce(s, r, op, tag, stream, self._last.get(key, (None, False))[0])
+            if work is not None:
+                return self._remember(key, work, True)
+        return self.in_order(tag, lambda order_after: self._sub.submit(kind, s, r, count, op, root, tag, stream,
+                                                                       order_after=order_after))
+
+    def in_order(self, tag, submit: Callable[[Work | None], Work]) -> Work:
+        """A collective of ``tag`` on the communicator's own path, in its
+        tag's order: ``submit(order_after)`` submits it after
+        ``order_after``, the tag's last hierarchical all-reduce where that
+        was the tag's last collective (else None: after its own path's
+        last, the tag's order holds as is).
+
+        Returns:
+            What ``submit`` returned.
+        """
         key = self._sub.key(tag)
         last, last_hierarchical = self._last.get(key, (None, False))
-        work = None
-        if kind == KIND_ALL_REDUCE and self.takes(count, s.dtype.itemsize):
-            work = self._all_reduce(s, r, op, tag, stream, last)
-        hierarchical = work is not None
-        if not hierarchical:
-            # After its own path's last of the tag, the tag's order holds as is.
-            work = self._sub.submit(kind, s, r, count, op, root, tag, stream,
-                                    order_after=last if last_hierarchical else None)
+        return self._remember(key, submit(last if last_hierarchical else None), False)
+
+    def _remember(self, key: int, work: Work, hierarchical: bool) -> Work:
+        """``work`` as its tag's last collective here."""
         if work.captured:
             return work   # a captured collective has a tag of its own (docs/architecture.md, "CUDA graphs")
         if len(self._last) >= _LAST_KEPT:

@@ -388,7 +388,8 @@ class Submitter:
             stream=None if stream is None else stream_handle(stream), owners=(b.owner,))
         return self.submit_task(task)
 
-    def all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str) -> Work:
+    def all_to_all(self, send, recv, send_splits, recv_splits, tag, stream, what: str,
+                   order_after: Work | None = None) -> Work:
         """Checks and submits an all-to-all (Communicator.all_to_all,
         .all_to_all_single).
 
@@ -399,6 +400,7 @@ class Submitter:
             tag: which exchange this is (None: call order).
             stream: the CUDA stream it follows; None: run now.
             what: the call, for messages.
+            order_after: as submit() takes it.
 
         Returns:
             The Work of this rank's part, at once.
@@ -427,7 +429,8 @@ class Submitter:
             if s.count == 0:
                 return Work.completed(what, tag, self.rank)
             geometry = plan_geometry(KIND_ALL_TO_ALL, s.count, s.dtype, 1, self._channels, True, self._options)
-            return self.submit_task(self._a2a_task(what, tag, key, s, r, s.count, geometry, 0, sid, owners))
+            return self.submit_task(self._a2a_task(what, tag, key, s, r, s.count, geometry, 0, sid, owners),
+                                    order_after=order_after)
         plan = plan_all_to_all(layout, s.dtype, self.world_size, self._channels, self._mode, self._options)
         tags = self._endpoint.tags
         aux = tags.alloc_instance_staging(plan.aux_bytes)
@@ -438,7 +441,7 @@ class Submitter:
             # The tag table takes the table back when the instance retires
             # (TagTable.release; a failed instance keeps it).
             return self.submit_task(self._a2a_task(what, tag, key, s, r, plan.count, plan.geometry, aux, sid,
-                                                   owners, plan.aux_bytes))
+                                                   owners, plan.aux_bytes), order_after=order_after)
         except BaseException:
             tags.free_instance_staging(aux, plan.aux_bytes)
             raise
