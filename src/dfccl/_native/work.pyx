@@ -358,9 +358,8 @@ cdef class Work:
         """The error of this retired Work (None: it succeeded).  The last part
         of a hierarchical collective fails if any part did, with the
         earliest's error, worded for the whole (hierarchy.Chain)."""
-        if self._chain is not None:
-            return self._chain.error(self._make_error() if self._status != DFCCL_STATUS_OK else None)
-        return self._make_error() if self._status != DFCCL_STATUS_OK else None
+        err = self._make_error()   # None where it succeeded
+        return err if self._chain is None else self._chain.error(err)
 
     cdef object _make_error(self):
         cdef uint32_t status = self._status

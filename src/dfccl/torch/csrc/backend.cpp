@@ -632,7 +632,8 @@ class DfcclBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> tagged_allreduce(at::Tensor &t, int64_t tag_id, const c10d::ReduceOp &reduce_op) {
     std::vector<at::Tensor> tensors{t};
     int op = plain_op(reduce_op);
-    const dfccl_plan *plan = op < 0 || !plain_tensor(t) ? nullptr : plan_of("all_reduce", t, t, t.numel(), op, 0, tag_id);
+    const dfccl_plan *plan =
+        op < 0 || !plain_tensor(t) ? nullptr : plan_of("all_reduce", t, t, t.numel(), op, 0, tag_id);
     if (plan == nullptr) {
       py::gil_scoped_acquire gil;
       return handed(shared_->group.attr("_tagged_allreduce_by_id")(t, tag_id, reduce_op));
