@@ -159,6 +159,10 @@ DEFAULT_MAX_TAGS = 2 * 4096
 #: more moves messages of 128 KiB or more (docs/multi-node.md, "Message
 #: size").
 NET_BYTES_PER_CHANNEL = 512 << 10
+#: ... but a collective of at least this many bytes takes two channels or
+#: more, so that both lanes carry it: 256 KiB broadcasts took 140-149 us on
+#: two channels against 168-196 on one (docs/performance-log.md, section 50).
+NET_TWO_CHANNEL_BYTES = 256 << 10
 NET_MAX_SLICE_BYTES = 512 << 10
 #: ... and a channel of up to this many bytes goes as one slice: each slice
 #: costs a message, a credit and a daemon step on both sides, which a
@@ -209,6 +213,11 @@ class CommOptions:
         (at least one, at most `channels`).  None: 128 KiB on GPUs, 256 KiB
         on the simulator, 512 KiB where the communicator spans hosts (each
         ring slice is then a network message: fewer, larger ones).
+    two_channel_bytes: a collective that moves at least this many bytes
+        uses at least two channels (at most `channels`), whatever
+        bytes_per_channel gives; 0: no such floor.  None: 0; 256 KiB where
+        the communicator spans hosts (the network proxy carries two
+        channels on two connections side by side).
     staged_max_bytes: largest collective (bytes one rank moves) that takes
         the direct path across processes; larger ones take the ring.  Each
         tag holds up to twice this much staging while it is bound.
@@ -256,6 +265,7 @@ class CommOptions:
     min_slice_bytes: int | None = None
     one_shot_bytes: int | None = None
     bytes_per_channel: int | None = None
+    two_channel_bytes: int | None = None
     staged_max_bytes: int | None = None
     ring_tags: int | None = None
     peer_timeout: float | None = 10.0
@@ -270,7 +280,7 @@ class CommOptions:
         if self.path not in ("auto", "direct", "ring"):
             raise InvalidArgumentError(f"CommOptions.path must be 'auto', 'direct' or 'ring', not {self.path!r}")
         _check_ints(self, ("channels", "max_tags", "staging_bytes", "ring_slots", "max_slice_bytes",
-                           "min_slice_bytes", "one_shot_bytes", "bytes_per_channel", "ring_tags",
+                           "min_slice_bytes", "one_shot_bytes", "bytes_per_channel", "two_channel_bytes", "ring_tags",
                            "ll_max_bytes", "ll_memory_bytes", "hierarchy_min_bytes"))
         if self.protocol not in ("auto", "ll", "simple"):
             raise InvalidArgumentError(f"CommOptions.protocol must be 'auto', 'll' or 'simple', not {self.protocol!r}")
@@ -293,7 +303,7 @@ class CommOptions:
             raise InvalidArgumentError(f"CommOptions.channels must be in 1..32, not {self.channels}")
         if self.max_tags is not None and self.max_tags < 1:
             raise InvalidArgumentError(f"CommOptions.max_tags must be >= 1, not {self.max_tags}")
-        for name in ("staging_bytes", "one_shot_bytes"):
+        for name in ("staging_bytes", "one_shot_bytes", "two_channel_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise InvalidArgumentError(f"CommOptions.{name} must be >= 0, not {getattr(self, name)}")
         if self.ring_tags is not None and self.ring_tags < 1:
@@ -321,6 +331,7 @@ class CommOptions:
             min_slice_bytes=self.min_slice_bytes if self.min_slice_bytes is not None else 256,
             one_shot_bytes=self.one_shot_bytes if self.one_shot_bytes is not None else (256 << 10 if gpu else 16 << 10),
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else (128 << 10 if gpu else 256 << 10),
+            two_channel_bytes=self.two_channel_bytes if self.two_channel_bytes is not None else 0,
             staged_max_bytes=self.staged_max_bytes if self.staged_max_bytes is not None else (1 << 20 if gpu else 256 << 10),
             ll_memory_bytes=self.ll_memory_bytes if self.ll_memory_bytes is not None else (128 << 20 if gpu else 8 << 20),
             hierarchy_min_bytes=(self.hierarchy_min_bytes if self.hierarchy_min_bytes is not None
@@ -335,6 +346,7 @@ class CommOptions:
         return replace(
             resolved,
             bytes_per_channel=self.bytes_per_channel if self.bytes_per_channel is not None else NET_BYTES_PER_CHANNEL,
+            two_channel_bytes=self.two_channel_bytes if self.two_channel_bytes is not None else NET_TWO_CHANNEL_BYTES,
             max_slice_bytes=self.max_slice_bytes if self.max_slice_bytes is not None else NET_MAX_SLICE_BYTES,
             min_slice_bytes=self.min_slice_bytes if self.min_slice_bytes is not None else NET_MIN_SLICE_BYTES,
             ring_tags=self.ring_tags if self.ring_tags is not None else NET_RING_TAGS,

@@ -22,8 +22,9 @@ broadcasts up to it too (its rooted form: the root pushes, the others take
 its lines): the network proxy carries the lines (docs/multi-node.md, "LL
 across hosts").
 
-Channels: one per ``bytes_per_channel`` bytes moved, at most the
-communicator's; LL always one."""
+Channels: one per ``bytes_per_channel`` bytes moved, at least two from
+``two_channel_bytes`` (across hosts: the proxy's two lanes), at most the
+communicator's; LL always one (channel_count)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from dfccl._native.layout import (FIFO_UNIT_BYTES, KIND_ALL_GATHER, KIND_ALL_RED
                                   TASK_STAGED)
 from dfccl.types import DataType
 
-__all__ = ["Geometry", "plan_geometry", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
+__all__ = ["Geometry", "plan_geometry", "channel_count", "LL_KINDS", "LL_MAX_RANKS", "ll_capable", "ll_region_bytes",
            "default_ll_max_bytes", "reserved_staging_bytes", "fifo_blocks", "clamp_slice"]
 
 #: Collectives LL runs: the symmetric ones (every rank receives from every
@@ -145,6 +146,16 @@ def default_ll_max_bytes(capacity: int, nranks: int, budget: int) -> int:
     return best
 
 
+def channel_count(moved: int, max_channels: int, options) -> int:
+    """Channels of a collective that moves ``moved`` bytes per rank: one per
+    options.bytes_per_channel, at least two from options.two_channel_bytes
+    (when set), at least one, at most ``max_channels``."""
+    nch = _ceil_div(moved, options.bytes_per_channel)
+    if options.two_channel_bytes and moved >= options.two_channel_bytes:
+        nch = max(nch, 2)
+    return max(1, min(max_channels, nch))
+
+
 def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_channels: int, direct: bool,
                   options, *, staged: bool = False, ll_reach: bool | None = None) -> Geometry:
     """``direct``: every peer is reachable for the direct path; ``staged``:
@@ -155,7 +166,7 @@ def plan_geometry(kind: int, count: int, dtype: DataType, nranks: int, max_chann
     # Bytes one rank moves through its channels: the whole buffer, or for
     # all-gather / reduce-scatter the n-times-larger side.
     total = count * esize * (nranks if kind in (KIND_ALL_GATHER, KIND_REDUCE_SCATTER) else 1)
-    nch = max(1, min(max_channels, _ceil_div(total, options.bytes_per_channel)))
+    nch = channel_count(total, max_channels, options)
     if nranks == 1:
         return Geometry(PATH_DIRECT, nch)
     ll_max = options.ll_max_bytes or 0

@@ -23,7 +23,7 @@ import numpy as np
 
 from dfccl._native.layout import PATH_DIRECT, PATH_RING, STAGE_ALIGN, TASK_STAGED, a2a_copy_offset, a2a_words
 from dfccl.errors import InvalidArgumentError
-from dfccl.planning import Geometry, _ceil_div, _round_up, clamp_slice
+from dfccl.planning import Geometry, _ceil_div, _round_up, channel_count, clamp_slice
 from dfccl.tags import tag_key
 from dfccl.types import DataType
 
@@ -44,7 +44,7 @@ def plan_p2p(count: int, dtype: DataType, max_channels: int, direct: bool, optio
     buffer in place); otherwise the sender pushes through a FIFO in the
     receiver's arena (Geometry.fifo_bytes of the receiver's staging)."""
     esize = dtype.itemsize
-    nch = max(1, min(max_channels, _ceil_div(count * esize, options.bytes_per_channel)))
+    nch = channel_count(count * esize, max_channels, options)
     if direct:
         return Geometry(PATH_DIRECT, nch)
     align = max(1, 16 // esize)
@@ -139,7 +139,7 @@ def plan_all_to_all(layout: SplitLayout, dtype: DataType, nranks: int, max_chann
     esize = dtype.itemsize
     if layout.even is not None:
         count = layout.even
-        nch = max(1, min(max_channels, _ceil_div(count * nranks * esize, options.bytes_per_channel)))
+        nch = channel_count(count * nranks * esize, max_channels, options)
     else:
         count, nch = 0, max_channels
     staged = mode != "direct"

@@ -314,11 +314,14 @@ def _channels_taken(comm, ctx) -> dict:
 
 
 @needs_ucx
-@pytest.mark.parametrize("options, channels", [({}, (2, 2)), ({"bytes_per_channel": 1 << 20}, (1, 2)),
+@pytest.mark.parametrize("options, channels", [({}, (2, 2)), ({"bytes_per_channel": 1 << 20}, (2, 2)),
+                                               ({"bytes_per_channel": 1 << 20, "two_channel_bytes": 0}, (1, 2)),
+                                               ({"bytes_per_channel": 4 << 20, "two_channel_bytes": 0}, (1, 1)),
                                                ({"channels": 1}, (1, 1))])
 def test_a_spanning_communicator_plans_network_sized_messages(options, channels):
     """Across hosts one channel moves 512 KiB (messages of 128 KiB and
-    more), not the 256 KiB of one host; a size the user set is kept."""
+    more), not the 256 KiB of one host, and from 256 KiB a collective
+    takes two; sizes the user set are kept."""
     got = run_ranks(_channels_taken, 2, **options)
     assert all(info["channels"] == channels for info in got.values()), got
 
@@ -326,7 +329,7 @@ def test_a_spanning_communicator_plans_network_sized_messages(options, channels)
 def _traced_broadcasts(comm, ctx) -> dict:
     """Broadcasts queued back to back on two tags: 6 of 4 KiB (one slice
     each) and 3 of 1 MiB (four 256 KiB slices each: one channel per MiB,
-    set by the test)."""
+    set by the test with the two-channel floor off)."""
     for size, n in ((4096, 6), (1 << 20, 3)):
         x = np.full(size // 4, ctx.rank + 1, np.float32)
         works = [comm.broadcast(x, root=0, tag=("traced", size)) for _ in range(n)]
@@ -345,7 +348,7 @@ def test_hop_trace(tmp_path, monkeypatch, capsys):
     from dfccl.net.hop_trace import TRACE_ENV, load_traces
 
     monkeypatch.setenv(TRACE_ENV, str(tmp_path))
-    run_ranks(_traced_broadcasts, 2, bytes_per_channel=1 << 20)
+    run_ranks(_traced_broadcasts, 2, bytes_per_channel=1 << 20, two_channel_bytes=0)
     comms = load_traces(str(tmp_path))
     assert len(comms) == 1, comms
     traces = next(iter(comms.values()))

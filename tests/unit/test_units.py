@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -396,18 +397,49 @@ def test_geometry_channels(kind, direct):
         assert g.nchannels == max(1, min(maxch, -(-total // OPTS.bytes_per_channel)))
 
 
+def test_two_channels_from_two_channel_bytes():
+    """Across hosts a collective of 256 KiB or more takes two channels (the
+    proxy's two lanes) where bytes_per_channel alone gives one; 0 turns the
+    floor off; `channels` still caps it; p2p and all-to-all take the rule."""
+    from dfccl.planning import channel_count
+    from dfccl.point_to_point import plan_p2p
+
+    net = CommOptions().resolved_for_network(CommOptions().resolved("cuda"))
+    assert net.bytes_per_channel == 512 << 10 and net.two_channel_bytes == 256 << 10
+    off = replace(net, two_channel_bytes=0)
+    for moved, want, want_off in ((0, 1, 1), (4096, 1, 1), ((256 << 10) - 16, 1, 1), (256 << 10, 2, 1),
+                                  (512 << 10, 2, 1), ((512 << 10) + 1, 2, 2), (1 << 20, 2, 2), (4 << 20, 8, 8)):
+        assert channel_count(moved, 32, net) == want, moved
+        assert channel_count(moved, 32, off) == want_off, moved
+        assert channel_count(moved, 1, net) == 1
+    for kind in ("all_reduce", "broadcast", "reduce"):
+        g = plan_geometry(KIND_IDS[kind], 64 << 10, DataType.FLOAT32, 2, 32, False, net)
+        assert g.path == PATH_RING and g.nchannels == 2, (kind, g)
+    # all-gather / reduce-scatter count the n-times-larger side.
+    assert plan_geometry(KIND_IDS["all_gather"], 32 << 10, DataType.FLOAT32, 2, 32, False, net,
+                         ll_reach=False).nchannels == 2
+    assert plan_p2p(64 << 10, DataType.FLOAT32, 32, False, net).nchannels == 2
+    assert plan_p2p(64 << 10, DataType.FLOAT32, 32, False, off).nchannels == 1
+    # On one host the floor is off by default.
+    assert CommOptions().resolved("cuda").two_channel_bytes == 0
+
+
 def test_network_defaults_keep_what_the_user_set():
-    from dfccl.options import NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES
+    from dfccl.options import (NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES,
+                               NET_TWO_CHANNEL_BYTES)
 
     for backend in ("sim", "cuda"):
         assert CommOptions().resolved(backend).min_slice_bytes == 256
         net = CommOptions().resolved_for_network(CommOptions().resolved(backend))
-        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes) == (
-            NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES)
+        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes, net.two_channel_bytes) == (
+            NET_BYTES_PER_CHANNEL, NET_MAX_SLICE_BYTES, NET_MIN_SLICE_BYTES, NET_TWO_CHANNEL_BYTES)
         assert net.staging_bytes == CommOptions().resolved(backend).staging_bytes
-        user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024, min_slice_bytes=512)
+        user = CommOptions(bytes_per_channel=4096, max_slice_bytes=1024, min_slice_bytes=512, two_channel_bytes=0)
         net = user.resolved_for_network(user.resolved(backend))
-        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes) == (4096, 1024, 512)
+        assert (net.bytes_per_channel, net.max_slice_bytes, net.min_slice_bytes, net.two_channel_bytes) == (
+            4096, 1024, 512, 0)
+    with pytest.raises(InvalidArgumentError, match="two_channel_bytes"):
+        CommOptions(two_channel_bytes=-1)
 
 
 def test_ll_across_hosts_takes_the_small_symmetric_collectives():
