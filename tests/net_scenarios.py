@@ -24,7 +24,7 @@ from dfccl.scenarios import SENTINEL
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
            "takes_ll", "ll_divergent",
            "storage", "payload", "same_bytes", "send_recv_every_pair", "start_all_to_all", "all_to_all_checked",
-           "exchange", "split_children", "hierarchical_all_reduces", "HIER_MIN_BYTES", "run_ranks",
+           "exchange", "split_children", "hierarchical_all_reduces", "hierarchical_blocks", "HIER_MIN_BYTES", "run_ranks",
            "check_remote_loss"]
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
@@ -345,7 +345,7 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
     if not late.done():
         # Pending during the status: its parts are listed, in this
         # communicator's rank numbers.
-        parts = [p for p in st.pending if "part of a hierarchical all_reduce" in p.kind]
+        parts = [p for p in st.pending if "part of a hierarchical collective" in p.kind]
         assert parts and all(p.tag == "late" for p in parts), st.pending
         assert all(w is None or 0 <= w < n for p in parts for w in [p.waiting_for]), parts
     late.synchronize(timeout=TIMEOUT)
@@ -372,6 +372,120 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
     same_bytes(arrays.to_numpy(out), np.tile(want[r * m:(r + 1) * m], n), "all-to-all in order on one tag")
     same_bytes(arrays.to_numpy(xs), want * n, "in order on one tag")
     return {"checked": checked + 4, "hierarchical": comm.hierarchy.all_reduces}
+
+
+def _check_close(got: np.ndarray, want: np.ndarray, op: str, what: str) -> None:
+    if op == "avg":
+        # Means of means (within the host, then across): rounded otherwise.
+        assert np.allclose(got, want, rtol=1e-12, atol=0), what
+    else:
+        same_bytes(got, want, what)
+
+
+def hierarchical_blocks(comm, ctx: RankContext) -> dict:
+    """Reduce-scatters and all-gathers across hosts with each host's ranks
+    contiguous: those whose n blocks hold at least HIER_MIN_BYTES run
+    hierarchically (H + 1 parts), smaller ones on the ring, every one
+    exact; in place and not; ops and dtypes; a reduce-scatter and an
+    all-gather issued in opposite orders on even and odd ranks; one tag's
+    all-reduce, reduce-scatter, all-gather and broadcast on one buffer, not
+    waited for in between, in order."""
+    from dfccl.bench import arrays
+
+    info = comm.hierarchy
+    assert info is not None and info.blocks, info
+    dev, n, r = comm.device, comm.world_size, comm.rank
+    c = 3 * HIER_MIN_BYTES // (4 * n) + 5   # a block: n blocks of 4 bytes hold over min_bytes
+    checked = 0
+
+    def counts():
+        h = comm.hierarchy
+        return h.reduce_scatters, h.all_gathers
+
+    for j, (dtype, op) in enumerate([("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("int64", "min")]):
+        for count, hier in ((c + j, True), (100 + j, False)):
+            in_place = (j + count) % 2 == 0
+            seed = 10 * j + count % 7
+            # Reduce-scatter: rank r gets block r of every rank's n blocks.
+            before = counts()
+            x = arrays.from_numpy(ctx.backend, dev, _hier_input(r, n * count, dtype, seed))
+            y = x[r * count:(r + 1) * count] if in_place else \
+                arrays.empty(ctx.backend, dev, count, storage(dtype), fill=SENTINEL)
+            w = comm.reduce_scatter(x, y, op=op)
+            assert w.kind == "reduce_scatter" and w.rank == r, w
+            w.synchronize(timeout=TIMEOUT)
+            want = _hier_expected(n, n * count, dtype, op, seed)[r * count:(r + 1) * count]
+            _check_close(arrays.to_numpy(y), want, op, f"reduce_scatter {dtype} {op} {count}")
+            assert counts() == (before[0] + hier, before[1]), (count, hier, comm.hierarchy)
+            parts = w.stats.get("parts")
+            if hier:
+                # Each part's counters, in the order they ran.
+                assert [p["phase"] for p in parts] == [f"reduce-scatter within the host, of host {i}'s blocks"
+                                                       for i in range(info.hosts)] + ["reduce-scatter across hosts"]
+                assert all(p["channels"] >= 1 and p["wall_ns"] > 0 for p in parts), parts
+            else:
+                assert parts is None, parts
+            # All-gather: every rank gets every rank's block, in rank order.
+            mine = _hier_input(r, count, dtype, seed)
+            poisoned = np.full(n * count, SENTINEL, storage(dtype))
+            if in_place:
+                poisoned[r * count:(r + 1) * count] = mine
+            out = arrays.from_numpy(ctx.backend, dev, poisoned)
+            send = out[r * count:(r + 1) * count] if in_place else arrays.from_numpy(ctx.backend, dev, mine)
+            w = comm.all_gather(send, out)
+            assert w.kind == "all_gather", w
+            w.synchronize(timeout=TIMEOUT)
+            want = np.concatenate([_hier_input(q, count, dtype, seed) for q in range(n)])
+            same_bytes(arrays.to_numpy(out), want, f"all_gather {dtype} {count}")
+            assert counts() == (before[0] + hier, before[1] + hier), (count, hier, comm.hierarchy)
+            checked += 2
+    # Opposite orders: a reduce-scatter then an all-gather on even ranks,
+    # the other way round on odd ones.
+    xa = arrays.from_numpy(ctx.backend, dev, _hier_input(r, n * c, "float32", 60))
+    ya = arrays.empty(ctx.backend, dev, c, np.float32, fill=SENTINEL)
+    xb = arrays.from_numpy(ctx.backend, dev, _hier_input(r, c, "float32", 61))
+    yb = arrays.empty(ctx.backend, dev, n * c, np.float32, fill=SENTINEL)
+    calls = [lambda: comm.reduce_scatter(xa, ya, tag="a"), lambda: comm.all_gather(xb, yb, tag="b")]
+    works = [f() for f in (calls if r % 2 == 0 else calls[::-1])]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    same_bytes(arrays.to_numpy(ya), _hier_expected(n, n * c, "float32", "sum", 60)[r * c:(r + 1) * c], "divergent a")
+    same_bytes(arrays.to_numpy(yb), np.concatenate([_hier_input(q, c, "float32", 61) for q in range(n)]),
+               "divergent b")
+    # One tag, one buffer, nothing waited for in between: a hierarchical
+    # all-reduce, a reduce-scatter of it into block r, an all-gather of
+    # block r back into it, a broadcast (the ring) and a last all-reduce.
+    count = n * c - (n * c) % comm.hierarchy.per_host
+    c2 = count // n
+    xs = arrays.from_numpy(ctx.backend, dev, _hier_input(r, count, "float32", 62))
+    blk = arrays.empty(ctx.backend, dev, c2, np.float32, fill=SENTINEL)
+    whole = xs[:n * c2]
+    works = [comm.all_reduce(xs, tag="seqb"), comm.reduce_scatter(whole, blk, tag="seqb"),
+             comm.all_gather(blk, whole, tag="seqb"), comm.broadcast(xs, root=1, tag="seqb"),
+             comm.all_reduce(xs, tag="seqb")]
+    for w in works:
+        w.synchronize(timeout=TIMEOUT)
+    want = _hier_expected(n, count, "float32", "sum", 62)   # the all-reduce: the sum on every rank
+    want[:n * c2] *= n                                      # the reduce-scatter and all-gather: n x that
+    want *= n                                               # the broadcast changes nothing; the last all-reduce
+    same_bytes(arrays.to_numpy(xs), want, "in order on one tag")
+    if ctx.backend == "sim":
+        # On a stream (not capturing): hierarchical, armed by the stream.
+        from dfccl import runtime
+
+        st = runtime.get_device("sim", dev).create_stream()
+        try:
+            x = arrays.from_numpy(ctx.backend, dev, _hier_input(r, n * c, "float32", 63))
+            y = arrays.empty(ctx.backend, dev, c, np.float32, fill=SENTINEL)
+            st.delay(0.05)
+            comm.reduce_scatter(x, y, stream=st).synchronize(timeout=TIMEOUT)
+            same_bytes(arrays.to_numpy(y), _hier_expected(n, n * c, "float32", "sum", 63)[r * c:(r + 1) * c],
+                       "on a stream")
+        finally:
+            st.close()
+        checked += 1
+    return {"checked": checked + 3, "reduce_scatters": comm.hierarchy.reduce_scatters,
+            "all_gathers": comm.hierarchy.all_gathers}
 
 
 def _worker(uid: str, ctx: RankContext, scenario, results, per_host: int, env: dict) -> None:

@@ -33,8 +33,8 @@ def _reference(world_size: int, n: int, dtype, op: str):
 # -- scenarios (run in every rank) -----------------------------------------------------
 
 def _general_path_counter(pg):
-    """(count, restore): count() is how many all-reduces took the general
-    path so far: those the compiled backend handed to its Python side, or,
+    """(count, restore): count() is how many calls took the general path
+    so far: those the compiled backend handed to its Python side, or,
     in the Python backend, those that skipped its plain-call path."""
     import dfccl.torch as dt
 
@@ -145,11 +145,23 @@ def _hierarchical_all_reduce(rank, ws):
         want = _reference(ws, n, torch.float32, "sum") * ws
         want[:4096] *= ws
         torch.testing.assert_close(t.to(torch.float64), want)
+        # A reduce-scatter and an all-gather whose ws blocks hold the
+        # threshold run hierarchically too (each host's ranks contiguous).
+        blk = n // ws
+        x = _inputs(rank, ws * blk, torch.float32)
+        out = torch.full((blk,), -1.0)
+        dist.reduce_scatter_tensor(out, x)
+        torch.testing.assert_close(out.to(torch.float64),
+                                   _reference(ws, ws * blk, torch.float32, "sum")[rank * blk:(rank + 1) * blk])
+        gathered = torch.full((ws * blk,), -1.0)
+        dist.all_gather_into_tensor(gathered, _inputs(rank, blk, torch.float32))
+        torch.testing.assert_close(gathered, torch.cat([_inputs(q, blk, torch.float32) for q in range(ws)]))
         info = group.communicator(torch.get_default_device()).hierarchy
-        assert info.all_reduces == before + 4, info
+        assert info.all_reduces == before + 4 and (info.reduce_scatters, info.all_gathers) == (1, 1), info
         if not isinstance(comm, dt.ProcessGroupDfccl):
-            # The large shape's pg.allreduce calls and every tagged one.
-            assert general() == 5, general()
+            # The large shape's pg.allreduce calls, every tagged one, the
+            # reduce-scatter and the all-gather.
+            assert general() == 7, general()
     finally:
         restore()
     # A group's communicators take the CommOptions given as pg_options.

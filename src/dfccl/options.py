@@ -172,10 +172,11 @@ NET_MIN_SLICE_BYTES = 64 << 10
 #: GPU's default; the simulator's 128 would cut its slices to 48 KiB).
 NET_RING_TAGS = 8
 #: Smallest all-reduce (bytes per rank) that runs hierarchically where a
-#: communicator spans hosts with several ranks on each (hierarchy.py): two
-#: hosts of two ranks on one H200 over TCP loopback, the hierarchy took
-#: 1.14-1.66x the ring's time at 1-8 MiB and 0.63-0.70x at 16-64 MiB
-#: (docs/performance-log.md, section 51).
+#: communicator spans hosts with several ranks on each (hierarchy.py), and
+#: smallest reduce-scatter or all-gather (all ranks' blocks): two hosts of
+#: two ranks on one H100 over TCP loopback, with a tag's calls in order,
+#: the hierarchical all-reduce took 1.2-2.4x the ring's time at 1-8 MiB and
+#: 0.76-0.93x at 16-64 MiB (docs/performance-log.md, section 54).
 DEFAULT_HIERARCHY_MIN_BYTES = 16 << 20
 
 
@@ -251,7 +252,9 @@ class CommOptions:
         least this many bytes per rank whose count divides by the ranks per
         host run hierarchically: reduce-scatter within each host, all-reduce
         across hosts, all-gather within each host (docs/multi-node.md,
-        "Hierarchical all-reduce").  Such a communicator builds two child
+        "Hierarchical collectives"); so do reduce-scatters and all-gathers
+        whose n blocks hold at least this many bytes where each host's ranks
+        are contiguous.  Such a communicator builds two child
         communicators at start-up for it; 0 builds none and never runs
         one.  None: 16 MiB.
     """

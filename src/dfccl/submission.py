@@ -290,8 +290,9 @@ class Submitter:
         task = self.task(kind, s, r, count, op, root, tag, stream, geometry, key)
         return self.submit_task(task, after=after, followed=followed, order_after=order_after)
 
-    def part_key(self, tag, part: int) -> int:
-        """The key of part ``part`` of hierarchical collectives of ``tag``
+    def part_key(self, tag, part: tuple) -> int:
+        """The key of part ``part`` (the whole's kind name, the part's
+        number) of hierarchical collectives of ``tag``
         on this child (hierarchy.py): a tag of its own, so that the parts
         of one call meet each other whatever their shape, and ranks that
         disagree on the call's shape fail on its signature (MismatchError)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from net_scenarios import (HIER_MIN_BYTES, check_remote_loss, divergent, exchange, hierarchical_all_reduces,
+                           hierarchical_blocks,
                            ll_divergent, needs_ucx, run_ranks, split_children, sweep, sweep_specs)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_processes, pytest.mark.timeout(300), needs_ucx]
@@ -75,6 +76,17 @@ def test_hierarchical_all_reduce_gpu():
     got = run_ranks(hierarchical_all_reduces, 4, per_host=2, backend="cuda", hierarchy_min_bytes=HIER_MIN_BYTES,
                     **OPTIONS)
     assert all(info["checked"] == 10 and info["hierarchical"] == 11 for info in got.values()), got
+
+
+def test_hierarchical_reduce_scatter_and_all_gather_gpu():
+    """Four processes, two per host id: reduce-scatters and all-gathers
+    whose blocks hold hierarchy_min_bytes run hierarchically, exact, in
+    place and not, in opposite orders and in one tag's order with the
+    other kinds (net_scenarios.hierarchical_blocks)."""
+    got = run_ranks(hierarchical_blocks, 4, per_host=2, backend="cuda", hierarchy_min_bytes=HIER_MIN_BYTES,
+                    **OPTIONS)
+    assert all(info["checked"] == 19 and (info["reduce_scatters"], info["all_gathers"]) == (6, 6)
+               for info in got.values()), got
 
 
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])

@@ -17,8 +17,8 @@ import pytest
 import dfccl
 from dfccl.hierarchy import host_layout
 from dfccl.options import DEFAULT_HIERARCHY_MIN_BYTES
-from net_scenarios import (HIER_MIN_BYTES, TIMEOUT, check_remote_loss, hierarchical_all_reduces, needs_ucx,
-                           run_ranks)
+from net_scenarios import (HIER_MIN_BYTES, TIMEOUT, check_remote_loss, hierarchical_all_reduces,
+                           hierarchical_blocks, needs_ucx, run_ranks)
 from dfccl.bench import arrays
 
 
@@ -41,6 +41,36 @@ def test_hierarchical_all_reduce_exact_and_deadlock_free(nranks):
         assert got[r]["checked"] == 10, got[r]
         # 4 cases + 2 opposite-order + the late one + 4 in order on one tag.
         assert got[r]["hierarchical"] == 11, got[r]
+
+
+@needs_ucx
+@pytest.mark.parametrize("nranks", [4, 6])
+def test_hierarchical_reduce_scatter_and_all_gather_exact(nranks):
+    got = run_ranks(hierarchical_blocks, nranks, per_host=nranks // 2, hierarchy_min_bytes=HIER_MIN_BYTES)
+    for r in range(nranks):
+        assert got[r]["checked"] == 20, got[r]
+        # 4 of each kind + one each in opposite orders + one each in order
+        # on one tag + a reduce-scatter on a stream.
+        assert (got[r]["reduce_scatters"], got[r]["all_gathers"]) == (7, 6), got[r]
+
+
+def test_blocks_take_the_hierarchy_only_where_hosts_are_contiguous():
+    from dfccl.hierarchy import HierarchyInfo
+
+    assert host_layout(["a", "a", "b", "b"]).contiguous
+    assert host_layout(["a", "a", "a", "b", "b", "b"]).contiguous
+    assert not host_layout(["x", "y", "x", "y"]).contiguous
+    assert not host_layout(["a", "b", "b", "a"]).contiguous
+    info = HierarchyInfo(hosts=2, per_host=2, min_bytes=1 << 20, all_reduces=0, blocks=True)
+    # A reduce-scatter's or all-gather's block: n blocks must hold min_bytes.
+    assert info.takes(1 << 16, 4, "reduce_scatter") and info.takes(1 << 16, 4, "all_gather")
+    assert not info.takes((1 << 16) - 1, 4, "all_gather")
+    assert info.takes((1 << 16) + 1, 4, "reduce_scatter")         # any block size
+    assert info.takes(1 << 18, 4) and not info.takes((1 << 18) + 1, 4)   # an all-reduce: a count L divides
+    from dataclasses import replace
+    assert not replace(info, blocks=False).takes(1 << 20, 4, "reduce_scatter")
+    with pytest.raises(ValueError, match="kind"):
+        info.takes(1 << 20, 4, "broadcast")
 
 
 def _no_hierarchy(comm, ctx) -> dict:

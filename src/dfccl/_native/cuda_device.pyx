@@ -215,11 +215,13 @@ cdef class CudaDevice(Device):
         self.make_current()
         check(API.cuMemFreeHost(<void *><uintptr_t>host_ptr), "cuMemFreeHost")
 
-    def alloc_device(self, size_t nbytes, bint shareable=False):
+    def alloc_device(self, size_t nbytes, bint shareable=False, bint zeroed=True):
         cdef CUdeviceptr p = 0
         self.make_current()
         cdef CUresult rc
         check(API.cuMemAlloc(&p, nbytes), f"cuMemAlloc({nbytes})")
+        if not zeroed:
+            return <uint64_t>p
         # Zeroed on a private stream and waited for alone, without the GIL: a
         # context synchronise would wait for the running daemon, the legacy
         # stream for whatever the application queued there, and the private

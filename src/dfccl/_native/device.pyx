@@ -46,6 +46,11 @@ cdef class Device:
         """1 if ``stream`` is capturing a graph, else 0."""
         return 0
 
+    def is_capturing(self, uint64_t stream):
+        """stream_capturing() for Python callers: whether ``stream`` (a
+        handle) is capturing a graph."""
+        return self.stream_capturing(stream) != 0
+
     cdef int try_stream_capturing(self, uint64_t stream) noexcept nogil:
         """stream_capturing() without the GIL: 0 or 1, or -1 when it cannot
         tell (stream_capturing() then says, or why not)."""
@@ -76,9 +81,12 @@ cdef class Device:
     def free_mapped(self, uint64_t host_ptr):
         raise NotImplementedError
 
-    def alloc_device(self, size_t nbytes, bint shareable=False):
-        """Zeroed memory of the daemon's device; ``shareable``: other
-        processes may map it (export_memory / import_memory)."""
+    def alloc_device(self, size_t nbytes, bint shareable=False, bint zeroed=True):
+        """Memory of the daemon's device, zeroed unless ``zeroed`` is false
+        (zeroing waits for a stream of its own, which an application
+        stream's wait can hold up: memory taken while collectives run is
+        not); ``shareable``: other processes may map it (export_memory /
+        import_memory)."""
         raise NotImplementedError
 
     def free_device(self, uint64_t ptr):

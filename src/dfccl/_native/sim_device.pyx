@@ -321,7 +321,8 @@ cdef class SimDevice(Device):
     def free_mapped(self, uint64_t host_ptr):
         free(<void *><uintptr_t>host_ptr)
 
-    def alloc_device(self, size_t nbytes, bint shareable=False):
+    def alloc_device(self, size_t nbytes, bint shareable=False, bint zeroed=True):
+        # Zeroed either way (the simulator's memory costs no stream).
         if not shareable:
             return self.alloc_mapped(nbytes)[0]
         path = os.path.join(shared_directory(), f"dfccl-{os.getpid()}-{uuid.uuid4().hex}")

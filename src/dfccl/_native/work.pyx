@@ -208,15 +208,21 @@ cdef class Work:
         """Per-collective counters once complete: preemptions, resumes,
         queued_ns (pulled -> first run), running_ns (inside runs), wall_ns
         (first run -> done), max_wait_ns (longest wait that ended with the
-        peer arriving), host_ns (submit -> retired), channels."""
+        peer arriving), host_ns (submit -> retired), channels; for a
+        hierarchical collective, the last part's, and ``parts``: each
+        part's, with its ``phase``, in the order they ran (a part's
+        queued_ns includes its wait for the part before)."""
         if not self._retired:
             return None
         if not self._has_result:
             return dict(_STATS_ZERO)
         r = &self._result
-        return {"preemptions": r.preemptions, "resumes": r.resumes, "queued_ns": r.queued_ns,
-                "running_ns": r.running_ns, "wall_ns": r.wall_ns, "max_wait_ns": r.max_wait_ns,
-                "host_ns": self._retired_ns - self._submitted_ns, "channels": r.nchannels}
+        out = {"preemptions": r.preemptions, "resumes": r.resumes, "queued_ns": r.queued_ns,
+               "running_ns": r.running_ns, "wall_ns": r.wall_ns, "max_wait_ns": r.max_wait_ns,
+               "host_ns": self._retired_ns - self._submitted_ns, "channels": r.nchannels}
+        if self._chain is not None:
+            out["parts"] = self._chain.part_stats(dict(out))
+        return out
 
     @property
     def status(self):

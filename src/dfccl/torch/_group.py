@@ -436,15 +436,17 @@ class ProcessGroupDfccl(dist.ProcessGroup):
         """(address, owner) of the C API plan of a collective of this shape:
         the compiled backend submits it at each call's tensors.  Bound to
         no memory of its own (every submission names its buffers).  (0,
-        None) for an all-reduce that runs hierarchically (its communicator
-        spans hosts: dfccl.hierarchy): the backend hands each call of the
-        shape to this side, which chains its parts; on such a communicator
-        also for every tagged one (``tag_id``), whose tag may carry shapes
-        of both ways, which only this side keeps in order."""
+        None) for an all-reduce, reduce-scatter or all-gather that runs
+        hierarchically (its communicator spans hosts: dfccl.hierarchy): the
+        backend hands each call of the shape to this side, which chains its
+        parts; on such a communicator also for every tagged all-reduce
+        (``tag_id``), whose tag may carry shapes of both ways, which only
+        this side keeps in order."""
         count = recv.numel() if kind == "reduce_scatter" else send.numel()
-        if kind == "all_reduce":
+        if kind in ("all_reduce", "reduce_scatter", "all_gather"):
             hierarchy = self._comm_for(send).hierarchy
-            if hierarchy is not None and (tag_id or hierarchy.takes(count, send.element_size())):
+            if hierarchy is not None and ((tag_id and kind == "all_reduce")
+                                          or hierarchy.takes(count, send.element_size(), kind)):
                 return 0, None
         name = op_name(dist.ReduceOp.RedOpType(op)) if kind in ("all_reduce", "reduce", "reduce_scatter") \
             else "sum"

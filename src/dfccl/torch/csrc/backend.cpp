@@ -588,7 +588,9 @@ class DfcclBackend : public c10d::Backend {
                                                  const c10d::AllgatherOptions &opts) override {
     std::vector<at::Tensor> outs{output}, ins{input};
     if (!gather_shape(outs, ins)) return hand_over("_allgather_base", output, input, opts);
-    auto h = submit("all_gather", input, output, input.numel(), 0, 0, 0);
+    const dfccl_plan *plan = plan_of("all_gather", input, output, input.numel(), 0, 0, 0);
+    if (plan == nullptr) return hand_over("_allgather_base", output, input, opts);
+    auto h = submit(plan, "all_gather", input, output);
     return make_work(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", outs, ins, {h}, output.device(),
                      opts.timeout);
   }
@@ -597,9 +599,14 @@ class DfcclBackend : public c10d::Backend {
                                                                  std::vector<at::Tensor> &inputs,
                                                                  const c10d::AllgatherOptions &opts) override {
     if (!gather_shape(outputs, inputs)) return hand_over("allgather_into_tensor_coalesced", outputs, inputs, opts);
+    std::vector<const dfccl_plan *> plans;
+    for (size_t i = 0; i < inputs.size(); i++) {
+      plans.push_back(plan_of("all_gather", inputs[i], outputs[i], inputs[i].numel(), 0, 0, 0));
+      if (plans.back() == nullptr) return hand_over("allgather_into_tensor_coalesced", outputs, inputs, opts);
+    }
     std::vector<dfccl_handle> hs;
     for (size_t i = 0; i < inputs.size(); i++)
-      push(hs, [&] { return submit("all_gather", inputs[i], outputs[i], inputs[i].numel(), 0, 0, 0); });
+      push(hs, [&] { return submit(plans[i], "all_gather", inputs[i], outputs[i]); });
     return make_work(OpType::COALESCED, "allgather_into_tensor_coalesced", outputs, inputs, std::move(hs),
                      outputs[0].device(), opts.timeout);
   }
@@ -609,7 +616,9 @@ class DfcclBackend : public c10d::Backend {
     std::vector<at::Tensor> outs{output}, ins{input};
     int op = plain_op(opts.reduceOp);
     if (op < 0 || !gather_shape(ins, outs)) return hand_over("_reduce_scatter_base", output, input, opts);
-    auto h = submit("reduce_scatter", input, output, output.numel(), op, 0, 0);
+    const dfccl_plan *plan = plan_of("reduce_scatter", input, output, output.numel(), op, 0, 0);
+    if (plan == nullptr) return hand_over("_reduce_scatter_base", output, input, opts);
+    auto h = submit(plan, "reduce_scatter", input, output);
     return make_work(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", outs, ins, {h}, output.device(),
                      opts.timeout);
   }
@@ -620,9 +629,14 @@ class DfcclBackend : public c10d::Backend {
     int op = plain_op(opts.reduceOp);
     if (op < 0 || !gather_shape(inputs, outputs))
       return hand_over("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+    std::vector<const dfccl_plan *> plans;
+    for (size_t i = 0; i < inputs.size(); i++) {
+      plans.push_back(plan_of("reduce_scatter", inputs[i], outputs[i], outputs[i].numel(), op, 0, 0));
+      if (plans.back() == nullptr) return hand_over("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+    }
     std::vector<dfccl_handle> hs;
     for (size_t i = 0; i < inputs.size(); i++)
-      push(hs, [&] { return submit("reduce_scatter", inputs[i], outputs[i], outputs[i].numel(), op, 0, 0); });
+      push(hs, [&] { return submit(plans[i], "reduce_scatter", inputs[i], outputs[i]); });
     return make_work(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs, inputs, std::move(hs),
                      outputs[0].device(), opts.timeout);
   }
@@ -809,8 +823,9 @@ class DfcclBackend : public c10d::Backend {
   }
 
   // The plan of this shape (bound on its first call); nullptr where the
-  // group runs the shape itself: an all-reduce its communicator runs
-  // hierarchically (three collectives chained, which a plan is not).
+  // group runs the shape itself: an all-reduce, reduce-scatter or
+  // all-gather its communicator runs hierarchically (collectives chained,
+  // which a plan is not).
   const dfccl_plan *plan_of(const char *kind, const at::Tensor &send, const at::Tensor &recv, int64_t count, int op,
                             int root, int64_t tag) {
     const c10::Device device = send.device();
