@@ -24,8 +24,8 @@ from dfccl.scenarios import SENTINEL
 __all__ = ["UCX_ENV", "TIMEOUT", "needs_ucx", "RankContext", "net_comm", "sweep_specs", "sweep", "divergent",
            "takes_ll", "ll_divergent",
            "storage", "payload", "same_bytes", "send_recv_every_pair", "start_all_to_all", "all_to_all_checked",
-           "exchange", "split_children", "hierarchical_all_reduces", "hierarchical_blocks", "HIER_MIN_BYTES", "run_ranks",
-           "check_remote_loss"]
+           "exchange", "split_children", "hierarchical_all_reduces", "hierarchical_blocks", "HIER_MIN_BYTES",
+           "run_ranks", "check_remote_loss"]
 
 needs_ucx = pytest.mark.skipif(importlib.util.find_spec("libucx") is None,
                                reason='the network path needs UCX: pip install "dfccl[net]"')

@@ -45,6 +45,7 @@ hierarchical one (``order_after``).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -249,34 +250,38 @@ class ScratchPool:
     peers of.  Areas are powers of two, taken without zeroing
     (docs/multi-node.md, "Hierarchical collectives")."""
 
-    __slots__ = ("_device", "_free", "_held")
+    __slots__ = ("_device", "_free", "_held", "_lock")
 
     def __init__(self, device) -> None:
         self._device = device
+        self._lock = threading.Lock()   # threads of one rank may submit at once
         self._free: list[tuple[int, int]] = []   # (nbytes, address)
         self._held: list[tuple[int, int, Work | None]] = []   # (nbytes, address, the Work holding it)
 
     def take(self, nbytes: int) -> tuple[int, int]:
         """An area of at least ``nbytes`` (nbytes, address), held until
         hold() names its Work."""
-        self._reclaim()
-        fits = [a for a in self._free if a[0] >= nbytes]
-        if fits:
-            area = min(fits)
-            self._free.remove(area)
-        else:
-            size = max(_SCRATCH_MIN_BYTES, 1 << (nbytes - 1).bit_length())
-            area = (size, self._device.alloc_device(size, zeroed=False))
-        self._held.append((area[0], area[1], None))
-        return area
+        with self._lock:
+            self._reclaim()
+            fits = [a for a in self._free if a[0] >= nbytes]
+            if fits:
+                area = min(fits)
+                self._free.remove(area)
+            else:
+                size = max(_SCRATCH_MIN_BYTES, 1 << (nbytes - 1).bit_length())
+                area = (size, self._device.alloc_device(size, zeroed=False))
+            self._held.append((area[0], area[1], None))
+            return area
 
     def hold(self, area: tuple[int, int], work: Work | None) -> None:
         """``area`` (take()'s) stays out until ``work`` succeeded; None:
         until close (the collective was not submitted whole)."""
-        self._held = [h for h in self._held if h[1] != area[1]]
-        self._held.append((area[0], area[1], _NEVER if work is None else work))
+        with self._lock:
+            self._held = [h for h in self._held if h[1] != area[1]]
+            self._held.append((area[0], area[1], _NEVER if work is None else work))
 
     def _reclaim(self) -> None:
+        """Areas whose collectives succeeded back to the free list (the lock held)."""
         keep = []
         for nbytes, address, work in self._held:
             if work is not None and work is not _NEVER and work.done() and work.exception() is None:
@@ -290,16 +295,17 @@ class ScratchPool:
         way (after the children closed: nothing runs them now); an area of a
         collective still pending, or one never submitted whole, goes with
         the process."""
-        for _nbytes, address in self._free:
-            self._device.free_device(address)
-        self._free = []
-        keep = []
-        for nbytes, address, work in self._held:
-            if work is not None and work is not _NEVER and work.done():
+        with self._lock:
+            for _nbytes, address in self._free:
                 self._device.free_device(address)
-            else:
-                keep.append((nbytes, address, work))
-        self._held = keep
+            self._free = []
+            keep = []
+            for nbytes, address, work in self._held:
+                if work is not None and work is not _NEVER and work.done():
+                    self._device.free_device(address)
+                else:
+                    keep.append((nbytes, address, work))
+            self._held = keep
 
 
 #: What an area never handed back waits for (ScratchPool.hold).
