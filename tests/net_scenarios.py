@@ -347,6 +347,10 @@ def hierarchical_all_reduces(comm, ctx: RankContext) -> dict:
         # communicator's rank numbers.
         parts = [p for p in st.pending if "part of a hierarchical collective" in p.kind]
         assert parts and all(p.tag == "late" for p in parts), st.pending
+        # Each named as itself (the last part stands for the whole elsewhere).
+        assert {p.kind.split(" (")[0] for p in parts} <= {"reduce_scatter within the host",
+                                                         "all_reduce across hosts",
+                                                         "all_gather within the host"}, parts
         assert all(w is None or 0 <= w < n for p in parts for w in [p.waiting_for]), parts
     late.synchronize(timeout=TIMEOUT)
     same_bytes(arrays.to_numpy(xl), _hier_expected(n, big, "float32", "sum", 52), "late")

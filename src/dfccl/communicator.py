@@ -954,7 +954,8 @@ class Communicator:
                     what = "every rank has joined; waiting for data"
                 else:
                     what = "queued or transferring"
-                st.pending.append(PendingStatus(kind=w.kind, tag=w.tag, instance=w.instance,
+                kind, tag, _rank = w.submitted_as   # a hierarchical part's own kind, not its whole's
+                st.pending.append(PendingStatus(kind=kind, tag=tag, instance=w.instance,
                                                 age_s=(now - w.submitted_ns) / 1e9, state=what,
                                                 waiting_for=missing[0] if missing else waiting,
                                                 joined_ranks=joined, missing_ranks=missing))

@@ -264,6 +264,13 @@ cdef class Work:
         waiting = <int>word - 1
         return waiting if 0 <= waiting < 0xfff0 else None
 
+    @property
+    def submitted_as(self):
+        """(kind, tag, rank) as submitted: for the last part of a
+        hierarchical collective, whose kind, tag and rank name the whole,
+        the part's own."""
+        return self._own_names()
+
     def _as_whole(self, chain, str kind, object tag, int rank):
         """Makes this Work, the last part of a hierarchical collective,
         stand for the whole (hierarchy.py): named as ``kind`` of ``tag`` on
