@@ -6,7 +6,8 @@ split the way the hierarchy splits (the reduce-scatter within the host,
 the all-reduce of a piece across hosts, the all-gather within the host),
 the whole hierarchical all-reduce, and the ring's; then one hierarchical
 all-reduce waited for on its own, with its Work's stats (preemptions,
-queued, running and wall time of the last part).  Prints one JSON line per
+queued, running and wall time of the last part, and each part's under
+``parts``).  Prints one JSON line per
 size and a table of medians.
 
     python benchmarks/probes/hierarchy_probe.py --backend cuda --sizes 4194304,16777216
