@@ -256,11 +256,12 @@ class ScratchPool:
         self._device = device
         self._lock = threading.Lock()   # threads of one rank may submit at once
         self._free: list[tuple[int, int]] = []   # (nbytes, address)
-        self._held: list[tuple[int, int, Work | None]] = []   # (nbytes, address, the Work holding it)
+        # (nbytes, address, the Work holding it; None: not submitted whole, held until close)
+        self._held: list[tuple[int, int, Work | None]] = []
 
     def take(self, nbytes: int) -> tuple[int, int]:
         """An area of at least ``nbytes`` (nbytes, address), held until
-        hold() names its Work."""
+        close unless hold() names the Work it waits for."""
         with self._lock:
             self._reclaim()
             fits = [a for a in self._free if a[0] >= nbytes]
@@ -273,18 +274,16 @@ class ScratchPool:
             self._held.append((area[0], area[1], None))
             return area
 
-    def hold(self, area: tuple[int, int], work: Work | None) -> None:
-        """``area`` (take()'s) stays out until ``work`` succeeded; None:
-        until close (the collective was not submitted whole)."""
+    def hold(self, area: tuple[int, int], work: Work) -> None:
+        """``area`` (take()'s) stays out until ``work`` succeeded."""
         with self._lock:
-            self._held = [h for h in self._held if h[1] != area[1]]
-            self._held.append((area[0], area[1], _NEVER if work is None else work))
+            self._held = [h if h[1] != area[1] else (h[0], h[1], work) for h in self._held]
 
     def _reclaim(self) -> None:
         """Areas whose collectives succeeded back to the free list (the lock held)."""
         keep = []
         for nbytes, address, work in self._held:
-            if work is not None and work is not _NEVER and work.done() and work.exception() is None:
+            if work is not None and work.done() and work.exception() is None:
                 self._free.append((nbytes, address))
             else:
                 keep.append((nbytes, address, work))
@@ -301,15 +300,12 @@ class ScratchPool:
             self._free = []
             keep = []
             for nbytes, address, work in self._held:
-                if work is not None and work is not _NEVER and work.done():
+                if work is not None and work.done():
                     self._device.free_device(address)
                 else:
                     keep.append((nbytes, address, work))
             self._held = keep
 
-
-#: What an area never handed back waits for (ScratchPool.hold).
-_NEVER = object()
 
 
 class Hierarchy:
@@ -343,7 +339,6 @@ class Hierarchy:
         self._hosts = layout.hosts
         self._runs = dict.fromkeys(_NAMES, 0)   # hierarchical collectives so far, by kind
         self._blocks = layout.contiguous
-        self._host = layout.host[rank]
         self._local_index = layout.local[rank]
         self._min_bytes = min_bytes
         self.local, self.cross = local, cross
@@ -459,9 +454,7 @@ class Hierarchy:
             # (PeerAbortedError), and the caller aborts the communicator.
             if works:
                 self._daemon.unfollow(works[-1])
-            if area is not None:
-                self._scratch.hold(area, None)
-            self.broken = True
+            self.broken = True   # a scratch area taken stays out until close
             self.abort(_GIVE_UP_S)
             raise
         last = works[-1]
