@@ -556,11 +556,8 @@ class DfcclBackend : public c10d::Backend {
     int op = plain_op(opts.reduceOp);
     if (op < 0 || tensors.empty() || !same_device_plain(tensors))
       return hand_over("allreduce_coalesced", tensors, opts);
-    std::vector<const dfccl_plan *> plans;
-    for (auto &t : tensors) {
-      plans.push_back(plan_of("all_reduce", t, t, t.numel(), op, 0, 0));
-      if (plans.back() == nullptr) return hand_over("allreduce_coalesced", tensors, opts);
-    }
+    std::vector<const dfccl_plan *> plans = plans_of("all_reduce", tensors, tensors, false, op);
+    if (plans.empty()) return hand_over("allreduce_coalesced", tensors, opts);
     std::vector<dfccl_handle> hs;
     for (size_t i = 0; i < tensors.size(); i++)
       push(hs, [&] { return submit(plans[i], "all_reduce", tensors[i], tensors[i]); });
@@ -599,11 +596,8 @@ class DfcclBackend : public c10d::Backend {
                                                                  std::vector<at::Tensor> &inputs,
                                                                  const c10d::AllgatherOptions &opts) override {
     if (!gather_shape(outputs, inputs)) return hand_over("allgather_into_tensor_coalesced", outputs, inputs, opts);
-    std::vector<const dfccl_plan *> plans;
-    for (size_t i = 0; i < inputs.size(); i++) {
-      plans.push_back(plan_of("all_gather", inputs[i], outputs[i], inputs[i].numel(), 0, 0, 0));
-      if (plans.back() == nullptr) return hand_over("allgather_into_tensor_coalesced", outputs, inputs, opts);
-    }
+    std::vector<const dfccl_plan *> plans = plans_of("all_gather", inputs, outputs, false, 0);
+    if (plans.empty()) return hand_over("allgather_into_tensor_coalesced", outputs, inputs, opts);
     std::vector<dfccl_handle> hs;
     for (size_t i = 0; i < inputs.size(); i++)
       push(hs, [&] { return submit(plans[i], "all_gather", inputs[i], outputs[i]); });
@@ -629,11 +623,8 @@ class DfcclBackend : public c10d::Backend {
     int op = plain_op(opts.reduceOp);
     if (op < 0 || !gather_shape(inputs, outputs))
       return hand_over("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
-    std::vector<const dfccl_plan *> plans;
-    for (size_t i = 0; i < inputs.size(); i++) {
-      plans.push_back(plan_of("reduce_scatter", inputs[i], outputs[i], outputs[i].numel(), op, 0, 0));
-      if (plans.back() == nullptr) return hand_over("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
-    }
+    std::vector<const dfccl_plan *> plans = plans_of("reduce_scatter", inputs, outputs, true, op);
+    if (plans.empty()) return hand_over("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
     std::vector<dfccl_handle> hs;
     for (size_t i = 0; i < inputs.size(); i++)
       push(hs, [&] { return submit(plans[i], "reduce_scatter", inputs[i], outputs[i]); });
@@ -833,6 +824,20 @@ class DfcclBackend : public c10d::Backend {
                 tag};
     std::optional<const dfccl_plan *> known = lookup(key);
     return known ? *known : bind(key, send, recv);
+  }
+
+  // The plans of a coalesced call's shapes, one per (send, recv) pair,
+  // each of count the send's numel (the recv's where `count_of_recv`);
+  // empty where the group runs any of them itself (plan_of).
+  std::vector<const dfccl_plan *> plans_of(const char *kind, const std::vector<at::Tensor> &sends,
+                                           const std::vector<at::Tensor> &recvs, bool count_of_recv, int op) {
+    std::vector<const dfccl_plan *> plans;
+    for (size_t i = 0; i < sends.size(); i++) {
+      const int64_t count = count_of_recv ? recvs[i].numel() : sends[i].numel();
+      plans.push_back(plan_of(kind, sends[i], recvs[i], count, op, 0, 0));
+      if (plans.back() == nullptr) return {};
+    }
+    return plans;
   }
 
   // Submits the plan of this shape (plan_of) at `send` / `recv` (and the
